@@ -1,0 +1,1 @@
+"""From-scratch Transformer models: decoder-only LM and encoder-decoder, with a slot KV cache."""

@@ -1,0 +1,72 @@
+"""Multi-head attention for self- and cross-attention, with grouped-query heads and the slot KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.kv_cache import CacheContext
+from model.layers import apply_rope
+
+
+class Attention(nn.Module):
+    """Self-attention (fused q/k/v projection) or cross-attention (q from x, k/v from memory).
+
+    n_kv_heads < n_heads gives grouped-query attention: each K/V head serves n_heads // n_kv_heads
+    query heads. All attention goes through `F.scaled_dot_product_attention` with a boolean mask
+    (True = may attend).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
+                 bias: bool = True, out_bias: bool | None = None, cross: bool = False,
+                 dropout: float = 0.0):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.cross = cross
+        self.dropout = dropout
+        q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+        if cross:
+            self.q_proj = nn.Linear(d_model, q_dim, bias=bias)
+            self.kv_proj = nn.Linear(d_model, 2 * kv_dim, bias=bias)
+        else:
+            self.qkv_proj = nn.Linear(d_model, q_dim + 2 * kv_dim, bias=bias)
+        self.o_proj = nn.Linear(q_dim, d_model, bias=bias if out_bias is None else out_bias)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.head_dim).transpose(1, 2)  # (B, n, T, D)
+
+    def project_kv(self, memory: torch.Tensor):
+        """Cross-attention keys/values of an encoder output (B, S, d) -> 2 x (B, Hkv, S, D)."""
+        k, v = self.kv_proj(memory).chunk(2, dim=-1)
+        return self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, *,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                memory: torch.Tensor | None = None,
+                cache: CacheContext | None = None, layer: int = 0) -> torch.Tensor:
+        # x (B, T, d); mask broadcastable to (B, H, T, Tk)
+        b, t, _ = x.shape
+        hd = self.head_dim
+        if self.cross:
+            q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, T, D)
+            if cache is not None:
+                k, v = cache.cross(layer)  # (B, Hkv, S, D), computed once per source
+            else:
+                k, v = self.project_kv(memory)
+        else:
+            qkv = self.qkv_proj(x)  # (B, T, (H + 2 Hkv) D)
+            q, k, v = qkv.split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], -1)
+            q = self._heads(q, self.n_heads)  # (B, H, T, D)
+            k = self._heads(k, self.n_kv_heads)  # (B, Hkv, T, D)
+            v = self._heads(v, self.n_kv_heads)
+            if rope is not None:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            if cache is not None:
+                k, v = cache.update(layer, k, v)  # (B, Hkv, Tk, D): this row's slot prefix
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(b, t, self.n_heads * hd)  # (B, T, H*D)
+        return self.o_proj(y)

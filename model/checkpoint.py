@@ -1,0 +1,135 @@
+"""Checkpoints: a directory of config.json + model.safetensors + tokenizer files.
+
+Loading never unpickles. A missing file, a wrong tensor shape, or an unknown architecture raises
+`CheckpointError` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from model.config import DecoderConfig, Seq2SeqConfig
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+ARCHITECTURES = {"decoder": DecoderConfig, "seq2seq": Seq2SeqConfig}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def build_model(config: DecoderConfig | Seq2SeqConfig) -> nn.Module:
+    if isinstance(config, DecoderConfig):
+        from model.decoder import DecoderLM
+
+        return DecoderLM(config)
+    from model.seq2seq import EncoderDecoder
+
+    return EncoderDecoder(config)
+
+
+def architecture_of(config) -> str:
+    return "decoder" if isinstance(config, DecoderConfig) else "seq2seq"
+
+
+def save_checkpoint(model: nn.Module, directory: str | Path, *, tokenizer=None,
+                    dtype: torch.dtype | None = None, extra: dict | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    meta = {"architecture": architecture_of(cfg), "config": cfg.to_dict(), **(extra or {})}
+    (d / CONFIG_FILE).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+    state = {}
+    seen: dict[int, str] = {}
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen:  # tied weights are stored once
+            continue
+        seen[t.data_ptr()] = name
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        state[name] = t.contiguous().cpu()
+    save_file(state, str(d / WEIGHTS_FILE), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save(d)
+    return d
+
+
+def read_config(directory: str | Path) -> tuple[str, DecoderConfig | Seq2SeqConfig, dict]:
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint config missing: {path}")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    arch = meta.get("architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: unknown architecture {arch!r}; expected one of {sorted(ARCHITECTURES)}")
+    try:
+        cfg = ARCHITECTURES[arch].from_dict(meta.get("config", {}))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: bad config: {e}") from None
+    return arch, cfg, meta
+
+
+def load_state(model: nn.Module, weights: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Load safetensors into `model`, checking names and shapes; raise CheckpointError otherwise."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    weights = Path(weights)
+    if not weights.is_file():
+        raise CheckpointError(f"weights file missing: {weights}")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{weights}: cannot read safetensors ({e})") from None
+    expected = model.state_dict()
+    tied = {n for n, t in expected.items()
+            if any(t.data_ptr() == o.data_ptr() and m != n for m, o in expected.items()) and n not in state}
+    missing = sorted(set(expected) - set(state) - tied)
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{weights}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{weights}: tensor {name} has shape {tuple(t.shape)}, "
+                                  f"config expects {tuple(expected[name].shape)}")
+    model.load_state_dict(state, strict=False)
+    if dtype is not None:
+        model.to(dtype)
+
+
+def load_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None,
+                    device: str | torch.device = "cpu") -> nn.Module:
+    d = Path(directory)
+    if not d.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {d}")
+    _, cfg, _ = read_config(d)
+    model = build_model(cfg)
+    load_state(model, d / WEIGHTS_FILE)
+    if dtype is not None:
+        model.to(dtype)
+    return model.to(device).eval()
+
+
+def load_tokenizer(directory: str | Path):
+    """The tokenizer stored beside a checkpoint (SentencePiece or Hugging Face tokenizer.json)."""
+    from model.tokenizer import SentencePieceTokenizer
+
+    d = Path(directory)
+    if (d / SentencePieceTokenizer.FILE).is_file():
+        return SentencePieceTokenizer(d / SentencePieceTokenizer.FILE)
+    if (d / "tokenizer.json").is_file():
+        from model.bpe_tokenizer import BPETokenizer
+
+        return BPETokenizer.load(d)
+    raise CheckpointError(f"no tokenizer in {d} (expected tokenizer.model or tokenizer.json)")

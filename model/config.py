@@ -1,0 +1,146 @@
+"""Model configuration dataclasses and presets.
+
+`DecoderConfig` covers GPT-2 style (LayerNorm, learned positions, GELU, MHA) and Llama style
+(RMSNorm, RoPE, SwiGLU, GQA) decoders. `Seq2SeqConfig` is the encoder-decoder of
+"Attention Is All You Need" (post-LN, sinusoidal positions, shared scaled embeddings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+def _from_dict(cls, data: dict[str, Any]):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown config field(s) {unknown}")
+    return cls(**data)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int = 50257
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    n_kv_heads: int | None = None  # None = n_heads (MHA); fewer = grouped-query attention
+    d_ff: int = 3072
+    max_seq_len: int = 1024
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float = 1e-5
+    positions: Literal["learned", "rope"] = "learned"
+    rope_theta: float = 10000.0
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    attn_bias: bool = True
+    mlp_bias: bool = True
+    norm_bias: bool = True
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    head_dim: int | None = None  # None = d_model // n_heads
+    bos_id: int | None = None
+    eos_id: int | None = None
+
+    def __post_init__(self):
+        kv = self.kv_heads
+        if self.n_heads % kv:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={kv}")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"unknown norm {self.norm!r}")
+        if self.positions not in ("learned", "rope"):
+            raise ValueError(f"unknown positions {self.positions!r}")
+        if self.mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"unknown mlp {self.mlp!r}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DecoderConfig:
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True)
+class Seq2SeqConfig:
+    vocab_size: int = 16000
+    d_model: int = 512
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = 6
+    n_heads: int = 8
+    d_ff: int = 2048
+    activation: Literal["relu", "gelu"] = "relu"
+    norm_first: bool = False  # False = post-LN, as in the paper
+    norm_eps: float = 1e-5
+    max_src_len: int = 256
+    max_tgt_len: int = 256
+    dropout: float = 0.1
+    scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model)
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
+        if self.activation not in ("relu", "gelu"):
+            raise ValueError(f"unknown activation {self.activation!r}")
+
+    @property
+    def dim_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Seq2SeqConfig:
+        return _from_dict(cls, data)
+
+
+# --- presets -----------------------------------------------------------------------------------
+
+GPT2_SMALL = DecoderConfig()
+
+SMOLLM2_135M = DecoderConfig(
+    vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
+    max_seq_len=8192, norm="rmsnorm", norm_eps=1e-5, positions="rope", rope_theta=100000.0,
+    mlp="swiglu", attn_bias=False, mlp_bias=False, norm_bias=False, tie_embeddings=True,
+)
+
+TRANSFORMER_BASE = Seq2SeqConfig(
+    vocab_size=37000, d_model=512, n_encoder_layers=6, n_decoder_layers=6, n_heads=8, d_ff=2048,
+)
+
+TINY_GPT2 = DecoderConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=128)
+
+TINY_LLAMA = DecoderConfig(
+    vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=128,
+    norm="rmsnorm", positions="rope", mlp="swiglu", attn_bias=False, mlp_bias=False,
+    norm_bias=False,
+)
+
+TINY_SEQ2SEQ = Seq2SeqConfig(
+    vocab_size=97, d_model=32, n_encoder_layers=2, n_decoder_layers=2, n_heads=4, d_ff=64,
+    max_src_len=64, max_tgt_len=64, dropout=0.0,
+)
+
+PRESETS: dict[str, DecoderConfig | Seq2SeqConfig] = {
+    "gpt2-small": GPT2_SMALL,
+    "smollm2-135m": SMOLLM2_135M,
+    "transformer-base": TRANSFORMER_BASE,
+    "tiny-gpt2": TINY_GPT2,
+    "tiny-llama": TINY_LLAMA,
+    "tiny-seq2seq": TINY_SEQ2SEQ,
+}

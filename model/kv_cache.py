@@ -1,0 +1,111 @@
+"""A KV cache built for batching across requests.
+
+Buffers are preallocated with a *slot* dimension: `k[layer]` is (slots, kv_heads, max_len, head_dim).
+A request owns a slot; rows of one forward pass may belong to any slots and sit at any positions, so
+sequences of different lengths, admitted at different times, decode together. Freeing a slot is O(1)
+(nothing to clear: a row only ever attends to positions <= its own, which it has written itself).
+Encoder-decoder models also keep cross-attention K/V per slot, computed once per source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCache:
+    def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 *, cross_len: int = 0, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        self.n_layers, self.n_slots, self.max_len = n_layers, n_slots, max_len
+        shape = (n_layers, n_slots, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (NL, S, Hkv, L, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.cross_len = cross_len
+        if cross_len:
+            cshape = (n_layers, n_slots, n_kv_heads, cross_len, head_dim)
+            self.cross_k = torch.zeros(cshape, dtype=dtype, device=device)  # (NL, S, Hkv, Ls, D)
+            self.cross_v = torch.zeros(cshape, dtype=dtype, device=device)
+            self.src_len = torch.zeros(n_slots, dtype=torch.long, device=device)  # (S,)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.k.nbytes + self.v.nbytes
+        if self.cross_len:
+            n += self.cross_k.nbytes + self.cross_v.nbytes
+        return n
+
+    def context(self, slots: torch.Tensor | list[int], positions: torch.Tensor) -> CacheContext:
+        """Per-forward view: which slots the batch rows use and how far to read."""
+        slots_t = torch.as_tensor(slots, dtype=torch.long, device=self.k.device)  # (B,)
+        if positions.numel() and int(positions.max()) >= self.max_len:
+            raise ValueError(f"position {int(positions.max())} beyond cache max_len {self.max_len}")
+        length = int(positions.max()) + 1 if positions.numel() else 0
+        first = int(slots_t[0]) if len(slots_t) else 0
+        contiguous = bool(len(slots_t)) and torch.equal(
+            slots_t, torch.arange(first, first + len(slots_t), device=slots_t.device))
+        sel = slice(first, first + len(slots_t)) if contiguous else slots_t
+        src_length = int(self.src_len[slots_t].max()) if self.cross_len and len(slots_t) else 0
+        return CacheContext(self, slots_t, sel, positions, length, src_length)
+
+    def copy_slots(self, src: torch.Tensor | list[int], dst: torch.Tensor | list[int]) -> None:
+        """Copy whole slots (for beam search: reorder hypotheses). src/dst are equal-length lists."""
+        src = torch.as_tensor(src, dtype=torch.long, device=self.k.device)
+        dst = torch.as_tensor(dst, dtype=torch.long, device=self.k.device)
+        # Index with a copy of src first, so that overlapping src/dst permutations are safe.
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+        if self.cross_len:
+            self.cross_k[:, dst] = self.cross_k[:, src]
+            self.cross_v[:, dst] = self.cross_v[:, src]
+            self.src_len[dst] = self.src_len[src]
+
+    def free_slots(self, slots: torch.Tensor | list[int]) -> None:
+        """O(1) release: self-attention data is masked by position; cross data by src_len."""
+        if self.cross_len:
+            self.src_len[torch.as_tensor(slots, dtype=torch.long, device=self.k.device)] = 0
+
+
+@dataclass
+class CacheContext:
+    cache: KVCache
+    slots: torch.Tensor  # (B,) slot of each batch row
+    sel: slice | torch.Tensor  # slice when slots are contiguous (a view, no gather)
+    positions: torch.Tensor  # (B, T) position of each new token
+    length: int  # keys to read: max position + 1
+    src_length: int  # cross-attention keys to read: max source length in the batch
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Write new k, v (B, Hkv, T, D) at (slot, position); return (B, Hkv, length, D) to attend."""
+        ck, cv = self.cache.k[layer], self.cache.v[layer]  # (S, Hkv, L, D)
+        rows = self.slots[:, None]  # (B, 1) broadcast against positions (B, T)
+        # advanced indices in dims 0 and 2 -> indexed shape is (B, T, Hkv, D)
+        ck[rows, :, self.positions] = k.transpose(1, 2)
+        cv[rows, :, self.positions] = v.transpose(1, 2)
+        return ck[self.sel, :, : self.length], cv[self.sel, :, : self.length]
+
+    def set_cross(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store cross-attention k, v (B, Hkv, S, D) for these slots."""
+        s = k.shape[2]
+        if s > self.cache.cross_len:
+            raise ValueError(f"source length {s} beyond cache cross_len {self.cache.cross_len}")
+        self.cache.cross_k[layer][self.slots, :, :s] = k
+        self.cache.cross_v[layer][self.slots, :, :s] = v
+
+    def cross(self, layer: int):
+        """Cross-attention k, v (B, Hkv, src_length, D) and key-valid mask (B, 1, 1, src_length)."""
+        n = self.src_length
+        k = self.cache.cross_k[layer][self.sel, :, :n]
+        v = self.cache.cross_v[layer][self.sel, :, :n]
+        return k, v
+
+    def cross_mask(self) -> torch.Tensor:
+        lens = self.cache.src_len[self.slots]  # (B,)
+        ar = torch.arange(self.src_length, device=lens.device)
+        return (ar[None, :] < lens[:, None])[:, None, None, :]  # (B, 1, 1, Ls)
+
+    def self_mask(self) -> torch.Tensor:
+        """Row t of batch b may attend key j iff j <= positions[b, t]: (B, 1, T, length)."""
+        ar = torch.arange(self.length, device=self.positions.device)
+        return (ar[None, None, :] <= self.positions[:, :, None])[:, None]

@@ -1,0 +1,117 @@
+"""Tokenizers behind one small interface, and incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def token_to_id(self, token: str) -> int | None: ...
+
+    def save(self, directory: str | Path) -> None: ...
+
+
+class SentencePieceTokenizer:
+    """SentencePiece model; user-defined symbols (e.g. language tags `<2en>`) are single tokens."""
+
+    FILE = "tokenizer.model"
+
+    def __init__(self, model_file: str | Path):
+        import sentencepiece as spm
+
+        self.path = Path(model_file)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"SentencePiece model not found: {self.path}")
+        self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        self.vocab_size = self.sp.get_piece_size()
+        self.bos_id = self._opt(self.sp.bos_id())
+        self.eos_id = self._opt(self.sp.eos_id())
+        self.pad_id = self._opt(self.sp.pad_id())
+
+    @staticmethod
+    def _opt(i: int) -> int | None:
+        return None if i < 0 else i
+
+    @classmethod
+    def train(cls, texts: Iterable[str], prefix: str | Path, vocab_size: int, *,
+              model_type: str = "unigram", user_symbols: Iterable[str] = (),
+              character_coverage: float = 0.9995, num_threads: int | None = None,
+              input_sentence_size: int = 0) -> SentencePieceTokenizer:
+        """Train on an iterable of sentences; writes `<prefix>.model` and returns it loaded.
+
+        Ids: pad=0, bos=1, eos=2, unk=3, then user symbols, then learned pieces.
+        """
+        import sentencepiece as spm
+
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(texts), model_prefix=str(prefix), vocab_size=vocab_size,
+            model_type=model_type, character_coverage=character_coverage,
+            pad_id=0, bos_id=1, eos_id=2, unk_id=3, user_defined_symbols=list(user_symbols),
+            byte_fallback=True, normalization_rule_name="nmt_nfkc",
+            num_threads=num_threads or os.cpu_count() or 1,
+            input_sentence_size=input_sentence_size, shuffle_input_sentence=True,
+            minloglevel=2,
+        )
+        return cls(f"{prefix}.model")
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    def token_to_id(self, token: str) -> int | None:
+        i = self.sp.piece_to_id(token)
+        return None if i == self.sp.unk_id() and token != self.sp.id_to_piece(i) else i
+
+    def save(self, directory: str | Path) -> None:
+        Path(directory, self.FILE).write_bytes(self.path.read_bytes())
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas that never split a UTF-8 character.
+
+    Decodes a short window of recent tokens and emits only text that is stable: a delta ending in
+    U+FFFD (a partial multi-byte character, as byte-level and byte-fallback tokenizers produce) is
+    held back until the next token completes it. Works for SentencePiece (leading-space markers) and
+    byte-level BPE alike, because it compares decoded text of the same window.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_ids: Iterable[int] = ()):
+        self.tok = tokenizer
+        self.skip = set(skip_ids)
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # start of the decode window
+        self.read_offset = 0  # tokens up to here have been emitted
+
+    def push(self, token_id: int) -> str:
+        if token_id in self.skip:
+            return ""
+        self.ids.append(int(token_id))
+        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self.tok.decode(self.ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is left at the end (may contain U+FFFD if the stream ended mid-character)."""
+        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self.tok.decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""

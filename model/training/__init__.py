@@ -1,0 +1,1 @@
+"""Data preparation and training loops (offline; no serving code)."""

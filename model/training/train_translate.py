@@ -1,0 +1,298 @@
+"""`attnserve train translate --config configs/translate.json`: train the zh<->en translator.
+
+As in "Attention Is All You Need": Adam(0.9, 0.98, 1e-9), inverse-sqrt warm-up, label smoothing,
+dropout, batches by token count. Resumable: model, optimizer, RNG and data position are saved (as
+safetensors + JSON, never pickle) every few minutes and on SIGTERM; `--resume` continues from there.
+Logs JSON lines (loss, tokens/s, lr, dev BLEU) to `<run>/train.log`. At the end the last snapshots
+are averaged and exported as a shipped checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from model import paths
+from model.checkpoint import build_model, save_checkpoint
+from model.config import Seq2SeqConfig
+from model.tokenizer import SentencePieceTokenizer
+from model.training import translate_data
+from model.translation import LANGS, TAGS, encode_source, other
+
+
+@dataclass
+class TrainConfig:
+    model: dict = field(default_factory=dict)  # Seq2SeqConfig fields (vocab_size is set from spm)
+    vocab_size: int = 16000
+    spm_sentences: int = 400000
+    max_len: int = 128  # tokens per side; longer pairs are skipped in training
+    batch_tokens: int = 6000  # source + target tokens per batch
+    lr_factor: float = 1.0
+    warmup_steps: int = 1000
+    label_smoothing: float = 0.1
+    clip_norm: float = 1.0
+    bf16: bool = True
+    threads: int = 2
+    seed: int = 1
+    max_hours: float = 2.5
+    max_steps: int = 10**9
+    ckpt_minutes: float = 5.0
+    eval_minutes: float = 15.0
+    eval_sentences: int = 200
+    avg_last: int = 5
+    log_every: int = 20
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainConfig:
+        data = json.loads(Path(path).read_text())
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"{path}: unknown training config field(s) {unknown}")
+        return cls(**data)
+
+
+def lr_at(step: int, d_model: int, warmup: int, factor: float) -> float:
+    step = max(step, 1)
+    return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+
+
+def make_examples(pairs, tok, max_len: int) -> list[tuple[list[int], list[int]]]:
+    """Each (en, zh) pair gives two examples: <2en>+zh -> en and <2zh>+en -> zh."""
+    ex = []
+    for en, zh in pairs:
+        for src, tgt, lang in ((zh, en, "en"), (en, zh, "zh")):
+            s = encode_source(tok, src, lang)
+            t = [tok.bos_id, *tok.encode(tgt), tok.eos_id]
+            if len(s) <= max_len and len(t) <= max_len + 1:
+                ex.append((s, t))
+    return ex
+
+
+def make_batches(examples, batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Group examples of similar length; each batch holds ~batch_tokens (padded) tokens."""
+    order = sorted(range(len(examples)), key=lambda i: (len(examples[i][0]) + rng.random(),))
+    batches, cur, longest = [], [], 0
+    for i in order:
+        s, t = examples[i]
+        n = max(longest, len(s), len(t))
+        if cur and n * 2 * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, n = [], max(len(s), len(t))
+        cur.append(i)
+        longest = n
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(examples, idx, pad: int):
+    from model.generate import pad_batch
+
+    src, _ = pad_batch([examples[i][0] for i in idx], pad)
+    tgt, _ = pad_batch([examples[i][1] for i in idx], pad)
+    return src, tgt[:, :-1], tgt[:, 1:]
+
+
+# --- resumable state, without pickle ------------------------------------------------------------
+
+def save_state(run: Path, model, opt, meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()
+               if k != "embed.weight" or True}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            tensors[f"opt.{names[id(p)]}.{k}"] = st[k].contiguous()
+        meta.setdefault("opt_step", float(st["step"]))
+    tensors["rng.torch"] = torch.get_rng_state()
+    tmp = run / "state.safetensors.tmp"
+    save_file(tensors, str(tmp))
+    tmp.replace(run / "state.safetensors")
+    (run / "state.json.tmp").write_text(json.dumps(meta, indent=2))
+    (run / "state.json.tmp").replace(run / "state.json")
+
+
+def load_state(run: Path, model, opt) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(run / "state.safetensors"))
+    meta = json.loads((run / "state.json").read_text())
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    for n, p in model.named_parameters():
+        if f"opt.{n}.exp_avg" in tensors:
+            opt.state[p] = {"step": torch.tensor(meta["opt_step"]),
+                            "exp_avg": tensors[f"opt.{n}.exp_avg"],
+                            "exp_avg_sq": tensors[f"opt.{n}.exp_avg_sq"]}
+    torch.set_rng_state(tensors["rng.torch"])
+    return meta
+
+
+def average_snapshots(run: Path, model, last: int) -> list[str]:
+    from safetensors.torch import load_file
+
+    snaps = sorted((run / "snapshots").glob("step-*.safetensors"),
+                   key=lambda p: int(p.stem.split("-")[1]))[-last:]
+    if not snaps:
+        return []
+    avg = None
+    for s in snaps:
+        sd = load_file(str(s))
+        avg = {k: v.double() for k, v in sd.items()} if avg is None else {k: avg[k] + sd[k].double() for k in avg}
+    model.load_state_dict({k: (v / len(snaps)).float() for k, v in avg.items()})
+    return [s.name for s in snaps]
+
+
+# --- evaluation -----------------------------------------------------------------------------------
+
+def dev_bleu(model, tok, pairs, n: int) -> dict[str, float]:
+    import sacrebleu
+
+    from model.generate import greedy
+
+    model.eval()
+    sub = pairs[:n]
+    res = {}
+    for tgt_lang in LANGS:
+        srcs = [p[1] if tgt_lang == "en" else p[0] for p in sub]
+        refs = [p[0] if tgt_lang == "en" else p[1] for p in sub]
+        hyps = []
+        for i in range(0, len(srcs), 50):
+            ids = greedy(model, [encode_source(tok, s, tgt_lang, model.cfg.max_src_len) for s in srcs[i:i + 50]])
+            hyps += [tok.decode(h) for h in ids]
+        res[f"bleu_{other(tgt_lang)}2{tgt_lang}"] = round(sacrebleu.corpus_bleu(
+            hyps, [refs], tokenize="zh" if tgt_lang == "zh" else "13a").score, 2)
+    model.train()
+    return res
+
+
+# --- main loop ------------------------------------------------------------------------------------
+
+def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume: bool = False,
+          data_dir: Path | None = None, export_to: str | Path | None = None,
+          export_only: bool = False) -> Path:
+    cfg = TrainConfig.load(config_path)
+    run = Path(run_dir or paths.home() / "runs" / "translate" / Path(config_path).stem)
+    run.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    log_f = open(run / "train.log", "a", encoding="utf-8")
+
+    def log(**kv):
+        line = json.dumps({"time": round(time.time(), 1), **kv}, ensure_ascii=False)
+        print(line, flush=True)
+        log_f.write(line + "\n")
+        log_f.flush()
+
+    train_pairs = translate_data.read_split("train", data_dir)
+    dev_pairs = translate_data.read_split("dev", data_dir)
+    spm_path = run / "spm.model"
+    if not spm_path.is_file():
+        t0 = time.time()
+        texts = [s for p in train_pairs for s in p]
+        SentencePieceTokenizer.train(texts, run / "spm", cfg.vocab_size, user_symbols=list(TAGS.values()),
+                                     input_sentence_size=cfg.spm_sentences, num_threads=cfg.threads)
+        log(event="spm_trained", seconds=round(time.time() - t0, 1), vocab_size=cfg.vocab_size)
+    tok = SentencePieceTokenizer(spm_path)
+    mcfg = Seq2SeqConfig.from_dict({**cfg.model, "vocab_size": tok.vocab_size, "pad_id": tok.pad_id,
+                                    "bos_id": tok.bos_id, "eos_id": tok.eos_id})
+    model = build_model(mcfg)
+    opt = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
+    meta = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_seconds": 0.0, "tokens": 0}
+    if (resume or export_only) and (run / "state.json").is_file():
+        meta = load_state(run, model, opt)
+        log(event="resumed", step=meta["step"], epoch=meta["epoch"])
+    if export_only:
+        return export(run, model, tok, cfg, meta, export_to, log)
+
+    examples = make_examples(train_pairs, tok, cfg.max_len)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(event="start", params=n_params, examples=len(examples), config=dataclasses.asdict(cfg))
+
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
+    model.train()
+    last_ckpt = last_eval = time.time()
+    t_start, secs0 = time.time(), meta["train_seconds"]
+    win_tokens, win_t, win_loss, win_n = 0, time.time(), 0.0, 0
+    while not stop["flag"]:
+        rng = random.Random(cfg.seed * 1000 + meta["epoch"])
+        batches = make_batches(examples, cfg.batch_tokens, rng)
+        while meta["batch_in_epoch"] < len(batches) and not stop["flag"]:
+            idx = batches[meta["batch_in_epoch"]]
+            src, tgt_in, tgt_out = collate(examples, idx, mcfg.pad_id)
+            step = meta["step"] + 1
+            lr = lr_at(step, mcfg.d_model, cfg.warmup_steps, cfg.lr_factor)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                logits = model(src, tgt_in)
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), tgt_out.reshape(-1),
+                                   ignore_index=mcfg.pad_id, label_smoothing=cfg.label_smoothing)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+            opt.step()
+            ntok = int((src != mcfg.pad_id).sum() + (tgt_out != mcfg.pad_id).sum())
+            meta.update(step=step, batch_in_epoch=meta["batch_in_epoch"] + 1, tokens=meta["tokens"] + ntok)
+            win_tokens += ntok
+            win_loss += loss.item()
+            win_n += 1
+            if step % cfg.log_every == 0:
+                now = time.time()
+                log(step=step, epoch=meta["epoch"], loss=round(win_loss / win_n, 4), lr=round(lr, 6),
+                    tok_per_s=round(win_tokens / (now - win_t)), hours=round((secs0 + now - t_start) / 3600, 3))
+                win_tokens, win_t, win_loss, win_n = 0, now, 0.0, 0
+            meta["train_seconds"] = secs0 + time.time() - t_start
+            if time.time() - last_ckpt > cfg.ckpt_minutes * 60:
+                checkpoint(run, model, opt, meta, cfg)
+                last_ckpt = time.time()
+            if time.time() - last_eval > cfg.eval_minutes * 60:
+                log(step=step, event="eval", **dev_bleu(model, tok, dev_pairs, cfg.eval_sentences))
+                last_eval = time.time()
+            if meta["train_seconds"] > cfg.max_hours * 3600 or step >= cfg.max_steps:
+                stop["flag"] = True
+        if meta["batch_in_epoch"] >= len(batches):
+            meta.update(epoch=meta["epoch"] + 1, batch_in_epoch=0)
+    checkpoint(run, model, opt, meta, cfg)
+    log(event="stopped", step=meta["step"], hours=round(meta["train_seconds"] / 3600, 3))
+    done = meta["train_seconds"] > cfg.max_hours * 3600 or meta["step"] >= cfg.max_steps
+    if done or export_to:
+        export(run, model, tok, cfg, meta, export_to, log)
+    return run
+
+
+def checkpoint(run: Path, model, opt, meta: dict, cfg: TrainConfig) -> None:
+    from safetensors.torch import save_file
+
+    save_state(run, model, opt, meta)
+    snaps = run / "snapshots"
+    snaps.mkdir(exist_ok=True)
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, str(snaps / f"step-{meta['step']}.safetensors"))
+    old = sorted(snaps.glob("step-*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))
+    for p in old[: -cfg.avg_last]:
+        p.unlink()
+
+
+def export(run: Path, model, tok, cfg: TrainConfig, meta: dict, export_to, log) -> Path:
+    used = average_snapshots(run, model, cfg.avg_last)
+    out = Path(export_to or paths.SHIPPED_WEIGHTS / "attnserve-zh-en")
+    save_checkpoint(model, out, tokenizer=tok, dtype=torch.bfloat16,
+                    extra={"training": {"steps": meta["step"], "epochs": meta["epoch"],
+                                        "hours": round(meta["train_seconds"] / 3600, 3),
+                                        "tokens": meta["tokens"], "averaged": used}})
+    log(event="exported", path=str(out), averaged=used)
+    return out

@@ -1,0 +1,59 @@
+"""zh<->en translation conventions shared by training, the CLI and the engine.
+
+One bidirectional model: the source carries a target-language tag (`<2en>` / `<2zh>`), as Marian's
+multilingual models do. Source = [tag] + pieces + [eos]; target = [bos] + pieces + [eos].
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+LANGS = ("en", "zh")
+TAGS = {"en": "<2en>", "zh": "<2zh>"}
+_CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
+
+
+def detect_lang(text: str) -> str:
+    """'zh' if the text is mostly CJK characters among its letters, else 'en'."""
+    cjk = len(_CJK.findall(text))
+    latin = sum(c.isascii() and c.isalpha() for c in text)
+    return "zh" if cjk and cjk * 3 >= latin else "en"
+
+
+def other(lang: str) -> str:
+    return "en" if lang == "zh" else "zh"
+
+
+def encode_source(tokenizer, text: str, target_lang: str, max_len: int | None = None) -> list[int]:
+    tag = tokenizer.token_to_id(TAGS[target_lang])
+    ids = tokenizer.encode(text)
+    if max_len is not None:
+        ids = ids[: max_len - 2]
+    return [tag, *ids, tokenizer.eos_id]
+
+
+class Translator:
+    """Offline translator (CLI, evaluation): checkpoint + SentencePiece + greedy/beam search."""
+
+    def __init__(self, directory: str | Path, dtype=None):
+        from model.checkpoint import load_checkpoint, load_tokenizer
+
+        self.model = load_checkpoint(directory, dtype=dtype)
+        self.tok = load_tokenizer(directory)
+
+    def translate(self, texts: list[str], target_lang: str | None = None, beam_size: int = 4,
+                  batch_size: int = 32) -> list[str]:
+        from model.generate import beam_search, greedy
+
+        out: list[str] = []
+        cap = self.model.cfg.max_src_len
+        for i in range(0, len(texts), batch_size):
+            chunk = texts[i: i + batch_size]
+            srcs = [encode_source(self.tok, t, target_lang or other(detect_lang(t)), cap) for t in chunk]
+            if beam_size <= 1:
+                hyps = greedy(self.model, srcs)
+            else:
+                hyps = [h[0].tokens for h in beam_search(self.model, srcs, beam_size=beam_size)]
+            out.extend(self.tok.decode(h) for h in hyps)
+        return out

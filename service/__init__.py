@@ -1,0 +1,1 @@
+"""attnserve serving: engines (no Ray), HTTP API, Ray Serve deployments, CLI."""

@@ -1,0 +1,46 @@
+"""The `attnserve` command line. Each subcommand lives in `service/commands/<name>.py` and exposes
+`add_arguments(parser)` and `run(args) -> int`; modules are imported only when their command runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "weights": "fetch and convert model weights (weights fetch smollm2)",
+    "generate": "stream a completion from the local SmolLM2 model, without Ray",
+    "data": "prepare datasets (data prepare translate)",
+    "train": "train a model (train translate --config configs/translate.json)",
+    "translate": "translate text with the local translator, without Ray",
+    "eval": "evaluate a model (eval translate)",
+    "serve": "start Ray + Serve locally in the foreground",
+    "stop": "stop a local Serve/Ray instance",
+    "deploy": "deploy the Serve config to a running Ray cluster",
+    "cluster": "start/stop a local multi-node Ray cluster (cluster up|down)",
+    "loadtest": "run Locust load tests against the service",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="attnserve", description=__doc__.split(".")[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser.print_help()
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    name = argv[0]
+    try:
+        module = importlib.import_module(f"service.commands.{name}")
+    except ModuleNotFoundError as e:
+        print(f"attnserve {name}: not available in this build ({e})", file=sys.stderr)
+        return 2
+    cmd = argparse.ArgumentParser(prog=f"attnserve {name}", description=COMMANDS[name])
+    module.add_arguments(cmd)
+    return int(module.run(cmd.parse_args(argv[1:])) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

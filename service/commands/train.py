@@ -1,0 +1,19 @@
+"""attnserve train translate --config configs/translate.json [--resume] [--export-only]"""
+
+
+def add_arguments(p):
+    p.add_argument("task", choices=["translate"])
+    p.add_argument("--config", default="configs/translate.json")
+    p.add_argument("--run-dir", help="run folder (default $ATTNSERVE_HOME/runs/translate/<config name>)")
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's last state")
+    p.add_argument("--export-only", action="store_true",
+                   help="average the last snapshots and export the shipped checkpoint, no training")
+    p.add_argument("--export-to", help="export folder (default weights/attnserve-zh-en)")
+
+
+def run(args) -> int:
+    from model.training.train_translate import train
+
+    train(args.config, args.run_dir, resume=args.resume, export_only=args.export_only,
+          export_to=args.export_to)
+    return 0
