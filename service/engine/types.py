@@ -1,0 +1,100 @@
+"""Requests, events and errors shared by the engines and the HTTP layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "cancelled", "timeout", "error"]
+
+
+class EngineError(Exception):
+    """Base class for errors the HTTP layer maps to a status code."""
+
+    status_code = 500
+
+
+class EngineOverloaded(EngineError):
+    """The waiting queue is full: HTTP 429 with Retry-After."""
+
+    status_code = 429
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestRejected(EngineError):
+    """A request that can never run (prompt too long, max_new_tokens cannot fit, ...): HTTP 400.
+    The message names the limit."""
+
+    status_code = 400
+
+
+class EngineStopped(EngineError):
+    """The engine is shutting down: HTTP 503."""
+
+    status_code = 503
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)  # stop strings: matched across tokens, never emitted
+    seed: int | None = None  # per-request generator: same seed -> same text whatever the batch
+    ignore_eos: bool = False  # for benchmarks
+
+
+@dataclass
+class GenerateRequest:
+    prompt_ids: list[int]  # already tokenized (chat template applied by the caller)
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""
+    deadline_s: float | None = None  # per-request time limit; ends with finish_reason "timeout"
+
+
+@dataclass
+class TranslateRequest:
+    texts: list[str]
+    target_lang: str | None = None  # "en" | "zh"; None = the other language, detected per text
+    beam_size: int = 4  # 1 = greedy
+    length_penalty: float = 0.6
+    max_length: int | None = None  # target tokens per text; None = relative to the source
+    request_id: str = ""
+    deadline_s: float | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class GenerationEvent:
+    """One streamed delta; the last event has `finish_reason` set and the final usage."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage = field(default_factory=Usage)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class TranslationResult:
+    translations: list[str]
+    source_langs: list[str]
+    target_langs: list[str]
+    usage: Usage
