@@ -1,0 +1,55 @@
+"""Engine configuration: one dataclass, loadable from a dict (unknown keys rejected)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+MODES = ("continuous", "static", "serial")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    max_slots: int = 16  # KV cache slots = max concurrent sequences (beam hypotheses count one each)
+    max_seq_len: int = 2048  # per-slot cache length (prompt + output), <= the model's max
+    max_waiting: int = 256  # bounded waiting queue; beyond it submit() raises EngineOverloaded
+    prefill_chunk: int = 256  # prompt tokens per request per step (long prompts prefill in chunks)
+    mode: Literal["continuous", "static", "serial"] = "continuous"
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    threads: int | None = None  # torch intra-op threads; None = leave torch's setting alone
+    default_deadline_s: float | None = None  # per-request time limit when the request has none
+    static_batch_wait_s: float = 0.01  # static mode: wait this long for a batch to fill
+    prefill_budget: int = 512  # prompt tokens per step across all requests (bounds a step's latency)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"EngineConfig.mode must be one of {MODES}, got {self.mode!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("max_slots", "max_seq_len", "prefill_chunk", "prefill_budget"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting < 0:
+            raise ValueError(f"EngineConfig.max_waiting must be >= 0, got {self.max_waiting}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"EngineConfig.threads must be >= 1 or None, got {self.threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"EngineConfig: unknown field(s) {unknown}; known: {sorted(names)}")
+        return cls(**data)

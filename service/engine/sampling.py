@@ -1,0 +1,87 @@
+"""Per-request token sampling over a batch of logits.
+
+Every step is tensor work over (B, V): repetition penalty by gather/scatter of the tokens seen,
+temperature, top-k and top-p by one sort of the rows that need it, and inverse-CDF sampling with
+ONE uniform number per row drawn from that request's own generator. A row's result depends only
+on its logits and its generator, so a seeded request gives the same text whatever the batch company.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from service.engine.types import SamplingParams
+
+
+def apply_repetition_penalty(logits: torch.Tensor, params: list[SamplingParams],
+                             histories: list[list[int]]) -> None:
+    """CTRL-style penalty in place: seen tokens' positive logits / p, negative logits * p."""
+    rows, cols, pens = [], [], []
+    for i, (p, h) in enumerate(zip(params, histories, strict=True)):
+        if p.repetition_penalty != 1.0 and h:
+            uniq = list(set(h))
+            rows.extend([i] * len(uniq))
+            cols.extend(uniq)
+            pens.extend([p.repetition_penalty] * len(uniq))
+    if not rows:
+        return
+    r = torch.tensor(rows, device=logits.device)
+    c = torch.tensor(cols, device=logits.device)
+    pen = torch.tensor(pens, device=logits.device, dtype=logits.dtype)
+    x = logits[r, c]
+    logits[r, c] = torch.where(x > 0, x / pen, x * pen)
+
+
+def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (-inf) sorted (N, V) logits beyond each row's top_k (0 = off) and top_p nucleus."""
+    n, v = sorted_logits.shape
+    rank = torch.arange(v, device=sorted_logits.device)[None, :]  # (1, V)
+    k = torch.where(top_k > 0, top_k, v)[:, None]  # (N, 1)
+    drop = rank >= k
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), -1)
+    before = probs.cumsum(-1) - probs  # mass strictly before each token
+    drop |= before >= top_p[:, None]  # keep the smallest prefix reaching top_p (always >= 1 token)
+    return sorted_logits.masked_fill(drop, float("-inf"))
+
+
+def sample_next(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None], histories: list[list[int]]) -> list[int]:
+    """logits (B, V) float32 -> one token id per row. temperature 0 = greedy (argmax).
+
+    `logits` may be modified in place (repetition penalty)."""
+    b = logits.shape[0]
+    if b == 0:
+        return []
+    apply_repetition_penalty(logits, params, histories)
+    out = logits.argmax(-1)  # (B,) greedy for every row; sampled rows overwritten below
+    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if not rows:
+        return out.tolist()
+    dev = logits.device
+    sp = [params[i] for i in rows]
+    temp = torch.tensor([p.temperature for p in sp], device=dev, dtype=logits.dtype)
+    x = logits[rows] / temp[:, None]  # (N, V)
+    idx = None
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in sp):
+        x, idx = x.sort(-1, descending=True)  # (N, V)
+        top_k = torch.tensor([p.top_k for p in sp], device=dev)
+        top_p = torch.tensor([p.top_p for p in sp], device=dev, dtype=logits.dtype)
+        x = _filter_sorted(x, top_k, top_p)
+    cdf = torch.softmax(x, -1).cumsum(-1)  # (N, V)
+    u = torch.cat([torch.rand(1, generator=generators[i], device=dev) for i in rows])  # (N,)
+    total = cdf[:, -1]
+    u = torch.minimum(u.to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
+    choice = torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=cdf.shape[1] - 1)  # (N, 1)
+    if idx is not None:
+        choice = idx.gather(1, choice)
+    out[rows] = choice[:, 0]
+    return out.tolist()
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
+    """A per-request generator; None (the global RNG) when the request has no seed."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(int(seed))
+    return g

@@ -1,0 +1,82 @@
+"""sample_next: greedy, top-k/top-p filtering, repetition penalty, per-request generators."""
+
+import torch
+
+from service.engine.sampling import make_generator, sample_next
+from service.engine.types import SamplingParams
+
+torch.set_num_threads(1)
+
+
+def _logits(b=4, v=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, v, generator=g) * 3
+
+
+def test_greedy_is_argmax():
+    x = _logits()
+    p = [SamplingParams(temperature=0.0)] * 4
+    assert sample_next(x.clone(), p, [None] * 4, [[]] * 4) == x.argmax(-1).tolist()
+
+
+def test_top_k_1_is_argmax_even_when_sampling():
+    x = _logits()
+    p = [SamplingParams(temperature=1.0, top_k=1)] * 4
+    gens = [make_generator(i) for i in range(4)]
+    assert sample_next(x.clone(), p, gens, [[]] * 4) == x.argmax(-1).tolist()
+
+
+def test_top_k_restricts_support():
+    x = _logits(b=1, v=100)
+    allowed = set(x[0].topk(5).indices.tolist())
+    g = make_generator(1)
+    seen = {sample_next(x.clone(), [SamplingParams(temperature=2.0, top_k=5)], [g], [[]])[0] for _ in range(200)}
+    assert seen <= allowed and len(seen) > 1
+
+
+def test_top_p_restricts_to_nucleus():
+    x = torch.tensor([[5.0, 4.0, 0.0, -1.0, -2.0]])
+    probs = torch.softmax(x, -1)[0]
+    assert probs[0] < 0.9 < probs[0] + probs[1]
+    g = make_generator(3)
+    seen = {sample_next(x.clone(), [SamplingParams(temperature=1.0, top_p=0.9)], [g], [[]])[0] for _ in range(300)}
+    assert seen == {0, 1}
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    x = _logits(b=6, v=300, seed=4)
+    p = SamplingParams(temperature=1.0, top_p=0.95, top_k=50)
+    alone_seq = []
+    g = make_generator(42)
+    for _ in range(6):
+        alone_seq.append(sample_next(x[2:3].clone(), [p], [g], [[]])[0])
+    batched_seq = []
+    gens = [make_generator(i) for i in range(6)]
+    gens[2] = make_generator(42)
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7), p,
+             SamplingParams(temperature=1.3, top_k=3), SamplingParams(temperature=0.0), p]
+    for _ in range(6):
+        batched_seq.append(sample_next(x.clone(), mixed, gens, [[]] * 6)[2])
+    assert alone_seq == batched_seq
+    other = []
+    g = make_generator(43)
+    for _ in range(6):
+        other.append(sample_next(x[2:3].clone(), [p], [g], [[]])[0])
+    assert other != alone_seq
+
+
+def test_repetition_penalty_discourages_seen_tokens():
+    x = torch.tensor([[2.0, 1.9, -1.0, -1.1]])
+    p = [SamplingParams(temperature=0.0, repetition_penalty=1.5)]
+    assert sample_next(x.clone(), p, [None], [[]]) == [0]
+    assert sample_next(x.clone(), p, [None], [[0, 0]]) == [1]  # 2.0/1.5 < 1.9
+    y = x.clone()
+    sample_next(y, p, [None], [[2]])
+    assert y[0, 2].item() == -1.5  # negative logits are multiplied
+
+
+def test_zero_probability_tokens_never_sampled():
+    x = torch.full((3, 10), float("-inf"))
+    x[:, 7] = 0.0
+    gens = [make_generator(i) for i in range(3)]
+    assert sample_next(x, [SamplingParams(temperature=1.0)] * 3, gens, [[]] * 3) == [7, 7, 7]
