@@ -1,0 +1,134 @@
+"""Byte-level BPE tokenizer (GPT-2 / SmolLM2 style) built with the `tokenizers` library.
+
+Built from a GGUF's vocabulary and merges (`from_gguf_metadata`), saved as a Hugging Face
+`tokenizer.json` + `tokenizer_config.json` (which also carries the chat template), and loaded back
+with `load(dir)`. Control tokens from the vocabulary (`<|endoftext|>`, `<|im_start|>`,
+`<|im_end|>`, ...) are special tokens: matched whole in the text, never split into bytes.
+
+Pre-tokenization is the GPT-2 regex + byte-level mapping, as `transformers` builds it for a GGUF
+with `tokenizer.ggml.model = gpt2` (our test oracle). SmolLM2's vocabulary has no multi-digit
+tokens, so digits come out one per token, as in the original tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+CONTROL = 3  # llama.cpp token type of control (special) tokens
+CONFIG_FILE = "tokenizer_config.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+class BPETokenizer:
+    """Satisfies `model.tokenizer.Tokenizer`."""
+
+    def __init__(self, tokenizer, config: dict):
+        self.tk = tokenizer  # tokenizers.Tokenizer
+        self.config = config
+        self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
+        self.bos_id = self.token_to_id(config.get("bos_token") or "")
+        self.eos_id = self.token_to_id(config.get("eos_token") or "")
+        self.pad_id = self.token_to_id(config.get("pad_token") or "")
+        self.chat_template: str | None = config.get("chat_template")
+
+    # --- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, tok: dict, chat_template: str | None = None) -> BPETokenizer:
+        """`tok` is `model.importers.gguf.tokenizer_metadata(...)`: tokens, token_type, merges, ids."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+        if tok.get("model") != "gpt2":
+            raise ValueError(f"tokenizer model {tok.get('model')!r} is not byte-level BPE ('gpt2')")
+        spelling = _bytes_to_unicode()
+        alphabet = set(spelling.values())
+        tokens = list(tok["tokens"])
+        vocab = {}
+        for i, t in enumerate(tokens):  # a token outside the byte alphabet is respelled byte by byte
+            vocab[t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))] = i
+        merges = [tuple(m.split(" ")) for m in tok["merges"]]
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tk.decoder = decoders.ByteLevel()
+        tk.post_processor = processors.ByteLevel(trim_offsets=False)
+        types = tok.get("token_type") or [1] * len(tokens)
+        specials = [t for t, ty in zip(tokens, types, strict=True) if ty == CONTROL and set(t) <= alphabet]
+        tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
+
+        def name(key):
+            i = tok.get(key)
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": name("bos_token_id"), "eos_token": name("eos_token_id"),
+            "unk_token": name("unknown_token_id"), "pad_token": name("padding_token_id"),
+            "add_bos_token": bool(tok.get("add_bos_token", False)),
+            "add_eos_token": bool(tok.get("add_eos_token", False)),
+            "additional_special_tokens": specials,
+            "chat_template": chat_template,
+        }
+        return cls(tk, config)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> BPETokenizer:
+        from tokenizers import Tokenizer
+
+        d = Path(directory)
+        if not (d / TOKENIZER_FILE).is_file():
+            raise FileNotFoundError(f"{d / TOKENIZER_FILE} not found")
+        config = json.loads((d / CONFIG_FILE).read_text()) if (d / CONFIG_FILE).is_file() else {}
+        return cls(Tokenizer.from_file(str(d / TOKENIZER_FILE)), config)
+
+    def save(self, directory: str | Path) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.tk.save(str(d / TOKENIZER_FILE))
+        (d / CONFIG_FILE).write_text(json.dumps(self.config, indent=2, ensure_ascii=False) + "\n")
+
+    # --- the Tokenizer protocol -----------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Special tokens written in the text (e.g. `<|im_start|>` from a chat template) stay whole."""
+        ids = self.tk.encode(text, add_special_tokens=False).ids
+        if self.config.get("add_bos_token") and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tk.token_to_id(token) if token else None
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tk.id_to_token(int(i))
+
+    @property
+    def special_ids(self) -> set[int]:
+        names = self.config.get("additional_special_tokens") or []
+        return {i for i in map(self.token_to_id, names) if i is not None}
+
+    def stop_ids(self) -> set[int]:
+        """Ids that end a generation: eos plus the chat end-of-turn and end-of-text tokens if present."""
+        ids = {self.eos_id} if self.eos_id is not None else set()
+        for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+            i = self.token_to_id(t)
+            if i is not None:
+                ids.add(i)
+        return ids

@@ -1,0 +1,49 @@
+"""Render a model's Jinja chat template (as stored in its GGUF / tokenizer_config.json) with jinja2.
+
+Same environment as Hugging Face's `apply_chat_template`: sandboxed, `trim_blocks` and
+`lstrip_blocks`, a `raise_exception` helper and a `tojson` filter, so templates written for it
+render identically.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+
+class ChatTemplateError(ValueError):
+    """A bad template, a bad message list, or the template itself raised."""
+
+
+def _raise(message: str):
+    raise ChatTemplateError(message)
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str):
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = _raise
+    try:
+        return env.from_string(template)
+    except TemplateError as e:
+        raise ChatTemplateError(f"chat template does not compile: {e}") from None
+
+
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+    """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...] -> prompt text."""
+    from jinja2 import TemplateError
+
+    if not template:
+        raise ChatTemplateError("this model has no chat template")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ChatTemplateError(f"message {i} must be an object with string 'role' and 'content'")
+    try:
+        return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+    except TemplateError as e:
+        raise ChatTemplateError(f"chat template failed: {e}") from None

