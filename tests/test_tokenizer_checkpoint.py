@@ -1,0 +1,76 @@
+"""SentencePiece round-trip, incremental detokenization, checkpoint save/load and its errors."""
+
+import json
+
+import pytest
+import torch
+
+from model.checkpoint import CheckpointError, load_checkpoint, load_tokenizer, save_checkpoint
+from model.config import TINY_LLAMA, TINY_SEQ2SEQ
+from model.decoder import DecoderLM
+from model.seq2seq import EncoderDecoder
+from model.tokenizer import IncrementalDetokenizer, SentencePieceTokenizer
+
+MIXED = [
+    "The Fund may also invest in money market instruments.",
+    "本基金亦可投资于货币市场工具和持有现金。",
+    "Mixed 中英文 text with emoji 🚀🎉 and numbers 12,345.67!",
+    "第 1 款 (a) 段 — “quotes” and 'apostrophes'",
+]
+
+
+@pytest.fixture(scope="module")
+def sp(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spm")
+    corpus = MIXED * 50 + [f"sentence number {i} 第{i}句" for i in range(300)]
+    return SentencePieceTokenizer.train(corpus, d / "spm", 600, user_symbols=["<2en>", "<2zh>"], num_threads=1)
+
+
+def test_sentencepiece_round_trip_mixed_text(sp):
+    for text in MIXED:
+        assert sp.decode(sp.encode(text)) == text
+    tag = sp.token_to_id("<2en>")
+    assert tag is not None and tag in sp.encode("<2en> hello")  # a single piece
+    assert (sp.pad_id, sp.bos_id, sp.eos_id) == (0, 1, 2)
+
+
+def test_incremental_detokenizer_never_splits_utf8(sp):
+    text = "emoji 🚀🎉 中文 done"
+    ids = sp.encode(text)
+    detok = IncrementalDetokenizer(sp)
+    deltas = [detok.push(i) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + detok.flush() == text
+
+
+def test_checkpoint_round_trip(tmp_path, sp):
+    for model in (DecoderLM(TINY_LLAMA).eval(), EncoderDecoder(TINY_SEQ2SEQ).eval()):
+        d = save_checkpoint(model, tmp_path / type(model).__name__, tokenizer=sp)
+        loaded = load_checkpoint(d)
+        for (n, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+            assert torch.equal(a, b), n
+        assert load_tokenizer(d).encode(MIXED[1]) == sp.encode(MIXED[1])
+
+
+def test_truncated_weights_give_clear_error(tmp_path):
+    d = save_checkpoint(DecoderLM(TINY_LLAMA), tmp_path / "m")
+    w = d / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_checkpoint(d)
+
+
+def test_wrong_shape_and_unknown_architecture_and_missing_file(tmp_path):
+    d = save_checkpoint(DecoderLM(TINY_LLAMA), tmp_path / "m")
+    meta = json.loads((d / "config.json").read_text())
+    meta["config"]["d_model"] = 64
+    (d / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"shape"):
+        load_checkpoint(d)
+    meta["architecture"] = "mamba"
+    (d / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="unknown architecture 'mamba'"):
+        load_checkpoint(d)
+    (d / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_checkpoint(d)
