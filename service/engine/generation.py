@@ -1,0 +1,324 @@
+"""Continuous-batching generation engine for decoder-only models (SmolLM2 shape).
+
+Each step, on the event loop: cancelled / timed-out requests leave and their slots are freed;
+waiting requests are admitted into the lowest free slots (`continuous`), or only when the batch is
+empty (`static`: request-level batches, like Ray Serve's @serve.batch; `serial`: one at a time).
+Then, in the worker thread: one padded forward over prompt chunks being prefilled (at most
+`prefill_chunk` tokens per request, `prefill_budget` per step, so running streams keep decoding),
+one forward that decodes a token for every running sequence, per-request sampling, incremental
+detokenization and stop-string matching. Events go to each request's asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+
+from model.decoder import DecoderLM
+from model.tokenizer import IncrementalDetokenizer
+from service.engine.config import EngineConfig
+from service.engine.loop import EngineLoop
+from service.engine.sampling import make_generator, sample_next
+from service.engine.stats import EngineStats, MetricsSink
+from service.engine.stopping import StopMatcher
+from service.engine.types import (
+    EngineOverloaded,
+    GenerateRequest,
+    GenerationEvent,
+    RequestRejected,
+    SamplingParams,
+    Usage,
+)
+
+
+@dataclass(eq=False)
+class _Seq:
+    """A request's state while queued or running."""
+
+    req: GenerateRequest
+    prompt: list[int]
+    params: SamplingParams
+    queue: asyncio.Queue
+    detok: IncrementalDetokenizer
+    stopper: StopMatcher
+    generator: torch.Generator | None
+    deadline: float | None  # time.monotonic() limit
+    t_submit: float
+    slot: int = -1
+    n_cached: int = 0  # tokens whose K/V are in the cache
+    output: list[int] = field(default_factory=list)
+    t_admit: float = 0.0
+    t_last: float = 0.0
+    cancelled: bool = False
+    outbox: list[GenerationEvent] = field(default_factory=list)  # staged by the worker thread
+    done: tuple[str, str, list[int]] | None = None  # (finish reason, last text, last ids), set by the worker
+    finish_reason: str | None = None  # set on the event loop when the final event is queued
+
+
+@dataclass
+class _Plan:
+    prefill: list[tuple[_Seq, int]]  # (sequence, chunk length)
+    decode: list[_Seq]
+
+
+class GenerationEngine(EngineLoop):
+    def __init__(self, model: DecoderLM, tokenizer, config: EngineConfig, *, eos_ids: set[int],
+                 name: str = "smollm2-135m-instruct", sink: MetricsSink | None = None):
+        super().__init__(config, name, sink)
+        if config.max_seq_len > model.cfg.max_seq_len:
+            config.max_seq_len = model.cfg.max_seq_len  # a slot can never hold more than the model
+        self.model = model.to(device=config.device, dtype=config.torch_dtype).eval()
+        self.tokenizer = tokenizer
+        self.eos_ids = set(eos_ids)
+        self.vocab_size = model.cfg.vocab_size
+        self.cache = model.new_cache(config.max_slots, config.max_seq_len)
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+
+    @property
+    def max_context(self) -> int:
+        """Longest prompt + output a request may have."""
+        return self.config.max_seq_len
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_seq_len
+
+    def stats(self) -> EngineStats:
+        return self._stats(len(self.running), len(self.waiting), sum(s.n_cached for s in self.running))
+
+    # --- submit ------------------------------------------------------------------------------
+    def _validate(self, req: GenerateRequest) -> None:
+        p, n = req.params, len(req.prompt_ids)
+        if n == 0:
+            raise RequestRejected("prompt is empty")
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= self.vocab_size:
+            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})")
+        if p.max_new_tokens < 1:
+            raise RequestRejected(f"max_new_tokens must be >= 1, got {p.max_new_tokens}")
+        if n >= self.max_context:
+            raise RequestRejected(f"prompt has {n} tokens; the model context is {self.max_context} tokens "
+                                  f"(max prompt {self.max_context - 1})")
+        if n + p.max_new_tokens > self.max_context:
+            raise RequestRejected(f"prompt ({n} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds the "
+                                  f"model context of {self.max_context} tokens; max_new_tokens can be at most "
+                                  f"{self.max_context - n}")
+        if p.temperature < 0:
+            raise RequestRejected(f"temperature must be >= 0, got {p.temperature}")
+        if not 0 < p.top_p <= 1:
+            raise RequestRejected(f"top_p must be in (0, 1], got {p.top_p}")
+        if p.top_k < 0:
+            raise RequestRejected(f"top_k must be >= 0, got {p.top_k}")
+        if p.repetition_penalty <= 0:
+            raise RequestRejected(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
+
+    def submit(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
+        """Queue a request (raises RequestRejected / EngineOverloaded / EngineStopped right here)
+        and return its event stream. Closing the stream early cancels the request."""
+        self._check_started()
+        self._validate(req)
+        if len(self.waiting) >= self.config.max_waiting:
+            raise EngineOverloaded(f"{len(self.waiting)} requests waiting (max_waiting="
+                                   f"{self.config.max_waiting}); retry later", retry_after=1.0)
+        now = time.monotonic()
+        limit = req.deadline_s if req.deadline_s is not None else self.config.default_deadline_s
+        seq = _Seq(req=req, prompt=list(req.prompt_ids), params=req.params, queue=asyncio.Queue(),
+                   detok=IncrementalDetokenizer(self.tokenizer, skip_ids=self.eos_ids),
+                   stopper=StopMatcher(req.params.stop), generator=make_generator(req.params.seed),
+                   deadline=now + limit if limit is not None else None, t_submit=now)
+        self.waiting.append(seq)
+        self._wake()
+        return self._stream(seq)
+
+    async def _stream(self, seq: _Seq) -> AsyncIterator[GenerationEvent]:
+        try:
+            while True:
+                ev = await seq.queue.get()
+                if isinstance(ev, Exception):
+                    raise ev
+                yield ev
+                if ev.finished:
+                    return
+        finally:
+            if seq.finish_reason is None:
+                seq.cancelled = True
+                self._wake()
+
+    # --- schedule (event loop) -----------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    async def _before_plan(self) -> None:
+        if (self.config.mode == "static" and not self.running
+                and 0 < len(self.waiting) < self.config.max_slots):
+            await asyncio.sleep(self.config.static_batch_wait_s)  # let a batch gather
+
+    def _finish(self, seq: _Seq, reason: str, text: str = "", token_ids: list[int] | None = None) -> None:
+        seq.finish_reason = reason
+        usage = Usage(prompt_tokens=len(seq.prompt), completion_tokens=len(seq.output))
+        seq.queue.put_nowait(GenerationEvent(text=text, token_ids=token_ids or [], finish_reason=reason,
+                                             usage=usage))
+        self.requests_finished += 1
+        self.sink.on_finish(self.name, reason, len(seq.prompt), len(seq.output), time.monotonic() - seq.t_submit)
+
+    def _release(self, seq: _Seq) -> None:
+        if seq.slot >= 0:
+            self.slots.give([seq.slot])
+            seq.slot = -1
+
+    def _plan(self) -> _Plan | None:
+        now = time.monotonic()
+        keep = []
+        for seq in self.running:
+            if seq.cancelled or (seq.deadline is not None and now > seq.deadline):
+                self._finish(seq, "cancelled" if seq.cancelled else "timeout")
+                self._release(seq)
+            else:
+                keep.append(seq)
+        self.running = keep
+        if any(s.cancelled or (s.deadline is not None and now > s.deadline) for s in self.waiting):
+            for seq in [s for s in self.waiting if s.cancelled or (s.deadline is not None and now > s.deadline)]:
+                self.waiting.remove(seq)
+                self._finish(seq, "cancelled" if seq.cancelled else "timeout")
+        self._admit(now)
+        if not self.running:
+            return None
+        budget = self.config.prefill_budget
+        prefill, decode = [], []
+        for seq in self.running:  # admission order: the oldest prompts prefill first
+            left = len(seq.prompt) - seq.n_cached
+            if left > 0:
+                if budget > 0:
+                    chunk = min(left, self.config.prefill_chunk, budget)
+                    budget -= chunk
+                    prefill.append((seq, chunk))
+            else:
+                decode.append(seq)
+        decode.sort(key=lambda s: s.slot)
+        self.last_batch_size = len(prefill) + len(decode)
+        kv = sum(s.n_cached for s in self.running) / (self.config.max_slots * self.max_positions)
+        self.sink.on_step(self.name, self.last_batch_size, kv, len(self.running), len(self.waiting))
+        return _Plan(prefill, decode)
+
+    def _admit(self, now: float) -> None:
+        mode = self.config.mode
+        if mode == "continuous":
+            n = min(self.slots.n_free, len(self.waiting))
+        elif self.running:
+            n = 0  # static / serial: a new batch only when the last one has finished
+        else:
+            n = min(1 if mode == "serial" else self.config.max_slots, len(self.waiting))
+        for _ in range(n):
+            seq = self.waiting.popleft()
+            seq.slot = self.slots.take(1)[0]
+            seq.t_admit = now
+            self.running.append(seq)
+
+    # --- one step (worker thread) ------------------------------------------------------------
+    @torch.inference_mode()
+    def _execute(self, plan: _Plan) -> list[_Seq]:
+        dev = self.config.device
+        rows: list[_Seq] = []
+        logits = []
+        if plan.prefill:
+            width = max(c for _, c in plan.prefill)
+            top = self.config.max_seq_len - 1
+            tokens = torch.zeros(len(plan.prefill), width, dtype=torch.long)  # (P, W) right-padded
+            positions = torch.empty(len(plan.prefill), width, dtype=torch.long)
+            ar = torch.arange(width)
+            for i, (seq, c) in enumerate(plan.prefill):
+                tokens[i, :c] = torch.tensor(seq.prompt[seq.n_cached: seq.n_cached + c])
+                # pad positions go past the chunk (clamped to the last cache row, never a real one)
+                positions[i] = (ar + seq.n_cached).clamp_(max=top)
+            last = torch.tensor([c - 1 for _, c in plan.prefill])
+            out = self.model(tokens.to(dev), positions.to(dev), self.cache, [s.slot for s, _ in plan.prefill],
+                             output_index=last.to(dev))  # (P, V)
+            done = []
+            for i, (seq, c) in enumerate(plan.prefill):
+                seq.n_cached += c
+                if seq.n_cached == len(seq.prompt):
+                    done.append(i)
+                    rows.append(seq)
+            if done:
+                logits.append(out[done])
+        if plan.decode:
+            d = plan.decode
+            tokens = torch.tensor([[s.output[-1]] for s in d], device=dev)  # (D, 1)
+            positions = torch.tensor([[s.n_cached] for s in d], device=dev)  # (D, 1)
+            out = self.model(tokens, positions, self.cache, [s.slot for s in d])[:, -1]  # (D, V)
+            for s in d:
+                s.n_cached += 1
+            logits.append(out)
+            rows.extend(d)
+        if not rows:
+            return []
+        x = torch.cat(logits).float() if len(logits) > 1 else logits[0].float()  # (N, V)
+        params = [s.params for s in rows]
+        hist = [s.prompt + s.output if s.params.repetition_penalty != 1.0 else [] for s in rows]
+        toks = sample_next(x, params, [s.generator for s in rows], hist)
+        now = time.monotonic()
+        for seq, tok in zip(rows, toks, strict=True):
+            self._on_token(seq, tok, now)
+        return rows
+
+    def _on_token(self, seq: _Seq, tok: int, now: float) -> None:
+        """Append a sampled token and stage its event in `seq.outbox` (worker thread: asyncio
+        queues are not thread-safe, so `_deliver` moves the events to the queue on the event loop)."""
+        seq.output.append(tok)
+        if len(seq.output) == 1:
+            self.sink.on_first_token(self.name, seq.t_admit - seq.t_submit, now - seq.t_submit)
+        else:
+            self.sink.on_token_latency(self.name, now - seq.t_last)
+        seq.t_last = now
+        if tok in self.eos_ids and not seq.params.ignore_eos:
+            text, _ = self._tail(seq)
+            seq.done = ("stop", text, [])
+            return
+        text, hit = seq.stopper.push(seq.detok.push(tok))
+        if hit:
+            seq.done = ("stop", text, [tok])
+        elif len(seq.output) >= seq.params.max_new_tokens:
+            tail, hit = self._tail(seq)
+            seq.done = ("stop" if hit else "length", text + tail, [tok])
+        else:
+            seq.outbox.append(GenerationEvent(text=text, token_ids=[tok]))
+
+    @staticmethod
+    def _tail(seq: _Seq) -> tuple[str, bool]:
+        """Text still buffered at the end of a stream (detokenizer, then stop-string hold-back)."""
+        text, hit = seq.stopper.push(seq.detok.flush())
+        return (text, True) if hit else (text + seq.stopper.flush(), False)
+
+    # --- after a step (event loop) -------------------------------------------------------------
+    def _deliver(self, rows: list[_Seq]) -> None:
+        finished = False
+        for seq in rows:
+            for ev in seq.outbox:
+                seq.queue.put_nowait(ev)
+            seq.outbox.clear()
+            if seq.done is not None:
+                self._finish(seq, *seq.done)
+                self._release(seq)
+                finished = True
+        if finished:
+            self.running = [s for s in self.running if s.slot >= 0]
+
+    def _fail_plan(self, plan: _Plan, error: Exception) -> None:
+        for seq in [s for s, _ in plan.prefill] + plan.decode:
+            if seq.finish_reason is None:
+                self._finish(seq, "error", f"[engine error: {error}]")
+            self._release(seq)
+        self.running = [s for s in self.running if s.slot >= 0]
+
+    def _fail_all(self, error: Exception) -> None:
+        for seq in list(self.running) + list(self.waiting):
+            if seq.finish_reason is None:
+                seq.finish_reason = "error"
+                seq.queue.put_nowait(error)
+            self._release(seq)
+        self.running, self.waiting = [], deque()

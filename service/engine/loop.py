@@ -1,0 +1,130 @@
+"""The asyncio driver shared by both engines.
+
+One task runs the schedule: between steps (on the event loop) it cancels, times out and admits
+requests; each step's forward pass, sampling and detokenization run in a single worker thread, so
+the event loop stays free to accept requests and stream events while the model computes.
+Subclasses implement `_has_work`, `_plan` (event loop), `_execute` (worker thread) and `_deliver`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from service.engine.config import EngineConfig
+from service.engine.slots import SlotAllocator
+from service.engine.stats import EngineStats, MetricsSink, NullSink
+from service.engine.types import EngineStopped
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, config: EngineConfig, name: str, sink: MetricsSink | None):
+        self.config = config
+        self.name = name
+        self.sink: MetricsSink = sink or NullSink()
+        self.slots = SlotAllocator(config.max_slots)
+        self._pool: ThreadPoolExecutor | None = None
+        self._task: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._stopping = False
+        self.steps = 0
+        self.last_batch_size = 0
+        self.requests_finished = 0
+
+    # --- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{self.name}")
+        self._wakeup = asyncio.Event()
+        self._stopping = False
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"engine-{self.name}")
+
+    async def stop(self) -> None:
+        """Finish the step in flight, then fail everything pending with EngineStopped."""
+        if self._task is None:
+            return
+        self._stopping = True
+        self._wake()
+        try:
+            await self._task
+        finally:
+            self._task = None
+            self._fail_all(EngineStopped(f"engine {self.name} stopped"))
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    @property
+    def started(self) -> bool:
+        return self._task is not None and not self._stopping
+
+    def _check_started(self) -> None:
+        if not self.started:
+            raise EngineStopped(f"engine {self.name} is not running")
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    # --- schedule ----------------------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            if not self._has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            await self._before_plan()
+            plan = self._plan()
+            if plan is None:
+                await asyncio.sleep(0)  # e.g. only cancelled requests were dropped
+                continue
+            try:
+                result = await loop.run_in_executor(self._pool, self._execute, plan)
+            except Exception as e:  # a bug or a model error: fail this step's requests, keep serving
+                log.exception("engine %s step failed", self.name)
+                self._fail_plan(plan, e)
+                continue
+            self.steps += 1
+            self._deliver(result)
+
+    async def _before_plan(self) -> None:
+        """Hook for policies that wait before admitting (static batching)."""
+
+    def _has_work(self) -> bool:
+        raise NotImplementedError
+
+    def _plan(self) -> Any:
+        raise NotImplementedError
+
+    def _execute(self, plan: Any) -> Any:
+        raise NotImplementedError
+
+    def _deliver(self, result: Any) -> None:
+        raise NotImplementedError
+
+    def _fail_plan(self, plan: Any, error: Exception) -> None:
+        raise NotImplementedError
+
+    def _fail_all(self, error: Exception) -> None:
+        raise NotImplementedError
+
+    def _stats(self, running: int, waiting: int, kv_used: int) -> EngineStats:
+        total = self.config.max_slots * self.max_positions
+        return EngineStats(running=running, waiting=waiting, slots_total=self.config.max_slots,
+                           slots_used=self.slots.n_used, kv_usage_ratio=kv_used / total if total else 0.0,
+                           steps=self.steps, last_batch_size=self.last_batch_size,
+                           requests_finished=self.requests_finished)
+
+    @property
+    def max_positions(self) -> int:
+        raise NotImplementedError

@@ -1,0 +1,237 @@
+"""GenerationEngine on a random tiny Llama: batch invariance, seeds, stops, cancellation, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from engine_util import CharTokenizer, tiny_llama
+
+from service.engine.config import EngineConfig
+from service.engine.generation import GenerationEngine
+from service.engine.types import (
+    EngineOverloaded,
+    EngineStopped,
+    GenerateRequest,
+    RequestRejected,
+    SamplingParams,
+)
+
+torch.set_num_threads(1)
+TOK = CharTokenizer()
+
+
+def make_engine(**kw) -> GenerationEngine:
+    cfg = dict(max_slots=16, max_seq_len=128, prefill_chunk=8, prefill_budget=24)
+    cfg.update(kw)
+    return GenerationEngine(tiny_llama(), TOK, EngineConfig(**cfg), eos_ids={TOK.eos_id})
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(5, TOK.vocab_size) for _ in range(n)]
+
+
+async def collect(engine, req):
+    text, ids, final = "", [], None
+    async for ev in engine.submit(req):
+        text += ev.text
+        ids += ev.token_ids
+        final = ev
+    return text, ids, final
+
+
+def run(coro_fn, **kw):
+    async def main():
+        engine = make_engine(**kw)
+        await engine.start()
+        try:
+            return await coro_fn(engine)
+        finally:
+            await engine.stop()
+    return asyncio.run(main())
+
+
+TARGET = GenerateRequest(prompt_ids=prompt(random.Random(1), 21),
+                         params=SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))
+
+
+def _company(rng, n=15):
+    return [GenerateRequest(prompt_ids=prompt(rng, rng.randint(1, 40)),
+                            params=SamplingParams(max_new_tokens=rng.randint(1, 30), temperature=rng.choice([0, 1]),
+                                                  seed=rng.randint(0, 99), ignore_eos=True))
+            for _ in range(n)]
+
+
+async def _with_company(engine, target):
+    rng = random.Random(7)
+    others = _company(rng)
+
+    async def late(req, delay_steps):
+        while engine.steps < delay_steps:
+            await asyncio.sleep(0.0005)
+        return await collect(engine, req)
+
+    tasks = [asyncio.create_task(late(r, i * 2)) for i, r in enumerate(others)]
+    # the target starts after a few others hold slots and keeps decoding while the rest join and leave
+    while engine.steps < 3:
+        await asyncio.sleep(0.0005)
+    batch_sizes = []
+    engine.sink = type("Rec", (), {"on_step": lambda self, m, b, *a: batch_sizes.append(b),
+                                   "__getattr__": lambda self, n: lambda *a: None})()
+    result = await collect(engine, target)
+    await asyncio.gather(*tasks)
+    assert max(batch_sizes) >= 6  # the target really decoded in company
+    return result
+
+
+@pytest.mark.parametrize("mode", ["continuous", "static"])
+def test_greedy_identical_alone_and_in_company(mode):
+    alone = run(lambda e: collect(e, TARGET))
+    company = run(lambda e: _with_company(e, TARGET), mode=mode)
+    assert alone[1] == company[1]
+    assert len(alone[1]) == 40 and alone[2].finish_reason == "length"
+    assert alone[0] == TOK.decode(alone[1])
+
+
+def test_seeded_sampling_independent_of_company():
+    def req(seed):
+        return GenerateRequest(prompt_ids=TARGET.prompt_ids, params=SamplingParams(
+            max_new_tokens=30, temperature=1.0, top_p=0.9, seed=seed, ignore_eos=True))
+    alone = run(lambda e: collect(e, req(5)))
+    company = run(lambda e: _with_company(e, req(5)))
+    other = run(lambda e: collect(e, req(6)))
+    assert alone[1] == company[1]
+    assert alone[1] != other[1]
+
+
+def test_stop_string_cut_exactly_across_tokens():
+    free = run(lambda e: collect(e, TARGET))[0]
+    stop = free[10:13]  # three characters = three tokens: matched across token boundaries
+    cut = free.index(stop)
+    req = GenerateRequest(prompt_ids=TARGET.prompt_ids,
+                          params=SamplingParams(max_new_tokens=40, temperature=0.0, stop=["@@never", stop]))
+    text, _, final = run(lambda e: collect(e, req))
+    assert text == free[:cut]
+    assert final.finish_reason == "stop"
+
+
+def test_eos_ends_request():
+    # find a prompt whose greedy continuation contains EOS by sampling prompts until one does
+    async def main(engine):
+        rng = random.Random(3)
+        for _ in range(200):
+            p = prompt(rng, 5)
+            _, ids, _ = await collect(engine, GenerateRequest(p, SamplingParams(max_new_tokens=30, temperature=0.0,
+                                                                               ignore_eos=True)))
+            if TOK.eos_id in ids:
+                _, ids2, final = await collect(engine, GenerateRequest(p, SamplingParams(max_new_tokens=30,
+                                                                                        temperature=0.0)))
+                return ids, ids2, final
+        pytest.skip("no EOS in random continuations")
+    ids, ids2, final = run(main)
+    assert final.finish_reason == "stop"
+    assert TOK.eos_id not in ids2 and ids2 == ids[: ids.index(TOK.eos_id)]
+    assert final.usage.completion_tokens == len(ids2) + 1
+
+
+def test_cancellation_frees_slots():
+    async def main(engine):
+        req = GenerateRequest(prompt_ids=TARGET.prompt_ids, params=SamplingParams(max_new_tokens=80, ignore_eos=True))
+        streams = [engine.submit(req) for _ in range(4)]
+        for s in streams:
+            await s.__anext__()
+        assert engine.stats().slots_used == 4
+        for s in streams:
+            await s.aclose()
+        for _ in range(100):
+            if engine.stats().slots_used == 0:
+                break
+            await asyncio.sleep(0.005)
+        return engine.stats()
+    st = run(main)
+    assert st.slots_used == 0 and st.running == 0 and st.waiting == 0
+
+
+def test_overload_and_rejections():
+    async def main(engine):
+        p = SamplingParams(max_new_tokens=5)
+        with pytest.raises(RequestRejected, match="context is 128"):
+            engine.submit(GenerateRequest(prompt_ids=[7] * 200, params=p))
+        with pytest.raises(RequestRejected, match="max_new_tokens can be at most 28"):
+            engine.submit(GenerateRequest(prompt_ids=[7] * 100, params=SamplingParams(max_new_tokens=50)))
+        with pytest.raises(RequestRejected, match="empty"):
+            engine.submit(GenerateRequest(prompt_ids=[], params=p))
+        streams = [engine.submit(GenerateRequest(prompt_ids=[7] * 10, params=p)) for _ in range(3)]
+        with pytest.raises(EngineOverloaded) as e:
+            engine.submit(GenerateRequest(prompt_ids=[7] * 10, params=p))
+        assert e.value.retry_after > 0
+        for s in streams:
+            async for _ in s:
+                pass
+        return True
+    # max_waiting 3 and an engine that is not stepping (started but the loop only runs between awaits)
+    assert run(main, max_waiting=3)
+
+
+def test_stop_fails_pending_and_rejects_new():
+    async def main():
+        engine = make_engine()
+        await engine.start()
+        stream = engine.submit(GenerateRequest(prompt_ids=[9] * 10, params=SamplingParams(max_new_tokens=100,
+                                                                                          ignore_eos=True)))
+        await stream.__anext__()
+        await engine.stop()
+        with pytest.raises(EngineStopped):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineStopped):
+            engine.submit(GenerateRequest(prompt_ids=[9], params=SamplingParams()))
+    asyncio.run(main())
+
+
+def test_deadline_times_out():
+    req = GenerateRequest(prompt_ids=[9] * 10, params=SamplingParams(max_new_tokens=100, ignore_eos=True),
+                          deadline_s=0.0)
+    _, _, final = run(lambda e: collect(e, req))
+    assert final.finish_reason == "timeout"
+
+
+@pytest.mark.parametrize("mode", ["continuous", "static", "serial"])
+def test_no_slot_leaks_under_mixed_load_with_cancellations(mode):
+    n = 300 if mode == "continuous" else 60
+
+    async def main(engine):
+        rng = random.Random(11)
+
+        async def client(i):
+            req = GenerateRequest(prompt_ids=prompt(rng, rng.randint(1, 30)), params=SamplingParams(
+                max_new_tokens=rng.randint(1, 12), temperature=rng.choice([0, 0.8]), seed=i,
+                stop=rng.choice([[], ["a", "b"]])))
+            try:
+                stream = engine.submit(req)
+            except EngineOverloaded:
+                return "overloaded"
+            cancel_after = rng.choice([None, 0, 1, 3])
+            got = 0
+            async for ev in stream:
+                got += 1
+                if cancel_after is not None and got > cancel_after:
+                    await stream.aclose()
+                    return "cancelled"
+                if ev.finished:
+                    return ev.finish_reason
+            return "?"
+
+        outcomes = await asyncio.gather(*(client(i) for i in range(n)))
+        for _ in range(200):
+            if engine.stats().slots_used == 0:
+                break
+            await asyncio.sleep(0.005)
+        return outcomes, engine.stats()
+
+    outcomes, st = run(main, max_slots=8, max_waiting=1000, mode=mode)
+    assert st.slots_used == 0 and st.running == 0 and st.waiting == 0
+    assert set(outcomes) <= {"stop", "length", "cancelled"} and "cancelled" in outcomes
+    assert st.requests_finished == n - outcomes.count("overloaded")
