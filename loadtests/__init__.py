@@ -1,0 +1,1 @@
+"""Load tests (Locust scenarios, CLI, plots) and benchmarks for attnserve."""

@@ -1,0 +1,77 @@
+"""Decode speed with the slot KV cache vs. full recomputation (`make bench`). Prints measured numbers.
+
+A SmolLM2-shaped decoder with random weights (the speed does not depend on the weight values)
+continues a prompt by N tokens, greedy, at batch 1 and 16, fp32 and bf16:
+- cache: prefill once, then one token per step against the KV cache;
+- recompute: every step runs the whole sequence so far through the model (no cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+from model.config import SMOLLM2_135M
+from model.decoder import DecoderLM
+
+
+@torch.inference_mode()
+def decode_cached(model, prompt: torch.Tensor, new_tokens: int) -> float:
+    b, p = prompt.shape
+    cache = model.new_cache(b, p + new_tokens)
+    slots = torch.arange(b)
+    t0 = time.perf_counter()
+    logits = model(prompt, torch.arange(p).expand(b, p), cache, slots, output_index=torch.full((b,), p - 1))
+    for i in range(new_tokens - 1):
+        tok = logits.argmax(-1, keepdim=True)  # (B, 1)
+        logits = model(tok, torch.full((b, 1), p + i), cache, slots)[:, -1]
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def decode_recompute(model, prompt: torch.Tensor, new_tokens: int) -> float:
+    seq = prompt
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+        logits = model(seq)[:, -1]
+        seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-recompute-above", type=int, default=16,
+                    help="skip full recomputation for batches larger than this (it is quadratic)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"# decode tokens/s, SmolLM2-135M shape (random weights), prompt {args.prompt}, "
+          f"{args.new_tokens} new tokens, greedy, {args.threads} threads, torch {torch.__version__}, "
+          f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}")
+    print("| dtype | batch | cache tok/s | recompute tok/s | speed-up |")
+    print("|---|---|---|---|---|")
+    for dt in args.dtypes.split(","):
+        model = DecoderLM(SMOLLM2_135M).eval().to(getattr(torch, dt))
+        for b in (int(x) for x in args.batches.split(",")):
+            prompt = torch.randint(0, SMOLLM2_135M.vocab_size, (b, args.prompt))
+            decode_cached(model, prompt[:, :4], 4)  # warm-up
+            tc = decode_cached(model, prompt, args.new_tokens)
+            cached = b * args.new_tokens / tc
+            if b <= args.skip_recompute_above:
+                tr = decode_recompute(model, prompt, args.new_tokens)
+                full = b * args.new_tokens / tr
+                print(f"| {dt} | {b} | {cached:.1f} | {full:.1f} | {cached / full:.1f}x |", flush=True)
+            else:
+                print(f"| {dt} | {b} | {cached:.1f} | skipped | |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""attnserve eval translate [--model DIR] [--out docs/translate_eval.json] [--beams 1,4] [--limit N]"""
+
+
+def add_arguments(p):
+    p.add_argument("task", choices=["translate"])
+    p.add_argument("--model", help="checkpoint folder (default: the shipped translator)")
+    p.add_argument("--out", default="docs/translate_eval.json", help="JSON report path")
+    p.add_argument("--beams", default="1,4", help="comma-separated beam sizes (1 = greedy)")
+    p.add_argument("--limit", type=int, help="only the first N test pairs")
+
+
+def run(args) -> int:
+    from model import paths
+    from model.training.eval_translate import evaluate
+
+    evaluate(args.model or paths.SHIPPED_WEIGHTS / "attnserve-zh-en", args.out,
+             beams=tuple(int(b) for b in args.beams.split(",")), limit=args.limit)
+    return 0
