@@ -1,0 +1,77 @@
+"""The FastAPI application. The same object serves under Ray Serve (as the ingress deployment's
+ASGI app) and without Ray (tests with httpx's ASGITransport, or plain uvicorn)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+
+from service import metrics
+from service.api import errors, native, openai_routes
+from service.api.backends import Backends
+from service.api.middleware import BodyLimit, CountResponses
+from service.api.streaming import ClientDisconnected
+from service.config import ApiLimits
+
+STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+
+
+def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_dir: Path | None = STATIC_DIR,
+               manage_engines: bool = False) -> FastAPI:
+    """`manage_engines`: start/stop the engines in the app's lifespan (plain uvicorn); under Ray Serve
+    and in tests the owner starts them."""
+    lifespan = None
+    if manage_engines:
+        from contextlib import asynccontextmanager
+
+        @asynccontextmanager
+        async def lifespan(_app):
+            await backends.start()
+            yield
+            await backends.stop()
+
+    app = FastAPI(title="attnserve", version="0.1.0", lifespan=lifespan,
+                  description="From-scratch Transformers behind Ray Serve: native and OpenAI-compatible API.")
+    app.state.backends = backends
+    app.state.limits = limits or ApiLimits()
+    app.state.created = int(time.time())
+    errors.install(app)
+    app.include_router(native.router)
+    app.include_router(openai_routes.router)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, __: ClientDisconnected):
+        return Response(status_code=499)
+
+    @app.get("/healthz", tags=["ops"])
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["ops"])
+    async def readyz():
+        b: Backends = app.state.backends
+        body = {"ready": b.generator is not None, "models": b.ids(), "unavailable": b.unavailable}
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    @app.get("/metrics", tags=["ops"])
+    async def prometheus():
+        data, content_type = metrics.render()
+        return Response(data, media_type=content_type)
+
+    if static_dir is not None and static_dir.is_dir():
+        app.mount("/static", StaticFiles(directory=static_dir), name="static")
+        index = static_dir / "index.html"
+
+        @app.get("/", include_in_schema=False)
+        async def playground():
+            if not index.is_file():
+                return errors.error_response(404, "playground page not installed")
+            return FileResponse(index)
+
+    app.add_middleware(CountResponses)
+    app.add_middleware(BodyLimit, limit=lambda: app.state.limits.max_body_bytes)
+    return app

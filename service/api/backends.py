@@ -1,0 +1,99 @@
+"""What the HTTP routes talk to: a generator (engine + tokenizer + chat template) and a translator.
+
+A model that could not be loaded is represented by its reason, so routes answer 503 naming it
+instead of the service failing to start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from service.api.errors import ApiError
+from service.config import GENERATOR_ID, TRANSLATOR_ID
+from service.engine.types import GenerateRequest, GenerationEvent, TranslateRequest, TranslationResult
+
+
+class GeneratorBackend:
+    def __init__(self, engine, tokenizer, *, name: str = GENERATOR_ID, chat_template: str | None = None):
+        self.engine, self.tokenizer, self.name, self.chat_template = engine, tokenizer, name, chat_template
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.chat_template:
+            raise ApiError(400, f"model {self.name} has no chat template; send 'prompt' instead", "messages")
+        from model.chat import ChatTemplateError, render_chat
+
+        try:
+            return self.tokenizer.encode(render_chat(self.chat_template, messages))
+        except ChatTemplateError as e:
+            raise ApiError(400, f"messages: {e}", "messages") from None
+
+    def submit(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
+        return self.engine.submit(req)
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+
+
+class TranslatorBackend:
+    def __init__(self, engine, *, name: str = TRANSLATOR_ID):
+        self.engine, self.name = engine, name
+
+    async def translate(self, req: TranslateRequest) -> TranslationResult:
+        return await self.engine.translate(req)
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+
+
+@dataclass
+class Backends:
+    """The loaded models, and for each missing one the reason it is missing."""
+
+    generator: GeneratorBackend | None = None
+    translator: TranslatorBackend | None = None
+    unavailable: dict[str, str] = field(default_factory=dict)  # model id -> why it is not served
+
+    def ids(self) -> list[str]:
+        return [b.name for b in (self.generator, self.translator) if b is not None]
+
+    def need_generator(self, model: str | None) -> GeneratorBackend:
+        return self._need(model, self.generator, GENERATOR_ID, "completions/generation")
+
+    def need_translator(self, model: str | None) -> TranslatorBackend:
+        return self._need(model, self.translator, TRANSLATOR_ID, "translation")
+
+    def _need(self, model, backend, default_id: str, what: str):
+        name = backend.name if backend is not None else default_id
+        if model is not None and model != name:
+            other = (self.translator, self.generator)
+            if model in self.ids() or model in self.unavailable or any(b and b.name == model for b in other):
+                raise ApiError(400, f"model {model!r} does not serve {what}", "model")
+            raise ApiError(404, f"model {model!r} not found; available: {self.ids()}", "model")
+        if backend is None:
+            reason = self.unavailable.get(name, "not loaded")
+            raise ApiError(503, f"model {name} is not available: {reason}", "model")
+        return backend
+
+    async def start(self) -> None:
+        for b in (self.generator, self.translator):
+            if b is not None:
+                await b.start()
+
+    async def stop(self) -> None:
+        for b in (self.generator, self.translator):
+            if b is not None:
+                await b.stop()

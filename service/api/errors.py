@@ -1,0 +1,69 @@
+"""Error responses: every failure is a JSON body in OpenAI's shape, `{"error": {message, type, param, code}}`,
+with a 4xx/503 status. Validation errors name the field; engine errors map to their status code."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.engine.types import EngineError, EngineOverloaded
+
+TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+         413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": TYPES.get(status, "api_error"), "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def engine_error(e: EngineError) -> ApiError:
+    """The HTTP form of an engine error: 429 + Retry-After, 400, or 503."""
+    status = e.status_code if e.status_code in (400, 429, 503) else 503
+    headers = None
+    if isinstance(e, EngineOverloaded):
+        headers = {"Retry-After": str(max(1, round(e.retry_after)))}
+    return ApiError(status, str(e) or type(e).__name__, None, headers)
+
+
+def _field(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) if parts else "body"
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api(_: Request, e: ApiError):
+        return error_response(e.status, e.message, e.param, e.headers)
+
+    @app.exception_handler(EngineError)
+    async def _engine(_: Request, e: EngineError):
+        a = engine_error(e)
+        return error_response(a.status, a.message, a.param, a.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
+        field = _field(tuple(first.get("loc", ())))
+        if first.get("type") == "json_invalid":
+            field = "body"
+        msg = f"{field}: {first.get('msg', 'invalid value')}"
+        if len(errors) > 1:
+            msg += f" (and {len(errors) - 1} more error(s))"
+        return error_response(400, msg, field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), None, getattr(e, "headers", None))

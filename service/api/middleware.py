@@ -1,0 +1,80 @@
+"""Pure-ASGI middleware: a request body size limit (413) and HTTP response counting for Prometheus."""
+
+from __future__ import annotations
+
+import json
+
+from service import metrics
+from service.api.errors import error_body
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def _send_413(send, limit: int) -> None:
+    body = json.dumps(error_body(413, f"request body exceeds {limit} bytes", "body")).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    """Reject bodies over `limit()` bytes: by Content-Length up front, or while reading a chunked body."""
+
+    def __init__(self, app, limit):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.limit()
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await _send_413(send, limit)
+        seen, started = 0, False
+
+        async def counting_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await _send_413(send, limit)
+
+
+class CountResponses:
+    """Count responses by model (set by the route in `request.state.model`), route and status."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [0]
+
+        async def tracking_send(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            model = (scope.get("state") or {}).get("model", "none")
+            metrics.count_http(model, path, status[0] or 499)

@@ -1,0 +1,82 @@
+"""Native endpoints: POST /v1/generate (prompt or chat messages, optional SSE) and POST /v1/translate."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from model.translation import other
+from service.api.errors import ApiError
+from service.api.generation import build_request, check_prompt, encode_messages, new_id, usage_dict
+from service.api.schemas import GenerateBody, TranslateBody
+from service.api.streaming import collect, sse_stream, unless_disconnected
+from service.engine.types import TranslateRequest
+
+router = APIRouter(tags=["native"])
+DEFAULT_MAX_TOKENS = 128
+
+
+@router.post("/v1/generate")
+async def generate(body: GenerateBody, request: Request):
+    """Generate text from a `prompt` or chat `messages`. With `stream: true`, server-sent events:
+    `{"text", "token_ids"}` deltas, a final event with `finish_reason` and `usage`, then `[DONE]`."""
+    backends, limits = request.app.state.backends, request.app.state.limits
+    gen = backends.need_generator(body.model)
+    request.state.model = gen.name
+    if body.prompt is not None:
+        check_prompt(body.prompt, limits, "prompt")
+        ids, param = gen.encode_prompt(body.prompt), "prompt"
+    else:
+        ids, param = encode_messages(gen, body.messages, limits), "messages"
+    rid = new_id("gen")
+    req = build_request(gen, body, ids, prompt_param=param, max_tokens=body.max_tokens,
+                        default_max_tokens=DEFAULT_MAX_TOKENS, limits=limits, top_k=body.top_k,
+                        repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, request_id=rid)
+    events = gen.submit(req)  # raises RequestRejected / EngineOverloaded before any work
+
+    if body.stream:
+        def render(ev) -> list[dict]:
+            out = {"id": rid, "model": gen.name, "text": ev.text, "token_ids": ev.token_ids}
+            if ev.finish_reason is not None:
+                out.update(finish_reason=ev.finish_reason, usage=usage_dict(ev.usage))
+            return [out]
+
+        return StreamingResponse(sse_stream(events, render), media_type="text/event-stream")
+
+    done = await unless_disconnected(request, collect(events))
+    last = done[-1]
+    return {"id": rid, "model": gen.name, "text": "".join(e.text for e in done),
+            "token_ids": [t for e in done for t in e.token_ids], "finish_reason": last.finish_reason,
+            "usage": usage_dict(last.usage)}
+
+
+@router.post("/v1/translate")
+async def translate(body: TranslateBody, request: Request):
+    """Translate one text or a list between Chinese and English (source detected per text when omitted)."""
+    backends, limits = request.app.state.backends, request.app.state.limits
+    tr = backends.need_translator(body.model)
+    request.state.model = tr.name
+    texts = body.texts()
+    if not texts or len(texts) > limits.max_texts:
+        raise ApiError(400, f"text must hold 1..{limits.max_texts} strings, got {len(texts)}", "text")
+    for i, t in enumerate(texts):
+        if not t.strip():
+            raise ApiError(400, f"text[{i}] is empty", "text")
+        if len(t) > limits.max_text_chars:
+            raise ApiError(400, f"text[{i}] is {len(t)} characters; the limit is {limits.max_text_chars}", "text")
+    if body.beam_size > limits.max_beam_size:
+        raise ApiError(400, f"beam_size must be <= {limits.max_beam_size}", "beam_size")
+    if body.max_length is not None and body.max_length > limits.max_translate_length:
+        raise ApiError(400, f"max_length must be <= {limits.max_translate_length}", "max_length")
+    target = body.target_lang
+    if body.source_lang is not None:
+        if target == body.source_lang:
+            raise ApiError(400, "target_lang must differ from source_lang", "target_lang")
+        target = target or other(body.source_lang)
+    req = TranslateRequest(texts=texts, target_lang=target, beam_size=body.beam_size,
+                           length_penalty=body.length_penalty, max_length=body.max_length,
+                           request_id=new_id("tr"))
+    result = await unless_disconnected(request, tr.translate(req))
+    sources = [body.source_lang] * len(texts) if body.source_lang else result.source_langs
+    return {"model": tr.name, "translations": result.translations, "source_langs": sources,
+            "target_langs": result.target_langs, "usage": usage_dict(result.usage)}

@@ -1,0 +1,115 @@
+"""Request bodies of the HTTP API (pydantic v2). Every field has a bound; unknown fields are rejected.
+
+Static bounds live here; configurable ones (`ApiLimits`: prompt length, list lengths, body size) and
+"max_tokens fits the context" are checked by the routes, which name the offending field.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_CHARS = 1_000_000  # hard ceiling on any one string; ApiLimits tightens it
+MAX_TOKENS = 8192  # hard ceiling on max_tokens; the model's context tightens it
+SEED_MAX = 2**63 - 1
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str = Field(max_length=MAX_CHARS)
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart] = Field(max_length=MAX_CHARS)
+    name: str | None = Field(None, max_length=64)
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class Sampling(Strict):
+    """Sampling fields shared by every generation endpoint (OpenAI names)."""
+
+    model: str | None = Field(None, max_length=128)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = Field(None, max_length=MAX_CHARS)
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    stream: bool = False
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class GenerateBody(Sampling):
+    """POST /v1/generate: a raw `prompt` or chat `messages` (exactly one)."""
+
+    prompt: str | None = Field(None, max_length=MAX_CHARS)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024)
+    top_k: int = Field(0, ge=0, le=1000)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class OpenAIBase(Sampling):
+    n: int = Field(1, ge=1, le=1)  # one choice per request
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+
+
+class CompletionBody(OpenAIBase):
+    """POST /v1/completions (OpenAI legacy completions)."""
+
+    prompt: str | list[str] = Field(max_length=MAX_CHARS)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionBody:
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise ValueError("prompt: give one string (batched prompts are not supported)")
+        return self
+
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class ChatCompletionBody(OpenAIBase):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+
+
+class TranslateBody(Strict):
+    """POST /v1/translate: one text or a list; the source language is detected when omitted."""
+
+    model: str | None = Field(None, max_length=128)
+    text: str | list[str] = Field(max_length=MAX_CHARS)
+    source_lang: Literal["en", "zh"] | None = None
+    target_lang: Literal["en", "zh"] | None = None
+    beam_size: int = Field(4, ge=1, le=64)
+    max_length: int | None = Field(None, ge=1, le=4096)
+    length_penalty: float = Field(0.6, ge=0.0, le=2.0)
+
+    def texts(self) -> list[str]:
+        return [self.text] if isinstance(self.text, str) else list(self.text)

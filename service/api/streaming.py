@@ -1,0 +1,90 @@
+"""Server-sent events and client-disconnect handling.
+
+A streamed response stops when the client goes away (Starlette cancels the body iterator); the
+`finally` here closes the engine's iterator, which cancels the request and frees its KV slot.
+A non-streamed request races its work against `http.disconnect` and cancels the work on a disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import Request
+
+from service.api.errors import engine_error, error_body
+from service.engine.types import EngineError
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+def sse(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+async def sse_stream(source: AsyncIterator, render: Callable[[object], list[dict]],
+                     tail: Callable[[], list[dict]] | None = None) -> AsyncIterator[bytes]:
+    """Render each engine event as zero or more SSE `data:` lines, then `tail()`, then `[DONE]`.
+    An engine error mid-stream becomes one error event (the status line has already been sent)."""
+    try:
+        async for event in source:
+            for chunk in render(event):
+                yield sse(chunk)
+        for chunk in tail() if tail else []:
+            yield sse(chunk)
+    except EngineError as e:
+        a = engine_error(e)
+        yield sse(error_body(a.status, a.message))
+    finally:
+        close = getattr(source, "aclose", None)
+        if close is not None:
+            await close()
+    yield sse("[DONE]")
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    raise ClientDisconnected
+
+
+async def collect(source: AsyncIterator) -> list:
+    """All events of an engine stream (closing it even when cancelled)."""
+    events = []
+    try:
+        async for event in source:
+            events.append(event)
+    finally:
+        close = getattr(source, "aclose", None)
+        if close is not None:
+            await close()
+    return events

@@ -1,0 +1,104 @@
+"""Service configuration: which models to load, on what device, with which engine and API limits.
+
+These dataclasses are the `args` of the Serve application (`deploy/serve_config.yaml` ->
+`applications[].args`) and the `user_config` of the ingress deployment (`limits`, live-reloadable).
+Unknown keys are rejected with a message naming them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+GENERATOR_ID = "smollm2-135m-instruct"
+TRANSLATOR_ID = "attnserve-zh-en"
+DEFAULT_TRANSLATOR_DIR = "weights/attnserve-zh-en"  # relative to the repo root
+
+
+def _from_dict(cls, data: dict[str, Any] | None, nested: dict[str, type] | None = None):
+    data = dict(data or {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; known: {sorted(names)}")
+    for key, sub in (nested or {}).items():
+        if key in data and not isinstance(data[key], sub):
+            data[key] = sub.from_dict(data[key])
+    return cls(**data)
+
+
+@dataclass
+class ApiLimits:
+    """Bounds on request bodies, enforced by the HTTP layer before anything reaches an engine."""
+
+    max_body_bytes: int = 1_000_000  # 413 beyond this
+    max_prompt_chars: int = 32_000
+    max_messages: int = 64
+    max_texts: int = 32  # texts per /v1/translate call
+    max_text_chars: int = 2_000  # characters per text to translate
+    max_stop: int = 4  # stop strings per request
+    max_stop_chars: int = 64
+    max_beam_size: int = 8
+    max_translate_length: int = 512
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"ApiLimits.{f.name} must be >= 1, got {getattr(self, f.name)}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> ApiLimits:
+        return _from_dict(cls, data)
+
+
+@dataclass
+class ModelSpec:
+    """One model: where its checkpoint is, and the engine that serves it.
+
+    `checkpoint` None means the default source (SmolLM2 via `ensure_smollm2()` for the generator,
+    `weights/attnserve-zh-en` for the translator). `device`/`dtype` "auto" are resolved on the
+    replica from what Ray assigned: a GPU -> cuda + bfloat16, otherwise cpu + float32.
+    """
+
+    enabled: bool = True
+    checkpoint: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (device/dtype set from above)
+
+    def __post_init__(self):
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"ModelSpec.device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"ModelSpec.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        bad = {"device", "dtype"} & set(self.engine)
+        if bad:
+            raise ValueError(f"ModelSpec.engine must not set {sorted(bad)}: use ModelSpec.device/dtype")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> ModelSpec:
+        return _from_dict(cls, data)
+
+
+@dataclass
+class ServiceConfig:
+    generator: ModelSpec = field(default_factory=ModelSpec)
+    translator: ModelSpec = field(default_factory=lambda: ModelSpec(checkpoint=DEFAULT_TRANSLATOR_DIR))
+    limits: ApiLimits = field(default_factory=ApiLimits)
+    batching: Literal["engine", "serve_batch"] = "engine"  # serve_batch = Ray's @serve.batch (static batches)
+    serve_batch_size: int = 8
+    serve_batch_wait_s: float = 0.05
+
+    def __post_init__(self):
+        if self.batching not in ("engine", "serve_batch"):
+            raise ValueError(f"ServiceConfig.batching must be 'engine' or 'serve_batch', got {self.batching!r}")
+        if self.serve_batch_size < 1 or self.serve_batch_wait_s < 0:
+            raise ValueError("ServiceConfig.serve_batch_size must be >= 1 and serve_batch_wait_s >= 0")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> ServiceConfig:
+        data = dict(data or {})
+        if "translator" in data and data["translator"] is not None and "checkpoint" not in data["translator"]:
+            data["translator"] = {"checkpoint": DEFAULT_TRANSLATOR_DIR, **data["translator"]}
+        return _from_dict(cls, data, {"generator": ModelSpec, "translator": ModelSpec, "limits": ApiLimits})

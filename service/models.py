@@ -1,0 +1,105 @@
+"""Loading the served models: checkpoint -> model + tokenizer -> engine -> HTTP backend.
+
+Device and dtype come from the config, or ("auto") from what the replica was given: a GPU that
+Ray assigned (or, without Ray, any visible GPU) -> cuda + bfloat16; otherwise cpu + float32.
+A model that cannot be loaded is reported (Backends.unavailable) instead of failing the service.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from model.paths import REPO_ROOT
+from service.api.backends import Backends, GeneratorBackend, TranslatorBackend
+from service.config import GENERATOR_ID, TRANSLATOR_ID, ModelSpec, ServiceConfig
+from service.engine.config import EngineConfig
+
+
+class ModelUnavailable(RuntimeError):
+    """The model's files are missing or unreadable; the message says what to do."""
+
+
+def select_device(device: str, dtype: str, *, cuda_available: bool, ray_gpu_ids: list | None,
+                  bf16_supported: bool = True) -> tuple[str, str]:
+    """(device, dtype) for a replica. `ray_gpu_ids`: GPUs Ray assigned to this actor, None outside Ray."""
+    if device == "auto":
+        wants_gpu = bool(ray_gpu_ids) if ray_gpu_ids is not None else cuda_available
+        device = "cuda" if wants_gpu and cuda_available else "cpu"
+    if device == "cuda" and not cuda_available:
+        raise ModelUnavailable("device 'cuda' was configured but no CUDA device is visible to this replica")
+    if dtype == "auto":
+        dtype = ("bfloat16" if bf16_supported else "float16") if device == "cuda" else "float32"
+    return device, dtype
+
+
+def _placement(spec: ModelSpec) -> tuple[str, str]:
+    import torch
+
+    gpu_ids = None
+    try:
+        import ray
+
+        if ray.is_initialized():
+            gpu_ids = list(ray.get_gpu_ids())
+    except ImportError:
+        pass
+    cuda = torch.cuda.is_available()
+    return select_device(spec.device, spec.dtype, cuda_available=cuda, ray_gpu_ids=gpu_ids,
+                         bf16_supported=cuda and torch.cuda.is_bf16_supported())
+
+
+def engine_config(spec: ModelSpec) -> EngineConfig:
+    device, dtype = _placement(spec)
+    return EngineConfig.from_dict({**spec.engine, "device": device, "dtype": dtype})
+
+
+def _resolve(path: str) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+def load_generator(spec: ModelSpec, sink=None) -> GeneratorBackend:
+    from model.checkpoint import load_checkpoint, load_tokenizer
+    from service.engine.generation import GenerationEngine
+
+    if spec.checkpoint:
+        d = _resolve(spec.checkpoint)
+    else:
+        from model.importers.smollm2 import ensure_smollm2
+
+        d = ensure_smollm2()
+    model, tok = load_checkpoint(d), load_tokenizer(d)
+    eos = tok.stop_ids() if hasattr(tok, "stop_ids") else {tok.eos_id} - {None}
+    engine = GenerationEngine(model, tok, engine_config(spec), eos_ids=eos, name=GENERATOR_ID, sink=sink)
+    return GeneratorBackend(engine, tok, name=GENERATOR_ID, chat_template=getattr(tok, "chat_template", None))
+
+
+def load_translator(spec: ModelSpec, sink=None) -> TranslatorBackend:
+    from model.checkpoint import load_checkpoint, load_tokenizer
+    from service.engine.translation import TranslationEngine
+
+    d = _resolve(spec.checkpoint or "weights/attnserve-zh-en")
+    if not (d / "config.json").is_file():
+        raise ModelUnavailable(f"no translator checkpoint at {d}; train one (`attnserve train translate`) "
+                               f"or point translator.checkpoint at a checkpoint folder")
+    engine = TranslationEngine(load_checkpoint(d), load_tokenizer(d), engine_config(spec), name=TRANSLATOR_ID,
+                               sink=sink)
+    return TranslatorBackend(engine, name=TRANSLATOR_ID)
+
+
+def load_backends(cfg: ServiceConfig, sink=None, log=print) -> Backends:
+    """Every enabled model that loads; the others with the reason they did not."""
+    from model.checkpoint import CheckpointError
+
+    backends = Backends()
+    for name, spec, loader, attr in ((GENERATOR_ID, cfg.generator, load_generator, "generator"),
+                                     (TRANSLATOR_ID, cfg.translator, load_translator, "translator")):
+        if not spec.enabled:
+            backends.unavailable[name] = "disabled in the service config"
+            continue
+        try:
+            setattr(backends, attr, loader(spec, sink))
+        except (ModelUnavailable, CheckpointError, FileNotFoundError, OSError, ImportError, ValueError) as e:
+            backends.unavailable[name] = str(e)
+            log(f"attnserve: {name} not served: {e}")
+    return backends
