@@ -1,0 +1,240 @@
+"""Hugging Face layout <-> our DecoderLM: config.json + model.safetensors with Llama or GPT-2 names.
+
+`export_hf` writes a folder that `transformers` loads as `LlamaForCausalLM` or `GPT2LMHeadModel`
+(and other engines that read that layout); `import_hf` reads such a folder (ours or one trained
+elsewhere) into a `DecoderLM`. Differences handled here: we fuse q/k/v and gate/up into one matrix
+each; GPT-2's `Conv1D` stores weights transposed, (in, out); tied heads are stored once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from model.config import DecoderConfig
+
+
+class HFFormatError(ValueError):
+    """The folder or model cannot be mapped; the message says what is unsupported or missing."""
+
+
+# --- which layout ------------------------------------------------------------------------------
+
+def hf_family(cfg: DecoderConfig) -> str:
+    """'llama' or 'gpt2': the Hugging Face architecture that computes exactly what `cfg` computes."""
+    if (cfg.norm, cfg.positions, cfg.mlp) == ("rmsnorm", "rope", "swiglu") and not cfg.norm_bias:
+        return "llama"
+    if ((cfg.norm, cfg.positions, cfg.mlp) == ("layernorm", "learned", "gelu") and cfg.kv_heads == cfg.n_heads
+            and cfg.attn_bias and cfg.mlp_bias and cfg.norm_bias and cfg.tie_embeddings
+            and cfg.dim_head * cfg.n_heads == cfg.d_model):
+        return "gpt2"
+    raise HFFormatError(f"no Hugging Face architecture matches this config (norm={cfg.norm}, positions="
+                        f"{cfg.positions}, mlp={cfg.mlp}, kv_heads={cfg.kv_heads}, biases attn={cfg.attn_bias} "
+                        f"mlp={cfg.mlp_bias} norm={cfg.norm_bias}); supported: Llama-style and GPT-2-style")
+
+
+def hf_config(cfg: DecoderConfig, dtype: torch.dtype = torch.float32) -> dict:
+    dt = str(dtype).removeprefix("torch.")
+    if hf_family(cfg) == "llama":
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_head,
+            "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+            "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.attn_bias, "mlp_bias": cfg.mlp_bias,
+            "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "torch_dtype": dt, "dtype": dt,
+        }
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+        "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": cfg.d_ff,
+        "n_positions": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu_new",
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True,
+        "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "torch_dtype": dt, "dtype": dt,
+    }
+
+
+def config_from_hf(c: dict, where: str = "config.json") -> DecoderConfig:
+    mt = c.get("model_type")
+    try:
+        if mt == "llama":
+            rope = c.get("rope_parameters") or {}
+            scaling = c.get("rope_scaling") or rope
+            if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
+                raise HFFormatError(f"{where}: RoPE scaling {scaling.get('rope_type') or scaling.get('type')!r} "
+                                    "is not supported")
+            heads = c["num_attention_heads"]
+            return DecoderConfig(
+                vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
+                n_heads=heads, n_kv_heads=c.get("num_key_value_heads") or heads, d_ff=c["intermediate_size"],
+                max_seq_len=c.get("max_position_embeddings", 2048), norm="rmsnorm",
+                norm_eps=c.get("rms_norm_eps", 1e-6), positions="rope",
+                rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))), mlp="swiglu",
+                attn_bias=bool(c.get("attention_bias", False)), mlp_bias=bool(c.get("mlp_bias", False)),
+                norm_bias=False, tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+                head_dim=c.get("head_dim") if c.get("head_dim") not in (None, c["hidden_size"] // heads) else None,
+                bos_id=c.get("bos_token_id"), eos_id=_first(c.get("eos_token_id")),
+            )
+        if mt == "gpt2":
+            act = c.get("activation_function", "gelu_new")
+            if act not in ("gelu_new", "gelu_pytorch_tanh"):
+                raise HFFormatError(f"{where}: GPT-2 activation {act!r} is not supported (only tanh GELU)")
+            d = c["n_embd"]
+            return DecoderConfig(
+                vocab_size=c["vocab_size"], d_model=d, n_layers=c["n_layer"], n_heads=c["n_head"],
+                d_ff=c.get("n_inner") or 4 * d, max_seq_len=c.get("n_positions", 1024),
+                norm_eps=c.get("layer_norm_epsilon", 1e-5), bos_id=c.get("bos_token_id"),
+                eos_id=_first(c.get("eos_token_id")),
+            )
+    except KeyError as e:
+        raise HFFormatError(f"{where}: missing config field {e}") from None
+    raise HFFormatError(f"{where}: model_type {mt!r} not supported; supported: ['llama', 'gpt2']")
+
+
+def _first(x):
+    return x[0] if isinstance(x, list) and x else x
+
+
+# --- tensor names ------------------------------------------------------------------------------
+
+def to_hf_state(model) -> dict[str, torch.Tensor]:
+    """Our state dict -> Hugging Face names (split fused matrices, transpose GPT-2 Conv1D weights)."""
+    cfg: DecoderConfig = model.cfg
+    sd = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    q_dim, kv_dim = cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head
+    if hf_family(cfg) == "llama":
+        out["model.embed_tokens.weight"] = sd["embed.weight"]
+        out["model.norm.weight"] = sd["norm.weight"]
+        if not cfg.tie_embeddings:
+            out["lm_head.weight"] = sd["lm_head.weight"]
+        for i in range(cfg.n_layers):
+            p, h = f"blocks.{i}.", f"model.layers.{i}."
+            out[h + "input_layernorm.weight"] = sd[p + "attn_norm.weight"]
+            out[h + "post_attention_layernorm.weight"] = sd[p + "mlp_norm.weight"]
+            for suffix in ("weight", "bias") if cfg.attn_bias else ("weight",):
+                q, k, v = sd[p + f"attn.qkv_proj.{suffix}"].split([q_dim, kv_dim, kv_dim], 0)
+                out[h + f"self_attn.q_proj.{suffix}"], out[h + f"self_attn.k_proj.{suffix}"] = q, k
+                out[h + f"self_attn.v_proj.{suffix}"] = v
+                out[h + f"self_attn.o_proj.{suffix}"] = sd[p + f"attn.o_proj.{suffix}"]
+            for suffix in ("weight", "bias") if cfg.mlp_bias else ("weight",):
+                g, u = sd[p + f"mlp.gate_up.{suffix}"].split(cfg.d_ff, 0)
+                out[h + f"mlp.gate_proj.{suffix}"], out[h + f"mlp.up_proj.{suffix}"] = g, u
+                out[h + f"mlp.down_proj.{suffix}"] = sd[p + f"mlp.down.{suffix}"]
+    else:
+        out["transformer.wte.weight"] = sd["embed.weight"]
+        out["transformer.wpe.weight"] = sd["pos_embed.weight"]
+        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = sd["norm.weight"], sd["norm.bias"]
+        for i in range(cfg.n_layers):
+            p, h = f"blocks.{i}.", f"transformer.h.{i}."
+            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+                for s in ("weight", "bias"):
+                    out[f"{h}{theirs}.{s}"] = sd[f"{p}{ours}.{s}"]
+            for ours, theirs in (("attn.qkv_proj", "attn.c_attn"), ("attn.o_proj", "attn.c_proj"),
+                                 ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
+                out[h + theirs + ".weight"] = sd[p + ours + ".weight"].t()  # Conv1D: (in, out)
+                out[h + theirs + ".bias"] = sd[p + ours + ".bias"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_hf_state(hf: dict[str, torch.Tensor], cfg: DecoderConfig, where: str = "") -> dict[str, torch.Tensor]:
+    """Hugging Face names -> our state dict; raises HFFormatError naming a missing tensor."""
+    family = hf_family(cfg)
+    prefix = "model." if family == "llama" else "transformer."
+    # accept checkpoints saved without the base-model prefix (old GPT-2 files, bare LlamaModel)
+    hf = {(k if k.startswith(prefix) or k == "lm_head.weight" else prefix + k): v for k, v in hf.items()}
+
+    def take(name):
+        if name not in hf:
+            raise HFFormatError(f"{where}: tensor {name!r} missing")
+        return hf[name]
+
+    sd: dict[str, torch.Tensor] = {}
+    if family == "llama":
+        sd["embed.weight"], sd["norm.weight"] = take("model.embed_tokens.weight"), take("model.norm.weight")
+        if not cfg.tie_embeddings:
+            sd["lm_head.weight"] = take("lm_head.weight")
+        for i in range(cfg.n_layers):
+            p, h = f"blocks.{i}.", f"model.layers.{i}."
+            sd[p + "attn_norm.weight"] = take(h + "input_layernorm.weight")
+            sd[p + "mlp_norm.weight"] = take(h + "post_attention_layernorm.weight")
+            for suffix in ("weight", "bias") if cfg.attn_bias else ("weight",):
+                sd[p + f"attn.qkv_proj.{suffix}"] = torch.cat(
+                    [take(h + f"self_attn.{n}_proj.{suffix}") for n in "qkv"], 0)
+                sd[p + f"attn.o_proj.{suffix}"] = take(h + f"self_attn.o_proj.{suffix}")
+            for suffix in ("weight", "bias") if cfg.mlp_bias else ("weight",):
+                sd[p + f"mlp.gate_up.{suffix}"] = torch.cat(
+                    [take(h + f"mlp.gate_proj.{suffix}"), take(h + f"mlp.up_proj.{suffix}")], 0)
+                sd[p + f"mlp.down.{suffix}"] = take(h + f"mlp.down_proj.{suffix}")
+    else:
+        sd["embed.weight"], sd["pos_embed.weight"] = take("transformer.wte.weight"), take("transformer.wpe.weight")
+        sd["norm.weight"], sd["norm.bias"] = take("transformer.ln_f.weight"), take("transformer.ln_f.bias")
+        for i in range(cfg.n_layers):
+            p, h = f"blocks.{i}.", f"transformer.h.{i}."
+            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+                for s in ("weight", "bias"):
+                    sd[f"{p}{ours}.{s}"] = take(f"{h}{theirs}.{s}")
+            for ours, theirs in (("attn.qkv_proj", "attn.c_attn"), ("attn.o_proj", "attn.c_proj"),
+                                 ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
+                sd[p + ours + ".weight"] = take(h + theirs + ".weight").t().contiguous()
+                sd[p + ours + ".bias"] = take(h + theirs + ".bias")
+    return sd
+
+
+# --- folders -----------------------------------------------------------------------------------
+
+def export_hf(model, directory: str | Path, *, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors (+ tokenizer files) in the Hugging Face layout."""
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    state = to_hf_state(model)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    first = next(iter(state.values()))
+    (d / "config.json").write_text(json.dumps(hf_config(model.cfg, first.dtype), indent=2) + "\n")
+    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(d / "model.safetensors"),
+              metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save(d)
+    return d
+
+
+def _read_hf_weights(d: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if (d / "model.safetensors").is_file():
+        return load_file(str(d / "model.safetensors"))
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        out: dict[str, torch.Tensor] = {}
+        for s in shards:
+            out.update(load_file(str(d / s)))
+        return out
+    raise HFFormatError(f"{d}: no model.safetensors or model.safetensors.index.json (pytorch_model.bin is "
+                        "not read: it needs unpickling)")
+
+
+def import_hf(directory: str | Path, *, dtype: torch.dtype | None = None):
+    """A Hugging Face Llama / GPT-2 folder -> our DecoderLM (eval mode)."""
+    from model.decoder import DecoderLM
+
+    d = Path(directory)
+    if not (d / "config.json").is_file():
+        raise HFFormatError(f"{d}: config.json missing")
+    cfg = config_from_hf(json.loads((d / "config.json").read_text()), str(d / "config.json"))
+    sd = from_hf_state(_read_hf_weights(d), cfg, str(d))
+    model = DecoderLM(cfg)
+    expected = model.state_dict()
+    for name, t in sd.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise HFFormatError(f"{d}: tensor for {name} has shape {tuple(t.shape)}, config implies "
+                                f"{tuple(expected[name].shape)}")
+    model.load_state_dict(sd, strict=False)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()

@@ -1,0 +1,98 @@
+"""Hugging Face layout export/import for tiny random Llama- and GPT-2-style models.
+
+transformers is the oracle: it must load our exported folders and compute the same logits.
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from model.config import TINY_GPT2, TINY_LLAMA
+from model.decoder import DecoderLM
+from model.importers.hf import HFFormatError, export_hf, import_hf
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA_BIAS = dataclasses.replace(TINY_LLAMA, attn_bias=True, mlp_bias=True, tie_embeddings=False)
+
+
+def _random(cfg):
+    torch.manual_seed(1)
+    m = DecoderLM(cfg).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so a swapped tensor shows
+        for name, p in m.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return m
+
+
+def _tokens(cfg, t=12):
+    return torch.randint(0, cfg.vocab_size, (2, t))
+
+
+@pytest.mark.parametrize("cfg", [TINY_LLAMA, LLAMA_BIAS], ids=["llama", "llama-bias-untied"])
+def test_llama_export_loads_in_transformers_with_same_logits(tmp_path, cfg):
+    ours = _random(cfg)
+    export_hf(ours, tmp_path)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    x = _tokens(cfg)
+    with torch.no_grad():
+        diff = (ours(x) - theirs(x).logits).abs().max().item()
+    assert diff < 1e-4
+
+
+def test_gpt2_export_loads_in_transformers_with_same_logits(tmp_path):
+    ours = _random(TINY_GPT2)
+    export_hf(ours, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gpt2"
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    x = _tokens(TINY_GPT2)
+    with torch.no_grad():
+        diff = (ours(x) - theirs(x).logits).abs().max().item()
+    assert diff < 1e-4
+
+
+@pytest.mark.parametrize("cfg", [TINY_LLAMA, LLAMA_BIAS, TINY_GPT2], ids=["llama", "llama-bias", "gpt2"])
+def test_import_round_trips_exactly(tmp_path, cfg):
+    ours = _random(cfg)
+    export_hf(ours, tmp_path)
+    back = import_hf(tmp_path)
+    assert back.cfg == ours.cfg
+    a, b = ours.state_dict(), back.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_import_of_a_transformers_saved_model(tmp_path):
+    """A checkpoint 'trained elsewhere': built and saved by transformers itself."""
+    hf_cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      rope_theta=5000.0, tie_word_embeddings=False)
+    torch.manual_seed(2)
+    theirs = transformers.LlamaForCausalLM(hf_cfg).eval()
+    theirs.save_pretrained(tmp_path)
+    ours = import_hf(tmp_path)
+    assert ours.cfg.rope_theta == 5000.0 and ours.cfg.kv_heads == 2
+    x = torch.randint(0, 50, (2, 10))
+    with torch.no_grad():
+        assert (ours(x) - theirs(x).logits).abs().max().item() < 1e-4
+
+
+def test_unsupported_layouts_are_named(tmp_path):
+    odd = dataclasses.replace(TINY_GPT2, n_kv_heads=2)  # GPT-2 has no grouped-query attention
+    with pytest.raises(HFFormatError, match="no Hugging Face architecture"):
+        export_hf(DecoderLM(odd), tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    with pytest.raises(HFFormatError, match="mamba"):
+        import_hf(tmp_path)
+    export_hf(DecoderLM(TINY_LLAMA), tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(HFFormatError, match="model.layers.1.mlp.up_proj.weight"):
+        import_hf(tmp_path)
