@@ -1,0 +1,248 @@
+"""Continuous-batching translation engine for the encoder-decoder (greedy and beam search).
+
+Every text of a request is an item that batches independently; a beam-search item's k hypotheses
+occupy k cache slots and are reordered with `KVCache.copy_slots` after each step. Each step, in the
+worker thread: one batched encoder pass over the newly admitted sources (their cross-attention K/V
+go into their slots), then ONE decoder forward over every running hypothesis. Results are put back
+in request order when all of a request's items are done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from model.generate import max_len_for, pad_batch
+from model.seq2seq import EncoderDecoder
+from model.translation import TAGS, detect_lang, encode_source, other
+from service.engine.beam import BeamState
+from service.engine.config import EngineConfig
+from service.engine.loop import EngineLoop
+from service.engine.stats import EngineStats, MetricsSink
+from service.engine.types import (
+    EngineOverloaded,
+    RequestRejected,
+    TranslateRequest,
+    TranslationResult,
+    Usage,
+)
+
+
+@dataclass(eq=False)
+class _Job:
+    req: TranslateRequest
+    future: asyncio.Future
+    outputs: list[str | None]
+    source_langs: list[str]
+    target_langs: list[str]
+    t_submit: float
+    deadline: float | None
+    usage: Usage = field(default_factory=Usage)
+    left: int = 0  # items not finished
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class _Item:
+    job: _Job
+    index: int  # position of the text in the request
+    beam: BeamState
+    slots: list[int] = field(default_factory=list)
+    encoded: bool = False
+
+
+class TranslationEngine(EngineLoop):
+    def __init__(self, model: EncoderDecoder, tokenizer, config: EngineConfig, *,
+                 name: str = "attnserve-zh-en", sink: MetricsSink | None = None):
+        super().__init__(config, name, sink)
+        self.model = model.to(device=config.device, dtype=config.torch_dtype).eval()
+        self.tokenizer = tokenizer
+        self.cfg = model.cfg
+        self.max_tgt = min(config.max_seq_len, self.cfg.max_tgt_len)
+        self.cache = model.new_cache(config.max_slots, self.max_tgt)
+        self.waiting: deque[_Item] = deque()
+        self.running: list[_Item] = []
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_tgt
+
+    def stats(self) -> EngineStats:
+        used = sum(it.beam.k * (it.beam.step + 1) for it in self.running)
+        return self._stats(len(self.running), len(self.waiting), used)
+
+    # --- submit ------------------------------------------------------------------------------
+    def _items(self, req: TranslateRequest, job: _Job) -> list[_Item]:
+        if not req.texts:
+            raise RequestRejected("texts is empty")
+        if not 1 <= req.beam_size <= self.config.max_slots:
+            raise RequestRejected(f"beam_size must be in [1, {self.config.max_slots}], got {req.beam_size}")
+        if req.target_lang is not None and req.target_lang not in TAGS:
+            raise RequestRejected(f"target_lang must be one of {sorted(TAGS)}, got {req.target_lang!r}")
+        if req.max_length is not None and not 1 <= req.max_length <= self.max_tgt - 1:
+            raise RequestRejected(f"max_length must be in [1, {self.max_tgt - 1}], got {req.max_length}")
+        items = []
+        for i, text in enumerate(req.texts):
+            src_lang = detect_lang(text)
+            tgt = req.target_lang or other(src_lang)
+            job.source_langs.append(src_lang)
+            job.target_langs.append(tgt)
+            if not text.strip():
+                job.outputs.append("")
+                continue
+            job.outputs.append(None)
+            src = encode_source(self.tokenizer, text, tgt)
+            if len(src) > self.cfg.max_src_len:
+                raise RequestRejected(f"text {i} has {len(src) - 2} tokens; the translator takes at most "
+                                      f"{self.cfg.max_src_len - 2} tokens per text (split it into sentences)")
+            limit = req.max_length or max_len_for(len(src), 1.5, 10, self.max_tgt - 1)
+            beam = BeamState(src, req.beam_size, limit, self.cfg.bos_id, self.cfg.eos_id, self.cfg.pad_id,
+                             alpha=req.length_penalty)
+            items.append(_Item(job, i, beam))
+            job.usage.prompt_tokens += len(src)
+        return items
+
+    async def translate(self, req: TranslateRequest) -> TranslationResult:
+        """Translate every text of the request (RequestRejected / EngineOverloaded / EngineStopped are
+        raised before any work). Cancelling the awaiting task frees the request's slots."""
+        self._check_started()
+        now = time.monotonic()
+        limit = req.deadline_s if req.deadline_s is not None else self.config.default_deadline_s
+        job = _Job(req, asyncio.get_running_loop().create_future(), [], [], [], now,
+                   now + limit if limit is not None else None)
+        items = self._items(req, job)
+        if items and len(self.waiting) + len(items) > self.config.max_waiting:
+            raise EngineOverloaded(f"{len(self.waiting)} texts waiting (max_waiting={self.config.max_waiting}); "
+                                   f"retry later", retry_after=1.0)
+        job.left = len(items)
+        if not items:
+            return self._result(job)
+        self.waiting.extend(items)
+        self._wake()
+        try:
+            return await job.future
+        finally:
+            job.cancelled = True  # no-op once the result is set; frees the slots if we were cancelled
+            self._wake()
+
+    def _result(self, job: _Job) -> TranslationResult:
+        return TranslationResult(translations=list(job.outputs), source_langs=job.source_langs,
+                                 target_langs=job.target_langs, usage=job.usage)
+
+    # --- schedule (event loop) -----------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    async def _before_plan(self) -> None:
+        if self.config.mode == "static" and not self.running and 0 < len(self.waiting) < self.config.max_slots:
+            await asyncio.sleep(self.config.static_batch_wait_s)
+
+    def _gone(self, job: _Job, now: float) -> bool:
+        if job.cancelled or job.future.done():
+            return True
+        if job.deadline is not None and now > job.deadline:
+            job.future.set_exception(TimeoutError(f"translation exceeded its deadline of "
+                                                  f"{job.req.deadline_s or self.config.default_deadline_s} s"))
+            self.sink.on_finish(self.name, "timeout", job.usage.prompt_tokens, job.usage.completion_tokens,
+                                now - job.t_submit)
+            return True
+        return False
+
+    def _plan(self) -> list[_Item] | None:
+        now = time.monotonic()
+        keep = []
+        for it in self.running:
+            if self._gone(it.job, now):
+                self._release(it)
+            else:
+                keep.append(it)
+        self.running = keep
+        if any(self._gone(it.job, now) for it in self.waiting):
+            self.waiting = deque(it for it in self.waiting if not self._gone(it.job, now))
+        mode = self.config.mode
+        if mode == "continuous" or not self.running:
+            cap = 1 if mode == "serial" else len(self.waiting)
+            while self.waiting and cap and self.waiting[0].beam.k <= self.slots.n_free:  # FIFO
+                it = self.waiting.popleft()
+                it.slots = self.slots.take(it.beam.k)
+                self.running.append(it)
+                cap -= 1
+        if not self.running:
+            return None
+        self.last_batch_size = sum(it.beam.k for it in self.running)
+        used = sum(it.beam.k * (it.beam.step + 1) for it in self.running)
+        self.sink.on_step(self.name, self.last_batch_size, used / (self.config.max_slots * self.max_tgt),
+                          len(self.running), len(self.waiting))
+        return list(self.running)
+
+    def _release(self, it: _Item) -> None:
+        if it.slots:
+            self.slots.give(it.slots)
+            self.cache.free_slots(it.slots)
+            it.slots = []
+
+    # --- one step (worker thread) ------------------------------------------------------------
+    @torch.inference_mode()
+    def _execute(self, items: list[_Item]) -> list[_Item]:
+        dev = self.config.device
+        new = [it for it in items if not it.encoded]
+        if new:
+            src, mask = pad_batch([it.beam.src for it in new], self.cfg.pad_id, dev)  # (N, S)
+            memory = self.model.encode(src, mask)  # (N, S, d)
+            rep = torch.tensor([i for i, it in enumerate(new) for _ in range(it.beam.k)], device=dev)
+            self.model.set_cross(memory[rep], mask[rep], self.cache, [s for it in new for s in it.slots])
+            for it in new:
+                it.encoded = True
+        slots = [s for it in items for s in it.slots]
+        tokens = torch.tensor([t for it in items for t in it.beam.last], device=dev)[:, None]  # (R, 1)
+        positions = torch.tensor([it.beam.step for it in items for _ in range(it.beam.k)], device=dev)[:, None]
+        logits = self.model.decode(tokens, positions, self.cache, slots)[:, -1]  # (R, V)
+        src_slots, dst_slots = [], []
+        row = 0
+        for it in items:
+            k = it.beam.k
+            parents = it.beam.advance(logits[row: row + k])
+            row += k
+            for j, p in enumerate(parents):
+                if p != j:  # reorder hypotheses; identical slots need no copy
+                    src_slots.append(it.slots[p])
+                    dst_slots.append(it.slots[j])
+        if dst_slots:
+            self.cache.copy_slots(src_slots, dst_slots)
+        return [it for it in items if it.beam.done]
+
+    # --- after a step (event loop) -------------------------------------------------------------
+    def _deliver(self, done: list[_Item]) -> None:
+        if not done:
+            return
+        for it in done:
+            self._release(it)
+            job = it.job
+            tokens = it.beam.best()
+            job.outputs[it.index] = self.tokenizer.decode(tokens)
+            job.usage.completion_tokens += len(tokens)
+            job.left -= 1
+            if job.left == 0 and not job.future.done():
+                job.future.set_result(self._result(job))
+                self.requests_finished += 1
+                self.sink.on_finish(self.name, "stop", job.usage.prompt_tokens, job.usage.completion_tokens,
+                                    time.monotonic() - job.t_submit)
+        self.running = [it for it in self.running if it.slots]
+
+    def _fail_plan(self, items: list[_Item], error: Exception) -> None:
+        for it in items:
+            self._release(it)
+            if not it.job.future.done():
+                it.job.future.set_exception(error)
+        self.running = [it for it in self.running if it.slots]
+
+    def _fail_all(self, error: Exception) -> None:
+        for it in list(self.running) + list(self.waiting):
+            self._release(it)
+            if not it.job.future.done():
+                it.job.future.set_exception(error)
+        self.running, self.waiting = [], deque()

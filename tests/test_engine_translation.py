@@ -1,0 +1,156 @@
+"""TranslationEngine on a random tiny encoder-decoder: equals offline greedy/beam_search, alone or in
+company; multi-text order; cancellation, overload, rejections."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from engine_util import CharTokenizer, tiny_seq2seq
+
+from model.generate import beam_search, greedy
+from model.translation import encode_source
+from service.engine.config import EngineConfig
+from service.engine.translation import TranslationEngine
+from service.engine.types import EngineOverloaded, RequestRejected, TranslateRequest
+
+torch.set_num_threads(1)
+TOK = CharTokenizer()
+MODEL = tiny_seq2seq()
+WORDS = "the cat sat on a mat while dogs ran far away from home and back again".split()
+
+
+def sentence(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 8)))
+
+
+def make_engine(**kw) -> TranslationEngine:
+    cfg = dict(max_slots=24, max_waiting=256)
+    cfg.update(kw)
+    return TranslationEngine(MODEL, TOK, EngineConfig(**cfg))
+
+
+def run(fn, **kw):
+    async def main():
+        engine = make_engine(**kw)
+        await engine.start()
+        try:
+            return await fn(engine)
+        finally:
+            await engine.stop()
+    return asyncio.run(main())
+
+
+def offline(texts, beam):
+    srcs = [encode_source(TOK, t, "zh") for t in texts]
+    if beam == 1:
+        return [TOK.decode(h) for h in greedy(MODEL, srcs)]
+    return [TOK.decode(h[0].tokens) for h in beam_search(MODEL, srcs, beam_size=beam)]
+
+
+TEXTS = ["the cat sat on a mat", "dogs ran far", "home", "and back again while the cat ran away"]
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_engine_equals_offline_alone_and_in_company(beam):
+    expected = offline(TEXTS, beam)
+    assert len(set(expected)) > 1 and all(expected)
+
+    alone = run(lambda e: e.translate(TranslateRequest(TEXTS, target_lang="zh", beam_size=beam)))
+    assert alone.translations == expected
+    assert alone.target_langs == ["zh"] * 4 and alone.source_langs == ["en"] * 4
+
+    async def company(engine):
+        rng = random.Random(5)
+        others = [TranslateRequest([sentence(rng) for _ in range(rng.randint(1, 3))], target_lang="zh",
+                                   beam_size=rng.choice([1, 2, 4])) for _ in range(15)]
+
+        async def late(req, steps):
+            while engine.steps < steps:
+                await asyncio.sleep(0.0005)
+            return await engine.translate(req)
+
+        tasks = [asyncio.create_task(late(r, i)) for i, r in enumerate(others)]
+        while engine.steps < 2:
+            await asyncio.sleep(0.0005)
+        result = await engine.translate(TranslateRequest(TEXTS, target_lang="zh", beam_size=beam))
+        other_results = await asyncio.gather(*tasks)
+        for r, res in zip(others, other_results, strict=True):  # company is right too
+            assert res.translations == offline(r.texts, r.beam_size)
+        return result
+
+    assert run(company, max_slots=24).translations == expected
+
+
+def test_static_and_serial_modes_agree():
+    expected = offline(TEXTS, 2)
+    for mode in ("static", "serial"):
+        res = run(lambda e: e.translate(TranslateRequest(TEXTS, target_lang="zh", beam_size=2)), mode=mode)
+        assert res.translations == expected
+
+
+def test_empty_text_kept_in_place():
+    res = run(lambda e: e.translate(TranslateRequest(["", "the cat", "  "], target_lang="zh", beam_size=1)))
+    assert res.translations[0] == "" and res.translations[2] == ""
+    assert res.translations[1] == offline(["the cat"], 1)[0]
+
+
+def test_cancellation_frees_slots():
+    async def main(engine):
+        task = asyncio.create_task(engine.translate(TranslateRequest(TEXTS * 3, target_lang="zh", beam_size=2)))
+        while engine.stats().slots_used == 0:
+            await asyncio.sleep(0.0005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if engine.stats().slots_used == 0:
+                break
+            await asyncio.sleep(0.005)
+        return engine.stats()
+    st = run(main)
+    assert st.slots_used == 0 and st.running == 0 and st.waiting == 0
+
+
+def test_overload_and_rejections():
+    async def main(engine):
+        with pytest.raises(RequestRejected, match="at most 62 tokens"):
+            await engine.translate(TranslateRequest(["a" * 100], target_lang="zh"))
+        with pytest.raises(RequestRejected, match="beam_size"):
+            await engine.translate(TranslateRequest(["a"], beam_size=99))
+        with pytest.raises(RequestRejected, match="target_lang"):
+            await engine.translate(TranslateRequest(["a"], target_lang="fr"))
+        with pytest.raises(EngineOverloaded):
+            await engine.translate(TranslateRequest(["the cat"] * 5, target_lang="zh"))
+        return (await engine.translate(TranslateRequest(["the cat"] * 4, target_lang="zh"))).translations
+    assert len(run(main, max_waiting=4)) == 4
+
+
+def test_no_slot_leaks_with_random_cancellations():
+    async def main(engine):
+        rng = random.Random(2)
+
+        async def client(i):
+            req = TranslateRequest([sentence(rng) for _ in range(rng.randint(1, 3))], target_lang="zh",
+                                   beam_size=rng.choice([1, 2, 3]))
+            task = asyncio.create_task(engine.translate(req))
+            if rng.random() < 0.3:
+                await asyncio.sleep(rng.random() * 0.01)
+                task.cancel()
+            try:
+                await task
+                return "ok"
+            except asyncio.CancelledError:
+                return "cancelled"
+
+        out = await asyncio.gather(*(client(i) for i in range(150)))
+        for _ in range(200):
+            if engine.stats().slots_used == 0:
+                break
+            await asyncio.sleep(0.005)
+        return out, engine.stats()
+    out, st = run(main, max_slots=8, max_waiting=1000)
+    assert st.slots_used == 0 and st.running == 0 and st.waiting == 0
+    assert "ok" in out and "cancelled" in out
