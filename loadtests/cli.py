@@ -1,0 +1,237 @@
+"""`attnserve loadtest`: runs the Locust scenarios headless in a subprocess and summarises them.
+
+    attnserve loadtest --scenario generate-stream --users 16 --duration 60s [--host URL]
+    attnserve loadtest sweep --scenario chat-stream --users 1,4,16,64 --duration 30s
+    attnserve loadtest --scenario chat-stream --rate 2 --users 32      # open loop, 2 req/s, <= 32 in flight
+
+Each run writes Locust's CSVs, its HTML report and our per-request records into results/<timestamp>/
+(one sub-folder per user count for a sweep, plus sweep.csv and PNG plots), then prints a summary table.
+Locust runs as its own process: its gevent monkey-patching and Ray must never share one."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ipaddress
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+from loadtests.records import read_records
+from loadtests.scenarios import SCENARIOS
+from loadtests.summary import Summary, format_table, summarize
+
+REPO = Path(__file__).resolve().parent.parent
+LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
+DEFAULT_HOST = "http://127.0.0.1:8000"
+
+
+class UsageError(ValueError):
+    """Bad command-line input: printed as a message, exit status 2."""
+
+
+def parse_duration(text: str) -> float:
+    """ "60s", "2m", "1m30s", "45" -> seconds."""
+    text = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    m = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?", text)
+    if not text or not m:
+        raise UsageError(f"bad duration {text!r}: use e.g. 30s, 2m, 1m30s")
+    h, mnt, s = m.groups()
+    total = int(h or 0) * 3600 + int(mnt or 0) * 60 + float(s or 0)
+    if total <= 0:
+        raise UsageError(f"duration must be positive, got {text!r}")
+    return total
+
+
+def parse_users(text: str) -> list[int]:
+    """ "16" -> [16]; "1,4,16,64" -> [1, 4, 16, 64]."""
+    try:
+        users = [int(u) for u in text.split(",") if u.strip()]
+    except ValueError:
+        raise UsageError(f"bad --users {text!r}: use a number or a comma list like 1,4,16") from None
+    if not users or any(u < 1 for u in users):
+        raise UsageError(f"--users must be positive integers, got {text!r}")
+    return users
+
+
+def is_loopback(url: str) -> bool:
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_host(url: str, allow_remote: bool) -> str:
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise UsageError(f"bad --host {url!r}: use e.g. {DEFAULT_HOST}")
+    if not allow_remote and not is_loopback(url):
+        raise UsageError(
+            f"refusing to load-test non-loopback host {parsed.hostname!r}; pass --allow-remote "
+            "if you own it and mean it"
+        )
+    return url.rstrip("/")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "mode",
+        nargs="?",
+        choices=["run", "sweep"],
+        default="run",
+        help="run: one load test (default); sweep: one run per --users value, with plots",
+    )
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), default="chat-stream")
+    p.add_argument("--users", default="4", help="concurrent users (sweep: comma list, e.g. 1,4,16,64)")
+    p.add_argument("--duration", default="30s", help="length of each run, e.g. 30s, 2m")
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"service base URL (default {DEFAULT_HOST})")
+    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="open loop: Poisson arrivals per second (then --users caps requests in flight)",
+    )
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --max-tokens per answer")
+    p.add_argument("--beam-size", type=int, default=4)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model id for the OpenAI endpoints")
+    p.add_argument("--results-dir", default=str(REPO / "results"), help="parent folder of the timestamped results")
+    p.add_argument("--label", default="attnserve", help="name of the target in tables and plots")
+
+
+def locust_command(args: argparse.Namespace, users: int, duration_s: float, out: Path) -> list[str]:
+    """The Locust command line of one run (closed loop, or open loop with one arrival-generating user)."""
+    open_loop = args.rate > 0
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "--only-summary",
+        "-u",
+        "1" if open_loop else str(users),
+        "-r",
+        "1" if open_loop else str(users),
+        "-t",
+        f"{max(1, round(duration_s))}s",
+        "-H",
+        args.host,
+        "--csv",
+        str(out / "locust"),
+        "--html",
+        str(out / "report.html"),
+        "--loglevel",
+        "WARNING",
+        "--records-file",
+        str(out / "requests.jsonl"),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--temperature",
+        str(args.temperature),
+        "--beam-size",
+        str(args.beam_size),
+        "--model",
+        args.model,
+    ]
+    if args.ignore_eos:
+        cmd.append("--ignore-eos")
+    if open_loop:
+        cmd += ["--arrival-rate", str(args.rate), "--max-inflight", str(users)]
+    cmd.append(SCENARIOS[args.scenario])
+    return cmd
+
+
+def run_once(args: argparse.Namespace, users: int, duration_s: float, out: Path) -> Summary:
+    """One headless Locust run into `out`; returns its summary (ValueError when nothing was recorded)."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    with open(out / "locust.log", "w") as log:
+        # Locust exits 1 when any request failed; the failures are in the records, so that is not fatal here.
+        subprocess.run(
+            locust_command(args, users, duration_s, out),
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=duration_s + 180,
+            check=False,
+        )
+    records = read_records(out / "requests.jsonl")
+    if not records:
+        tail = (out / "locust.log").read_text(errors="replace")[-1500:]
+        raise ValueError(f"no requests recorded against {args.host}; locust log:\n{tail}")
+    summary = summarize(records, scenario=args.scenario, users=users)
+    write_summaries(out / "summary.csv", [(args.label, summary)])
+    return summary
+
+
+def write_summaries(path: Path, rows: list[tuple[str, Summary]]) -> None:
+    """One CSV row per (target, summary); the format plots.read_sweep reads."""
+    dicts = [{"target": label, **s.to_row()} for label, s in rows]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(dicts[0]))
+        w.writeheader()
+        w.writerows(dicts)
+
+
+def new_results_dir(parent: str | Path, tag: str) -> Path:
+    path = Path(parent) / f"{time.strftime('%Y%m%d-%H%M%S')}-{tag}"
+    path.mkdir(parents=True, exist_ok=False)
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        args.host = check_host(args.host, args.allow_remote)
+        duration_s = parse_duration(args.duration)
+        users = parse_users(args.users)
+        if args.mode == "run" and len(users) != 1:
+            raise UsageError("a single run takes one --users value; use `attnserve loadtest sweep` for a list")
+        if args.rate < 0:
+            raise UsageError("--rate must be >= 0")
+    except UsageError as e:
+        print(f"attnserve loadtest: {e}", file=sys.stderr)
+        return 2
+    out = new_results_dir(args.results_dir, f"{args.mode}-{args.scenario}")
+    shape = f"open loop {args.rate}/s" if args.rate > 0 else "closed loop"
+    print(f"{args.scenario} against {args.host}, {shape}, {args.duration} per run -> {out}", file=sys.stderr)
+    rows: list[tuple[str, Summary]] = []
+    for u in users:
+        sub = out if args.mode == "run" else out / f"users-{u}"
+        try:
+            rows.append((args.label, run_once(args, u, duration_s, sub)))
+        except ValueError as e:
+            print(f"attnserve loadtest: {e}", file=sys.stderr)
+            return 1
+    print(format_table(rows))
+    if args.mode == "sweep":
+        from loadtests.plots import plot_sweep
+
+        write_summaries(out / "sweep.csv", rows)
+        for p in plot_sweep(out / "sweep.csv", title=f"{args.scenario}: throughput vs concurrency"):
+            print(f"plot: {p}", file=sys.stderr)
+    print(f"results: {out}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtests.cli", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

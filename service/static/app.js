@@ -1,0 +1,297 @@
+// attnserve playground: chat (streamed through /v1/chat/completions) and zh<->en translation
+// (/v1/translate). Plain browser JavaScript, no build step, no dependencies.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const CHAT_MODEL = "smollm2-135m-instruct";
+const MAX_TEXTS_PER_CALL = 32; // the service's default ApiLimits.max_texts
+
+// ---- errors ------------------------------------------------------------------------------------
+
+function showError(message) {
+  const box = $("error");
+  box.textContent = message;
+  box.hidden = !message;
+}
+
+// A readable message from a failed response: {"error": {"message"}} or FastAPI's {"detail"}.
+async function apiError(resp) {
+  let message = "";
+  try {
+    const body = await resp.json();
+    if (body && body.error) message = body.error.message || JSON.stringify(body.error);
+    else if (body && body.detail) message = typeof body.detail === "string" ? body.detail : JSON.stringify(body.detail);
+  } catch (_) {
+    message = resp.statusText;
+  }
+  let text = `Error ${resp.status}: ${message || "request failed"}`;
+  if (resp.status === 429) {
+    const retry = resp.headers.get("Retry-After");
+    text += ` — the service is busy${retry ? `, retry in ${retry} s` : ""}.`;
+  }
+  return text;
+}
+
+function networkError(err) {
+  return `Cannot reach the service (${err.message || err}). Is it still running?`;
+}
+
+// ---- tabs --------------------------------------------------------------------------------------
+
+function selectTab(name) {
+  for (const tab of ["chat", "translate"]) {
+    const on = tab === name;
+    $(`tab-${tab}`).setAttribute("aria-selected", String(on));
+    $(`panel-${tab}`).hidden = !on;
+  }
+  showError("");
+}
+
+// ---- server-sent events ------------------------------------------------------------------------
+
+// Calls onEvent(parsedJson) for every `data:` event of a fetch response body; returns at [DONE] or EOF.
+async function readSSE(resp, onEvent) {
+  const reader = resp.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true }).replace(/\r\n/g, "\n");
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("\n");
+      if (!data) continue;
+      if (data === "[DONE]") return;
+      onEvent(JSON.parse(data));
+    }
+  }
+}
+
+// ---- chat --------------------------------------------------------------------------------------
+
+const chat = { history: [], controller: null };
+
+function addMessage(role, text) {
+  const hint = document.querySelector("#chat-log .hint");
+  if (hint) hint.remove();
+  const div = document.createElement("div");
+  div.className = `msg ${role}`;
+  div.textContent = text;
+  $("chat-log").appendChild(div);
+  $("chat-log").scrollTop = $("chat-log").scrollHeight;
+  return div;
+}
+
+function numberInput(id, min, max, name) {
+  const v = Number($(id).value);
+  if (!Number.isFinite(v) || v < min || v > max) throw new Error(`${name} must be between ${min} and ${max}`);
+  return v;
+}
+
+function setBusy(busy) {
+  $("chat-send").disabled = busy;
+  $("chat-stop").disabled = !busy;
+}
+
+async function sendChat(event) {
+  if (event) event.preventDefault();
+  const text = $("chat-input").value.trim();
+  if (!text || chat.controller) return;
+  let body;
+  try {
+    body = {
+      model: CHAT_MODEL,
+      messages: [...chat.history, { role: "user", content: text }],
+      temperature: numberInput("temperature", 0, 2, "temperature"),
+      top_p: numberInput("top-p", 0.01, 1, "top-p"),
+      max_tokens: Math.round(numberInput("max-tokens", 1, 8192, "max tokens")),
+      stream: true,
+      stream_options: { include_usage: true },
+    };
+  } catch (err) {
+    showError(err.message);
+    return;
+  }
+  showError("");
+  $("chat-input").value = "";
+  addMessage("user", text);
+  const out = addMessage("assistant", "");
+  out.classList.add("streaming");
+  chat.controller = new AbortController();
+  setBusy(true);
+
+  const t0 = performance.now();
+  let tFirst = null;
+  let chunks = 0;
+  let usage = null;
+  let finish = null;
+  let answer = "";
+  let stopped = false;
+  try {
+    const resp = await fetch("/v1/chat/completions", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+      signal: chat.controller.signal,
+    });
+    if (!resp.ok) throw new Error(await apiError(resp));
+    await readSSE(resp, (ev) => {
+      if (ev.error) throw new Error(`Error during generation: ${ev.error.message || JSON.stringify(ev.error)}`);
+      if (ev.usage) usage = ev.usage;
+      const choice = (ev.choices || [])[0];
+      if (!choice) return;
+      if (choice.finish_reason) finish = choice.finish_reason;
+      const delta = (choice.delta && choice.delta.content) || "";
+      if (!delta) return;
+      if (tFirst === null) tFirst = performance.now();
+      chunks += 1;
+      answer += delta;
+      out.textContent = answer;
+      $("chat-log").scrollTop = $("chat-log").scrollHeight;
+    });
+  } catch (err) {
+    if (err.name === "AbortError") {
+      stopped = true;
+    } else {
+      showError(err instanceof TypeError ? networkError(err) : err.message);
+    }
+  } finally {
+    const tEnd = performance.now();
+    out.classList.remove("streaming");
+    chat.controller = null;
+    setBusy(false);
+    if (stopped) {
+      const note = document.createElement("span");
+      note.className = "note";
+      note.textContent = answer ? " [stopped]" : "[stopped before the first token]";
+      out.appendChild(note);
+    }
+    if (answer) {
+      chat.history.push({ role: "user", content: text }, { role: "assistant", content: answer });
+    } else if (!stopped) {
+      out.remove();
+    }
+    showStats(t0, tFirst, tEnd, usage ? usage.completion_tokens : chunks, finish || (stopped ? "stopped" : null));
+  }
+}
+
+function showStats(t0, tFirst, tEnd, tokens, finish) {
+  if (tFirst === null) {
+    $("chat-stats").textContent = "No tokens received.";
+    return;
+  }
+  const ttft = tFirst - t0;
+  const rate = tokens > 1 && tEnd > tFirst ? ((tokens - 1) * 1000) / (tEnd - tFirst) : null;
+  const parts = [`TTFT ${ttft.toFixed(0)} ms`, `${tokens} tokens`];
+  if (rate !== null) parts.push(`${rate.toFixed(1)} tok/s`);
+  if (finish) parts.push(`finish: ${finish}`);
+  $("chat-stats").textContent = "Last answer: " + parts.join(" · ");
+  $("chat-stats").dataset.ttftMs = ttft.toFixed(1);
+  $("chat-stats").dataset.tokens = String(tokens);
+}
+
+function stopChat() {
+  if (chat.controller) chat.controller.abort();
+}
+
+function clearChat() {
+  stopChat();
+  chat.history = [];
+  $("chat-log").innerHTML = "";
+  $("chat-stats").textContent = "No answer yet.";
+  showError("");
+}
+
+// ---- translate ---------------------------------------------------------------------------------
+
+async function translate() {
+  const lines = $("tr-input").value.split("\n");
+  const todo = lines.map((l, i) => [i, l.trim()]).filter(([, l]) => l);
+  if (!todo.length) {
+    showError("Type one or more sentences to translate, one per line.");
+    return;
+  }
+  let beam;
+  try {
+    beam = Math.round(numberInput("tr-beam", 1, 8, "beam size"));
+  } catch (err) {
+    showError(err.message);
+    return;
+  }
+  const dir = $("tr-direction").value;
+  const extra = dir === "auto" ? {} : { source_lang: dir.slice(0, 2), target_lang: dir.slice(3) };
+  showError("");
+  $("tr-go").disabled = true;
+  $("tr-copy").disabled = true;
+  $("tr-output").textContent = "Translating…";
+  const out = lines.map(() => "");
+  const t0 = performance.now();
+  try {
+    for (let k = 0; k < todo.length; k += MAX_TEXTS_PER_CALL) {
+      const part = todo.slice(k, k + MAX_TEXTS_PER_CALL);
+      const resp = await fetch("/v1/translate", {
+        method: "POST",
+        headers: { "Content-Type": "application/json" },
+        body: JSON.stringify({ text: part.map(([, l]) => l), beam_size: beam, ...extra }),
+      });
+      if (!resp.ok) throw new Error(await apiError(resp));
+      const body = await resp.json();
+      part.forEach(([i], j) => (out[i] = body.translations[j]));
+    }
+    $("tr-output").textContent = out.join("\n");
+    $("tr-copy").disabled = false;
+    const secs = (performance.now() - t0) / 1000;
+    $("tr-stats").textContent = `${todo.length} line(s) in ${secs.toFixed(2)} s, beam ${beam}`;
+  } catch (err) {
+    $("tr-output").textContent = "";
+    showError(err instanceof TypeError ? networkError(err) : err.message);
+  } finally {
+    $("tr-go").disabled = false;
+  }
+}
+
+async function copyTranslation() {
+  const text = $("tr-output").textContent;
+  try {
+    await navigator.clipboard.writeText(text);
+  } catch (_) {
+    // Clipboard API needs a secure context; 127.0.0.1 is one, but fall back to a selection copy anyway.
+    const range = document.createRange();
+    range.selectNodeContents($("tr-output"));
+    const sel = window.getSelection();
+    sel.removeAllRanges();
+    sel.addRange(range);
+    document.execCommand("copy");
+    sel.removeAllRanges();
+  }
+  $("tr-copy").textContent = "Copied";
+  setTimeout(() => ($("tr-copy").textContent = "Copy"), 1200);
+}
+
+// ---- start -------------------------------------------------------------------------------------
+
+async function loadModels() {
+  try {
+    const resp = await fetch("/v1/models");
+    if (!resp.ok) throw new Error(await apiError(resp));
+    const ids = (await resp.json()).data.map((m) => m.id);
+    $("models").textContent = ids.length ? `models: ${ids.join(", ")}` : "no models loaded";
+  } catch (err) {
+    $("models").textContent = "models: unknown";
+  }
+}
+
+$("tab-chat").addEventListener("click", () => selectTab("chat"));
+$("tab-translate").addEventListener("click", () => selectTab("translate"));
+$("chat-form").addEventListener("submit", sendChat);
+$("chat-input").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey) sendChat(e);
+});
+$("chat-stop").addEventListener("click", stopChat);
+$("chat-clear").addEventListener("click", clearChat);
+$("tr-go").addEventListener("click", translate);
+$("tr-copy").addEventListener("click", copyTranslation);
+loadModels();

@@ -1,0 +1,192 @@
+"""Unit tests of the load-test tooling that need no service: records, SSE parsing, the summary, CLI
+argument handling (loopback refusal), the Locust command line, plots from a recorded sweep CSV, and the
+translation inputs built from a test split. Never imports Locust (gevent must not patch pytest's process)."""
+
+import argparse
+import csv
+import sys
+
+import pytest
+
+from loadtests import cli, datasets
+from loadtests.plots import plot_sweep, read_sweep
+from loadtests.records import RecordWriter, RequestRecord, read_records
+from loadtests.sse import parse_sse_line
+from loadtests.summary import format_table, summarize
+
+
+def _rec(start, end, ok=True, status=200, ttft=None, itl=(), tokens=0, scenario="chat-stream"):
+    return RequestRecord(scenario, start, end, ok, status, ttft, list(itl), tokens)
+
+
+def test_summary_percentiles_throughput_and_failures():
+    recs = [_rec(100.0 + i, 101.0 + i, ttft=0.1 * (i + 1), itl=[0.01 * (i + 1)] * 2, tokens=10) for i in range(5)]
+    recs.append(_rec(101.0, 101.5, ok=False, status=429))
+    recs.append(_rec(102.0, 102.1, ok=False, status=429))
+    recs.append(_rec(103.0, 103.1, ok=False, status=0))
+    s = summarize(recs, scenario="chat-stream", users=4)
+    assert s.requests == 8 and s.failures == 3
+    assert s.window_s == pytest.approx(5.0)  # 100.0 -> 105.0
+    assert s.req_per_s == pytest.approx(5 / 5.0)
+    assert s.output_tok_per_s == pytest.approx(50 / 5.0)
+    assert s.ttft_p50_s == pytest.approx(0.3)
+    assert s.ttft_p99_s == pytest.approx(0.4 + 0.1 * 0.96)  # linear interpolation between 0.4 and 0.5
+    assert s.itl_p50_s == pytest.approx(0.03)
+    assert s.e2e_p50_s == pytest.approx(1.0)
+    assert s.failures_by_status == {"429": 2, "0": 1}
+    assert s.error_rate == pytest.approx(3 / 8)
+    table = format_table([("attnserve", s)])
+    assert "429:2" in table and "300/" in table and "10.0" in table
+
+
+def test_summary_without_streams_has_no_ttft_and_empty_run_is_an_error():
+    s = summarize([_rec(0.0, 2.0, tokens=7, scenario="generate")])
+    assert s.ttft_p50_s is None and s.itl_p95_s is None and s.output_tok_per_s == pytest.approx(3.5)
+    assert "-/-/-" in format_table([("x", s)])
+    with pytest.raises(ValueError, match="no requests"):
+        summarize([])
+
+
+def test_records_roundtrip_skips_torn_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    w = RecordWriter(path)
+    w.write(_rec(1.0, 2.0, ttft=0.5, itl=[0.1, 0.2], tokens=3))
+    w.write(_rec(2.0, 3.0, ok=False, status=503))
+    w.close()
+    with open(path, "a") as f:
+        f.write('{"scenario": "chat-stream", "start": 1')  # a writer killed mid-line
+    recs = read_records(path)
+    assert len(recs) == 2
+    assert recs[0].itl_s == [0.1, 0.2] and recs[0].e2e_s == pytest.approx(1.0) and recs[1].status == 503
+    assert read_records(tmp_path / "missing.jsonl") == []
+
+
+@pytest.mark.parametrize(
+    "line, text, tokens, finish",
+    [
+        ('data: {"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}', "Hi", None, None),
+        ('data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}', "", None, None),
+        ('data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":9}}', "", 9, None),
+        ('data: {"choices":[{"index":0,"text":" there","finish_reason":"length"}]}', " there", None, "length"),
+        ('data: {"id":"gen-1","text":"你好","token_ids":[5,6]}', "你好", None, None),
+        ('data: {"text":"","finish_reason":"stop","usage":{"completion_tokens":4}}', "", 4, "stop"),
+        (b'data: {"content":"x","tokens_predicted":3}', "x", 3, None),
+    ],
+)
+def test_sse_shapes(line, text, tokens, finish):
+    chunk = parse_sse_line(line)
+    assert (chunk.text, chunk.usage_completion_tokens, chunk.finish_reason) == (text, tokens, finish)
+    assert chunk.error is None and not chunk.done
+
+
+def test_sse_done_error_and_ignored_lines():
+    assert parse_sse_line("data: [DONE]").done
+    assert parse_sse_line('data: {"error":{"message":"engine stopped","code":503}}').error == "engine stopped"
+    assert parse_sse_line("data: {not json").error.startswith("unparseable")
+    for line in ("", ": keep-alive comment", "event: ping"):
+        assert parse_sse_line(line) is None
+
+
+def test_duration_users_and_loopback_rules():
+    assert cli.parse_duration("60s") == 60 and cli.parse_duration("2m") == 120
+    assert cli.parse_duration("1m30s") == 90 and cli.parse_duration("45") == 45
+    for bad in ("", "ten", "0s", "5x"):
+        with pytest.raises(cli.UsageError):
+            cli.parse_duration(bad)
+    assert cli.parse_users("1,4,16,64") == [1, 4, 16, 64] and cli.parse_users("16") == [16]
+    for bad in ("0", "a,b", "", "-4"):
+        with pytest.raises(cli.UsageError):
+            cli.parse_users(bad)
+    for ok in ("http://127.0.0.1:8000", "http://localhost:8000/", "http://[::1]:8000", "http://127.3.2.1"):
+        assert cli.check_host(ok, allow_remote=False) == ok.rstrip("/")
+    for remote in ("http://10.0.0.5:8000", "http://example.com", "http://0.0.0.0:8000"):
+        with pytest.raises(cli.UsageError, match="--allow-remote"):
+            cli.check_host(remote, allow_remote=False)
+        assert cli.check_host(remote, allow_remote=True) == remote
+    with pytest.raises(cli.UsageError, match="bad --host"):
+        cli.check_host("127.0.0.1:8000", allow_remote=False)  # no scheme
+
+
+def _args(argv):
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_cli_refuses_remote_host_and_user_lists_before_running(tmp_path, capsys):
+    base = ["--results-dir", str(tmp_path)]
+    assert cli.run(_args(["--host", "http://192.168.1.20:8000", *base])) == 2
+    assert "refusing" in capsys.readouterr().err
+    assert cli.run(_args(["--users", "1,4", *base])) == 2  # a list needs `sweep`
+    assert "sweep" in capsys.readouterr().err
+    assert cli.run(_args(["--duration", "soon", *base])) == 2
+    assert list(tmp_path.iterdir()) == []  # nothing was started or written
+
+
+def test_locust_command_closed_and_open_loop(tmp_path):
+    a = _args(["--scenario", "generate-stream", "--max-tokens", "32"])
+    cmd = cli.locust_command(a, 16, 60.0, tmp_path)
+    assert cmd[:3] == [sys.executable, "-m", "locust"] and cmd[-1] == "GenerateStreamUser"
+    assert cmd[cmd.index("-u") + 1] == "16" and cmd[cmd.index("-t") + 1] == "60s"
+    assert "--headless" in cmd and "--arrival-rate" not in cmd
+    assert cmd[cmd.index("--records-file") + 1] == str(tmp_path / "requests.jsonl")
+    assert cmd[cmd.index("--max-tokens") + 1] == "32"
+    o = _args(["--scenario", "mixed", "--rate", "2.5"])
+    cmd = cli.locust_command(o, 32, 10.0, tmp_path)
+    assert cmd[cmd.index("-u") + 1] == "1"  # one user generates the Poisson arrivals
+    assert cmd[cmd.index("--arrival-rate") + 1] == "2.5" and cmd[cmd.index("--max-inflight") + 1] == "32"
+    assert cmd[-1] == "MixedUser"
+
+
+def test_plots_from_recorded_sweep_csv(tmp_path):
+    rows = []
+    for target, scale in (("attnserve", 1.0), ("llama-server", 0.7)):
+        for users in (1, 4, 16):
+            s = summarize(
+                [_rec(0.0, 2.0, ttft=0.05 * users, itl=[0.02 * scale, 0.03], tokens=int(60 * users * scale))],
+                users=users,
+            )
+            rows.append((target, s))
+    cli.write_summaries(tmp_path / "sweep.csv", rows)
+    data = read_sweep(tmp_path / "sweep.csv")
+    assert set(data) == {"attnserve", "llama-server"}
+    assert [r["users"] for r in data["attnserve"]] == [1, 4, 16]
+    assert data["llama-server"][2]["output_tok_per_s"] == pytest.approx(60 * 16 * 0.7 / 2.0, rel=0.02)
+    paths = plot_sweep(tmp_path / "sweep.csv", tmp_path / "plots")
+    assert sorted(p.name for p in paths) == ["itl.png", "throughput.png", "ttft.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_plot_of_empty_csv_is_an_error(tmp_path):
+    path = tmp_path / "sweep.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerow(["target", "users", "output_tok_per_s"])
+    with pytest.raises(ValueError, match="no rows"):
+        plot_sweep(path)
+
+
+def test_translate_inputs_from_test_split_balanced_and_filtered(tmp_path):
+    tsv = tmp_path / "test.tsv"
+    lines = [f"This is English sentence number {i} for testing.\t这是第{i}个用于测试的中文句子。" for i in range(300)]
+    lines += ["Heading\t标题", "broken line without a tab"]
+    tsv.write_text("\n".join(lines), encoding="utf-8")
+    out = tmp_path / "inputs.jsonl"
+    rows = datasets.load_translate_inputs(tsv, out)
+    assert out.exists() and len(rows) == 100
+    d = datasets.by_direction(rows)
+    assert len(d["zh"]) == 50 and len(d["en"]) == 50
+    assert all(t.startswith("This is English") for t in d["zh"]) and all("中文" in t for t in d["en"])
+
+
+def test_translate_inputs_fall_back_to_our_sentences(tmp_path):
+    rows = datasets.load_translate_inputs(tmp_path / "no-such-split.tsv", tmp_path / "inputs.jsonl")
+    d = datasets.by_direction(rows)
+    assert len(d["zh"]) >= 8 and len(d["en"]) >= 8  # enough for an 8-sentence batch each way
+    assert not (tmp_path / "inputs.jsonl").exists()
+
+
+def test_prompt_set_is_chat_messages():
+    prompts = datasets.load_prompts()
+    assert len(prompts) >= 20
+    assert all(m[0]["role"] == "user" and m[0]["content"].strip() for m in prompts)
