@@ -8,10 +8,6 @@ from service import metrics
 from service.api.errors import error_body
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 async def _send_413(send, limit: int) -> None:
     body = json.dumps(error_body(413, f"request body exceeds {limit} bytes", "body")).encode()
     await send({"type": "http.response.start", "status": 413,
@@ -32,27 +28,24 @@ class BodyLimit:
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             return await _send_413(send, limit)
-        seen, started = 0, False
+        seen, rejected = 0, False
 
         async def counting_receive():
-            nonlocal seen
+            nonlocal seen, rejected
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise BodyTooLarge
+                if seen > limit and not rejected:  # answer 413 now; the app sees the client leave
+                    rejected = True
+                    await _send_413(send, limit)
+                    return {"type": "http.disconnect"}
             return message
 
-        async def tracking_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        async def guarded_send(message):
+            if not rejected:
+                await send(message)
 
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
-                await _send_413(send, limit)
+        await self.app(scope, counting_receive, guarded_send)
 
 
 class CountResponses:

@@ -1,0 +1,79 @@
+"""Helpers for the HTTP API tests: the real engines on random tiny models behind the real app, no Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+
+import httpx
+from engine_util import CharTokenizer, tiny_llama
+
+from service.api.app import create_app
+from service.api.backends import Backends, GeneratorBackend, TranslatorBackend
+from service.config import TRANSLATOR_ID, ApiLimits
+from service.engine.config import EngineConfig
+from service.engine.generation import GenerationEngine
+from service.metrics import PrometheusSink
+
+TOK = CharTokenizer()
+TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }} | {% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def generator(**engine_kw) -> GeneratorBackend:
+    cfg = EngineConfig(**{"max_slots": 4, "max_seq_len": 128, "prefill_chunk": 32, **engine_kw})
+    engine = GenerationEngine(tiny_llama(), TOK, cfg, eos_ids={TOK.eos_id}, sink=PrometheusSink())
+    return GeneratorBackend(engine, TOK, chat_template=TEMPLATE)
+
+
+def translator(**engine_kw) -> TranslatorBackend | None:
+    try:
+        from service.engine.translation import TranslationEngine
+    except ImportError:
+        return None
+    from engine_util import tiny_seq2seq
+
+    cfg = EngineConfig(**{"max_slots": 8, "max_seq_len": 64, **engine_kw})
+    return TranslatorBackend(TranslationEngine(tiny_seq2seq(), TOK, cfg, sink=PrometheusSink()))
+
+
+def backends(gen_kw: dict | None = None, with_translator: bool = True) -> Backends:
+    b = Backends(generator=generator(**(gen_kw or {})))
+    tr = translator() if with_translator else None
+    if tr is None:
+        b.unavailable[TRANSLATOR_ID] = "no translator checkpoint in this test"
+    else:
+        b.translator = tr
+    return b
+
+
+@asynccontextmanager
+async def client(b: Backends | None = None, limits: ApiLimits | None = None, **app_kw):
+    b = b if b is not None else backends()
+    app = create_app(b, limits, **app_kw)
+    await b.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            c.app = app
+            yield c
+    finally:
+        await b.stop()
+
+
+def run(coro_fn, *args, **kw):
+    """Run `coro_fn(client)` against a fresh app and engines."""
+    async def main():
+        async with client(*args, **kw) as c:
+            return await coro_fn(c)
+    return asyncio.run(main())
+
+
+def sse_events(text: str) -> list:
+    """Parse an SSE body into JSON payloads; the `[DONE]` sentinel stays a string."""
+    out = []
+    for block in text.strip().split("\n\n"):
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out

@@ -1,0 +1,178 @@
+"""The HTTP API without Ray: every endpoint, streaming, model selection, 503/429 mapping, metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from api_util import TOK, backends, run, sse_events
+
+from service.config import GENERATOR_ID, TRANSLATOR_ID
+
+torch.set_num_threads(1)
+GREEDY = {"temperature": 0.0, "max_tokens": 12}
+
+
+def test_health_ready_models():
+    async def main(c):
+        assert (await c.get("/healthz")).json() == {"status": "ok"}
+        r = await c.get("/readyz")
+        assert r.status_code == 200 and GENERATOR_ID in r.json()["models"]
+        ids = [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+        assert ids[0] == GENERATOR_ID
+        assert (await c.get("/docs")).status_code == 200
+        assert "/v1/chat/completions" in (await c.get("/openapi.json")).json()["paths"]
+    run(main)
+
+
+def test_readyz_503_without_generator():
+    from service.api.backends import Backends
+
+    async def main(c):
+        r = await c.get("/readyz")
+        assert r.status_code == 503 and r.json()["unavailable"] == {GENERATOR_ID: "failed to load"}
+        r = await c.post("/v1/generate", json={"prompt": "hi"})
+        assert r.status_code == 503 and "failed to load" in r.json()["error"]["message"]
+    run(main, Backends(unavailable={GENERATOR_ID: "failed to load"}))
+
+
+def test_generate_prompt_and_stream_agree():
+    async def main(c):
+        body = {"prompt": "hello world", **GREEDY}
+        r = await c.post("/v1/generate", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["model"] == GENERATOR_ID and out["finish_reason"] in ("length", "stop")
+        assert out["usage"]["prompt_tokens"] == len(TOK.encode("hello world"))
+        assert out["usage"]["completion_tokens"] == len(out["token_ids"]) <= 12
+        assert out["text"] == TOK.decode(out["token_ids"])
+        r = await c.post("/v1/generate", json={**body, "stream": True})
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]"
+        assert "".join(e["text"] for e in events[:-1]) == out["text"]
+        assert events[-2]["finish_reason"] == out["finish_reason"] and events[-2]["usage"] == out["usage"]
+    run(main)
+
+
+def test_generate_messages_uses_chat_template():
+    async def main(c):
+        msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        out = (await c.post("/v1/generate", json={"messages": msgs, **GREEDY})).json()
+        rendered = "system: be brief | user: hi | assistant: "
+        assert out["usage"]["prompt_tokens"] == len(TOK.encode(rendered))
+    run(main)
+
+
+def test_completions_stream_include_usage():
+    async def main(c):
+        body = {"model": GENERATOR_ID, "prompt": "abc", **GREEDY}
+        full = (await c.post("/v1/completions", json=body)).json()
+        assert full["object"] == "text_completion" and full["choices"][0]["index"] == 0
+        r = await c.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]"
+        usage_chunk = events[-2]
+        assert usage_chunk["choices"] == [] and usage_chunk["usage"] == full["usage"]
+        assert all(e["usage"] is None for e in events[:-2])
+        assert "".join(e["choices"][0]["text"] for e in events[:-2]) == full["choices"][0]["text"]
+        assert events[-3]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+        r = await c.post("/v1/completions", json={**body, "stream": True})
+        assert all("usage" not in e for e in sse_events(r.text)[:-1])
+    run(main)
+
+
+def test_chat_completions_and_stream():
+    async def main(c):
+        body = {"messages": [{"role": "user", "content": "hi"}], **GREEDY}
+        full = (await c.post("/v1/chat/completions", json=body)).json()
+        assert full["object"] == "chat.completion"
+        msg = full["choices"][0]["message"]
+        assert msg["role"] == "assistant"
+        events = sse_events((await c.post("/v1/chat/completions", json={**body, "stream": True})).text)[:-1]
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(e["object"] == "chat.completion.chunk" for e in events)
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+        assert text == msg["content"]
+        assert events[-1]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+        # max_completion_tokens wins over max_tokens
+        r = await c.post("/v1/chat/completions", json={**body, "max_completion_tokens": 3, "max_tokens": 50})
+        assert r.json()["usage"]["completion_tokens"] <= 3
+    run(main)
+
+
+def test_seed_reproducible_and_stop_string():
+    async def main(c):
+        body = {"prompt": "xyz", "temperature": 1.0, "seed": 7, "max_tokens": 20, "ignore_eos": True}
+        a = (await c.post("/v1/generate", json=body)).json()
+        b = (await c.post("/v1/generate", json=body)).json()
+        assert a["text"] == b["text"] and len(a["token_ids"]) == 20
+        stop = a["text"][5:7]
+        s = (await c.post("/v1/generate", json={**body, "stop": [stop]})).json()
+        assert s["finish_reason"] == "stop" and stop not in s["text"] and a["text"].startswith(s["text"])
+    run(main)
+
+
+def test_translator_missing_is_503_with_reason():
+    async def main(c):
+        r = await c.post("/v1/translate", json={"text": "hello"})
+        assert r.status_code == 503
+        assert "no translator checkpoint" in r.json()["error"]["message"]
+        assert TRANSLATOR_ID not in [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+    run(main, backends(with_translator=False))
+
+
+def test_overload_is_429_with_retry_after():
+    async def main(c):
+        r = await c.post("/v1/generate", json={"prompt": "hi"})
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                       "stream": True})
+        assert r.status_code == 429
+    run(main, backends({"max_waiting": 0}, with_translator=False))
+
+
+def test_stopped_engine_is_503():
+    async def main(c):
+        await c.app.state.backends.generator.stop()
+        r = await c.post("/v1/generate", json={"prompt": "hi"})
+        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+    run(main)
+
+
+def test_metrics_move_after_requests():
+    def value(text: str, name: str) -> float:
+        prefix = f'{name}{{model="{GENERATOR_ID}"}} '
+        return sum(float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix))
+
+    async def main(c):
+        before = (await c.get("/metrics")).text
+        await c.post("/v1/generate", json={"prompt": "hello", "max_tokens": 5, "ignore_eos": True})
+        after = (await c.get("/metrics")).text
+        for name in ("attnserve_generation_tokens_total", "attnserve_prompt_tokens_total"):
+            assert value(after, name) - value(before, name) == 5, name
+        for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                     "request_queue_time_seconds", "iteration_batch_size"):
+            assert value(after, f"attnserve_{name}_count") > value(before, f"attnserve_{name}_count"), name
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio"):
+            assert f'attnserve_{name}{{model="{GENERATOR_ID}"}}' in after
+        assert f'attnserve_request_success_total{{model="{GENERATOR_ID}",finished_reason="length"}}' in after
+        assert 'attnserve_http_requests_total{model="smollm2-135m-instruct",route="/v1/generate",status="200"}' in after
+    run(main)
+
+
+def test_playground_served_when_present(tmp_path):
+    (tmp_path / "index.html").write_text("<html>playground</html>")
+
+    async def main(c):
+        r = await c.get("/")
+        assert r.status_code == 200 and "playground" in r.text
+    run(main, backends(with_translator=False), static_dir=tmp_path)
+
+
+@pytest.mark.parametrize("path", ["/v1/nope", "/nope"])
+def test_unknown_route_is_json_404(path):
+    async def main(c):
+        r = await c.get(path)
+        assert r.status_code == 404 and "error" in r.json()
+    run(main, backends(with_translator=False))

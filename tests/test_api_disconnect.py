@@ -1,0 +1,91 @@
+"""Client disconnect cancels the engine request and frees its KV slot (raw ASGI, no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import torch
+from api_util import backends
+
+from service.api.app import create_app
+from service.config import GENERATOR_ID
+from service.metrics import REQUEST_SUCCESS
+
+torch.set_num_threads(1)
+
+
+async def call(app, body: dict, disconnect_after_chunks: int | None, disconnect_after_s: float | None = None):
+    """Drive the app like a server would; the client goes away after N body chunks (or after a delay)."""
+    sent: list[dict] = []
+    gone = asyncio.Event()
+    payload = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/generate", "raw_path": b"/v1/generate", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                          (b"content-length", str(len(payload)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    first = [True]
+
+    async def receive():
+        if first[0]:
+            first[0] = False
+            return {"type": "http.request", "body": payload, "more_body": False}
+        if disconnect_after_s is not None:
+            await asyncio.sleep(disconnect_after_s)
+            gone.set()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        chunks = [m for m in sent if m["type"] == "http.response.body" and m.get("body")]
+        if disconnect_after_chunks is not None and len(chunks) >= disconnect_after_chunks:
+            gone.set()
+
+    await asyncio.wait_for(app(scope, receive, send), timeout=60)
+    return sent
+
+
+def cancelled() -> float:
+    return REQUEST_SUCCESS.labels(GENERATOR_ID, "cancelled")._value.get()
+
+
+def _run(body, **kw):
+    async def main():
+        b = backends({"max_slots": 2}, with_translator=False)
+        app = create_app(b, static_dir=None)
+        await b.start()
+        engine = b.generator.engine
+        try:
+            sent = await call(app, body, **kw)
+            for _ in range(200):  # the engine frees the slot on its next step
+                if engine.stats().running == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return sent, engine.stats(), engine
+        finally:
+            await b.stop()
+    return asyncio.run(main())
+
+
+LONG = {"prompt": "tell me", "max_tokens": 120, "ignore_eos": True, "temperature": 0.0}
+
+
+def test_stream_disconnect_cancels():
+    before = cancelled()
+    sent, stats, _ = _run({**LONG, "stream": True}, disconnect_after_chunks=2)
+    assert cancelled() == before + 1
+    chunks = [m for m in sent if m["type"] == "http.response.body" and m.get("body")]
+    assert sent[0]["status"] == 200
+    assert b"[DONE]" not in b"".join(m["body"] for m in chunks)
+    assert stats.running == 0 and stats.slots_used == 0
+
+
+def test_non_stream_disconnect_cancels():
+    before = cancelled()
+    sent, stats, _ = _run(LONG, disconnect_after_chunks=None, disconnect_after_s=0.01)
+    assert cancelled() == before + 1
+    assert not any(m["type"] == "http.response.start" and m["status"] == 200 for m in sent)
+    assert stats.running == 0 and stats.slots_used == 0
+

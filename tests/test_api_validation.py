@@ -1,0 +1,99 @@
+"""Every bounded field: out-of-range values are a 400 whose error names the field; never a 500."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from api_util import backends, run
+
+from service.config import ApiLimits
+
+torch.set_num_threads(1)
+LIMITS = ApiLimits(max_body_bytes=20_000, max_prompt_chars=200, max_messages=3, max_texts=2, max_text_chars=50,
+                   max_stop=2, max_stop_chars=5, max_beam_size=4, max_translate_length=32)
+MSG = [{"role": "user", "content": "hi"}]
+
+CASES = [
+    # (path, body, status, param)
+    ("/v1/generate", {"prompt": "a", "temperature": 2.5}, 400, "temperature"),
+    ("/v1/generate", {"prompt": "a", "temperature": -0.1}, 400, "temperature"),
+    ("/v1/generate", {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("/v1/generate", {"prompt": "a", "top_p": 1.01}, 400, "top_p"),
+    ("/v1/generate", {"prompt": "a", "top_k": -1}, 400, "top_k"),
+    ("/v1/generate", {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/generate", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/generate", {"prompt": "a", "max_tokens": 128}, 400, "max_tokens"),  # 1 + 128 > context 128
+    ("/v1/generate", {"prompt": "a", "seed": -1}, 400, "seed"),
+    ("/v1/generate", {"prompt": "a", "stop": ["a", "b", "c"]}, 400, "stop"),
+    ("/v1/generate", {"prompt": "a", "stop": "toolong"}, 400, "stop"),
+    ("/v1/generate", {"prompt": "a" * 201}, 400, "prompt"),
+    ("/v1/generate", {"prompt": "a" * 150}, 400, "prompt"),  # 150 tokens > the 128-token context
+    ("/v1/generate", {"prompt": ""}, 400, "prompt"),
+    ("/v1/generate", {"messages": MSG * 4}, 400, "messages"),
+    ("/v1/generate", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+    ("/v1/generate", {"messages": []}, 400, "messages"),
+    ("/v1/generate", {"prompt": "a", "messages": MSG}, 400, "body"),
+    ("/v1/generate", {}, 400, "body"),
+    ("/v1/generate", {"prompt": "a", "bogus": 1}, 400, "bogus"),
+    ("/v1/generate", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
+    ("/v1/generate", {"prompt": "a", "model": "attnserve-zh-en"}, 400, "model"),
+    ("/v1/generate", {"prompt": "a", "stream": "yes please"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "body"),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": "x"}}, 400,
+     "stream_options.include_usage"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 10_000}, 400, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 500}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": MSG, "temperature": 3}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 201}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": MSG, "user": "u" * 300}, 400, "user"),
+    ("/v1/translate", {"text": ["a", "b", "c"]}, 400, "text"),
+    ("/v1/translate", {"text": "x" * 51}, 400, "text"),
+    ("/v1/translate", {"text": "  "}, 400, "text"),
+    ("/v1/translate", {"text": []}, 400, "text"),
+    ("/v1/translate", {"text": "hi", "beam_size": 5}, 400, "beam_size"),
+    ("/v1/translate", {"text": "hi", "beam_size": 0}, 400, "beam_size"),
+    ("/v1/translate", {"text": "hi", "max_length": 33}, 400, "max_length"),
+    ("/v1/translate", {"text": "hi", "source_lang": "fr"}, 400, "source_lang"),
+    ("/v1/translate", {"text": "hi", "target_lang": "de"}, 400, "target_lang"),
+    ("/v1/translate", {"text": "hi", "source_lang": "en", "target_lang": "en"}, 400, "target_lang"),
+    ("/v1/translate", {"text": "hi", "length_penalty": 3}, 400, "length_penalty"),
+    ("/v1/translate", {"text": "hi", "model": "smollm2-135m-instruct"}, 400, "model"),
+]
+
+
+def test_each_bounded_field_names_itself():
+    async def main(c):
+        bad = []
+        for path, body, status, param in CASES:
+            r = await c.post(path, json=body)
+            err = r.json().get("error", {}) if r.headers["content-type"].startswith("application/json") else {}
+            if r.status_code != status or err.get("param") != param or not err.get("message"):
+                bad.append((path, body if len(str(body)) < 80 else "...", r.status_code, err))
+        assert not bad, bad
+    run(main, backends(), LIMITS)
+
+
+@pytest.mark.parametrize("path", ["/v1/generate", "/v1/chat/completions", "/v1/translate"])
+def test_invalid_json_and_body_limit(path):
+    async def main(c):
+        r = await c.post(path, content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+        r = await c.post(path, json={"prompt": "a" * 30_000})
+        assert r.status_code == 413 and "20000 bytes" in r.json()["error"]["message"]
+
+        async def chunks():  # no Content-Length: the limit applies while reading
+            for _ in range(30):
+                yield b"x" * 1000
+        r = await c.post(path, content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413
+    run(main, backends(with_translator=False), LIMITS)
+
+
+def test_limits_reload_live():
+    async def main(c):
+        assert (await c.post("/v1/generate", json={"prompt": "a" * 201, "max_tokens": 1})).status_code == 400
+        c.app.state.limits = ApiLimits(max_prompt_chars=1000)
+        assert (await c.post("/v1/generate", json={"prompt": "a" * 100, "max_tokens": 1})).status_code == 200
+    run(main, backends(with_translator=False), LIMITS)
