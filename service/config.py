@@ -66,6 +66,7 @@ class ModelSpec:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (device/dtype set from above)
+    chat_template: str | None = None  # Jinja chat template overriding the tokenizer's (generator only)
 
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda"):

@@ -71,7 +71,8 @@ def load_generator(spec: ModelSpec, sink=None) -> GeneratorBackend:
     model, tok = load_checkpoint(d), load_tokenizer(d)
     eos = tok.stop_ids() if hasattr(tok, "stop_ids") else {tok.eos_id} - {None}
     engine = GenerationEngine(model, tok, engine_config(spec), eos_ids=eos, name=GENERATOR_ID, sink=sink)
-    return GeneratorBackend(engine, tok, name=GENERATOR_ID, chat_template=getattr(tok, "chat_template", None))
+    return GeneratorBackend(engine, tok, name=GENERATOR_ID,
+                            chat_template=spec.chat_template or getattr(tok, "chat_template", None))
 
 
 def load_translator(spec: ModelSpec, sink=None) -> TranslatorBackend:

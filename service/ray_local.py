@@ -1,0 +1,97 @@
+"""Starting Ray + Serve on this machine, on loopback only, and deploying a Serve config file.
+
+Ray's defaults listen on 0.0.0.0 and replace `_node_ip_address` with the host IP; the environment
+variables below (set before `import ray`) and `http_options.host` keep everything on 127.0.0.1.
+Known exception: a replica's internal gRPC server binds `[::]:0` (hard-coded in Ray 2.60's replica.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+from model.paths import REPO_ROOT
+
+LOOPBACK = "127.0.0.1"
+LOOPBACK_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_SERVE_DEFAULT_HTTP_HOST": LOOPBACK,
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+DEFAULT_CONFIG = REPO_ROOT / "deploy" / "serve_config.yaml"
+OBJECT_STORE_BYTES = 256 * 1024**2  # Ray otherwise reserves a large slice of /dev/shm
+
+
+def loopback_env() -> None:
+    for k, v in LOOPBACK_ENV.items():
+        os.environ.setdefault(k, v)
+    # replicas must import `model` and `service` from this checkout
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(REPO_ROOT) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])
+
+
+def read_config(path: str | Path, host: str | None = None, port: int | None = None) -> dict:
+    """The Serve config (Ray's format) with http_options overridden by the command line."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"Serve config not found: {p}")
+    config = yaml.safe_load(p.read_text()) or {}
+    http = config.setdefault("http_options", {})
+    http["host"] = host or http.get("host") or LOOPBACK
+    http["port"] = int(port or http.get("port") or 8000)
+    return config
+
+
+def start_ray(num_cpus: int | None = None, object_store_bytes: int = OBJECT_STORE_BYTES) -> None:
+    loopback_env()
+    import ray
+
+    if ray.is_initialized():
+        return
+    ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=num_cpus,
+             object_store_memory=object_store_bytes, namespace="serve", log_to_driver=True,
+             runtime_env={"env_vars": {k: os.environ[k] for k in ("PYTHONPATH", *LOOPBACK_ENV)}})
+
+
+def deploy(config: dict, timeout_s: float = 600.0) -> None:
+    """Start Serve with the config's http_options and deploy its applications; wait until RUNNING."""
+    from ray.serve._private import api as serve_private
+    from ray.serve.config import ProxyLocation
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(config)
+    client = serve_private.serve_start(http_options=schema.http_options.model_dump(),
+                                       proxy_location=schema.proxy_location or ProxyLocation.HeadOnly)
+    client.deploy_apps(schema, _blocking=False)
+    wait_running([a.name for a in schema.applications], timeout_s)
+
+
+def wait_running(names: list[str], timeout_s: float) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        apps = serve.status().applications
+        states = {n: (apps[n].status if n in apps else "NOT_STARTED") for n in names}
+        if all(s == "RUNNING" for s in states.values()):
+            return
+        failed = {n: apps[n].message for n, s in states.items() if s in ("DEPLOY_FAILED", "UNHEALTHY")}
+        if failed:
+            raise RuntimeError(f"Serve application(s) failed: {failed}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Serve applications not RUNNING after {timeout_s:.0f} s: {states}")
+        time.sleep(0.5)
+
+
+def shutdown() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()

@@ -1,0 +1,55 @@
+"""The `serve_batch` mode: Ray Serve's request-level batching (`@serve.batch`) in front of the engine.
+
+Requests that arrive within `wait_s` (up to `batch_size`) are submitted to the engine together and
+streamed back in lockstep; later requests wait for the whole batch to finish (new requests cannot
+join a running `@serve.batch` generator, ray#36098). This is the baseline the engine's own
+iteration-level batching is compared against. A disconnect frees its slot when its batch ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from service.api.backends import GeneratorBackend
+from service.engine.types import EngineError, GenerateRequest, GenerationEvent
+
+
+class ServeBatchGenerator(GeneratorBackend):
+    def __init__(self, inner: GeneratorBackend, batch_size: int, wait_s: float):
+        super().__init__(inner.engine, inner.tokenizer, name=inner.name, chat_template=inner.chat_template)
+        self._batched = serve.batch(max_batch_size=batch_size, batch_wait_timeout_s=wait_s)(self._run_batch)
+
+    async def _run_batch(self, reqs: list[GenerateRequest]) -> AsyncIterator[list]:
+        """One list per step: the next event of each request, or StopIteration once it has ended."""
+        streams: list = []
+        for r in reqs:
+            try:
+                streams.append(self.engine.submit(r))
+            except EngineError as e:
+                streams.append(e)
+        done = [False] * len(reqs)
+        while not all(done):
+            out: list = []
+            for i, s in enumerate(streams):
+                if done[i]:
+                    out.append(StopIteration)
+                    continue
+                if isinstance(s, Exception):
+                    done[i] = True
+                    out.append(s)
+                    continue
+                ev = await anext(s)
+                done[i] = ev.finished
+                out.append(ev)
+            yield out
+
+    def submit(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
+        return self._stream(req)
+
+    async def _stream(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
+        async for item in self._batched(req):
+            if isinstance(item, Exception):
+                raise item
+            yield item
