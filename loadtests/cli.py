@@ -106,6 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --max-tokens per answer")
     p.add_argument("--beam-size", type=int, default=4)
     p.add_argument("--model", default="smollm2-135m-instruct", help="model id for the OpenAI endpoints")
+    p.add_argument("--translate-file", default="", help="JSONL of {text, source_lang, target_lang} for the "
+                   "translate scenarios (default: 100 sentences of the held-out test split)")
     p.add_argument("--results-dir", default=str(REPO / "results"), help="parent folder of the timestamped results")
     p.add_argument("--label", default="attnserve", help="name of the target in tables and plots")
 
@@ -148,6 +150,8 @@ def locust_command(args: argparse.Namespace, users: int, duration_s: float, out:
     ]
     if args.ignore_eos:
         cmd.append("--ignore-eos")
+    if args.translate_file:
+        cmd += ["--translate-file", str(Path(args.translate_file).resolve())]
     if open_loop:
         cmd += ["--arrival-rate", str(args.rate), "--max-inflight", str(users)]
     cmd.append(SCENARIOS[args.scenario])

@@ -17,13 +17,13 @@ TRANSLATE_INPUTS = DATA_DIR / "translate_inputs.jsonl"  # generated, git-ignored
 TRANSLATE_FALLBACK = DATA_DIR / "translate_fallback.jsonl"  # ours, committed
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+def read_jsonl(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def load_prompts(path: Path = PROMPTS) -> list[list[dict]]:
     """Chat conversations (lists of {"role", "content"}) for the generate and chat scenarios."""
-    return [row["messages"] for row in _read_jsonl(path)]
+    return [row["messages"] for row in read_jsonl(path)]
 
 
 def default_test_split() -> Path:
@@ -66,10 +66,10 @@ def load_translate_inputs(test_tsv: Path | None = None, out: Path = TRANSLATE_IN
         if split.exists():
             build_translate_inputs(split, out)
     if out.exists():
-        rows = _read_jsonl(out)
+        rows = read_jsonl(out)
         if rows:
             return rows
-    return _read_jsonl(TRANSLATE_FALLBACK)
+    return read_jsonl(TRANSLATE_FALLBACK)
 
 
 def by_direction(rows: list[dict]) -> dict[str, list[str]]:

@@ -28,12 +28,12 @@ import gevent.pool
 from locust import HttpUser, constant, events, task
 from requests.adapters import HTTPAdapter
 
-from loadtests.datasets import by_direction, load_prompts, load_translate_inputs
+from loadtests.datasets import by_direction, load_prompts, load_translate_inputs, read_jsonl
 from loadtests.records import RecordWriter, RequestRecord
 from loadtests.sse import parse_sse_line
 
 PROMPTS = load_prompts()
-TRANSLATE = by_direction(load_translate_inputs())
+TRANSLATE: dict[str, list[str]] = {}  # target language -> source sentences, loaded at init
 TRANSLATE_BATCH = 8
 _writer: RecordWriter | None = None
 
@@ -49,14 +49,19 @@ def _add_arguments(parser):
     parser.add_argument("--arrival-rate", type=float, default=0.0, help="open loop: Poisson arrivals per second")
     parser.add_argument("--max-inflight", type=int, default=64, help="open loop: cap on requests in flight")
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    parser.add_argument("--translate-file", default="", help="JSONL of {text, source_lang, target_lang} to use "
+                        "instead of the sentences from the test split")
 
 
 @events.init.add_listener
 def _on_init(environment, **_kw):
     global _writer
-    path = getattr(environment.parsed_options, "records_file", "") if environment.parsed_options else ""
+    opts = environment.parsed_options
+    path = getattr(opts, "records_file", "") if opts else ""
     if path:
         _writer = RecordWriter(path)
+    own = getattr(opts, "translate_file", "") if opts else ""
+    TRANSLATE.update(by_direction(read_jsonl(own) if own else load_translate_inputs()))
 
 
 @events.quitting.add_listener
@@ -207,8 +212,11 @@ class LLMUser(HttpUser):
 
     @staticmethod
     def _read_stream(resp, rec: RequestRecord, t0: float):
+        """TTFT = first chunk with text; a stream is complete at [DONE] or a finish_reason (an empty answer,
+        e.g. EOS first, is a success without TTFT); a stream cut before either is a failure."""
         last = None
         chunks = 0
+        complete = False
         for line in resp.iter_lines(chunk_size=None):
             chunk = parse_sse_line(line)
             if chunk is None:
@@ -217,7 +225,9 @@ class LLMUser(HttpUser):
                 rec.error = chunk.error[:200]
                 return
             if chunk.done:
+                complete = True
                 break
+            complete = complete or chunk.finish_reason is not None
             if chunk.usage_completion_tokens is not None:
                 rec.output_tokens = chunk.usage_completion_tokens
             if chunk.text:
@@ -230,8 +240,8 @@ class LLMUser(HttpUser):
                 chunks += 1
         if not rec.output_tokens:
             rec.output_tokens = chunks  # no usage in the stream: one chunk ~ one token
-        if chunks == 0:
-            rec.error = "stream ended without any text"
+        if not complete:
+            rec.error = "stream ended before [DONE] or a finish_reason"
             return
         rec.ok = True
 
