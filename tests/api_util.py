@@ -77,3 +77,11 @@ def sse_events(text: str) -> list:
         payload = block[len("data: "):]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of the samples called `name` whose labels include `labels`, from Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))

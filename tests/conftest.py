@@ -14,3 +14,6 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+from serve_fixture import serve_url  # noqa: E402,F401  (the one shared Ray Serve instance, for `ray` tests)

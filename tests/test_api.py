@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from api_util import TOK, backends, run, sse_events
+from api_util import TOK, backends, metric, run, sse_events
 
 from service.config import GENERATOR_ID, TRANSLATOR_ID
 
@@ -156,8 +156,11 @@ def test_metrics_move_after_requests():
             assert value(after, f"attnserve_{name}_count") > value(before, f"attnserve_{name}_count"), name
         for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio"):
             assert f'attnserve_{name}{{model="{GENERATOR_ID}"}}' in after
-        assert f'attnserve_request_success_total{{model="{GENERATOR_ID}",finished_reason="length"}}' in after
-        assert 'attnserve_http_requests_total{model="smollm2-135m-instruct",route="/v1/generate",status="200"}' in after
+        for name, labels in (("attnserve_request_success_total", {"finished_reason": "length"}),
+                             ("attnserve_http_requests_total", {"route": "/v1/generate", "status": "200"})):
+            moved = metric(after, name, model=GENERATOR_ID, **labels) - metric(before, name, model=GENERATOR_ID,
+                                                                                 **labels)
+            assert moved == 1, name
     run(main)
 
 
