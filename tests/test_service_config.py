@@ -1,0 +1,53 @@
+"""Device/dtype selection from what Ray assigned, service config parsing, and missing-model handling (CPU only)."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.config import GENERATOR_ID, TRANSLATOR_ID, ApiLimits, ModelSpec, ServiceConfig
+from service.models import ModelUnavailable, engine_config, load_backends, select_device
+
+
+@pytest.mark.parametrize("device,dtype,cuda,ray_gpus,bf16,expected", [
+    ("auto", "auto", False, None, False, ("cpu", "float32")),  # no Ray, no GPU
+    ("auto", "auto", True, None, True, ("cuda", "bfloat16")),  # no Ray, a visible GPU
+    ("auto", "auto", True, [], True, ("cpu", "float32")),  # Ray gave this replica no GPU
+    ("auto", "auto", True, [0], True, ("cuda", "bfloat16")),  # Ray assigned GPU 0
+    ("auto", "auto", True, [0], False, ("cuda", "float16")),  # GPU without bf16
+    ("auto", "float32", True, [0], True, ("cuda", "float32")),  # explicit dtype wins
+    ("cpu", "auto", True, [0], True, ("cpu", "float32")),  # explicit device wins
+    ("auto", "auto", False, [0], False, ("cpu", "float32")),  # assigned but not visible: CPU fallback
+])
+def test_select_device(device, dtype, cuda, ray_gpus, bf16, expected):
+    assert select_device(device, dtype, cuda_available=cuda, ray_gpu_ids=ray_gpus, bf16_supported=bf16) == expected
+
+
+def test_cuda_requested_without_gpu_is_clear_error():
+    with pytest.raises(ModelUnavailable, match="cuda"):
+        select_device("cuda", "auto", cuda_available=False, ray_gpu_ids=None)
+
+
+def test_engine_config_on_this_machine_is_cpu_fp32():
+    cfg = engine_config(ModelSpec(engine={"max_slots": 3}))
+    assert (cfg.device, cfg.dtype, cfg.max_slots) == ("cpu", "float32", 3)
+
+
+def test_config_rejects_unknown_and_bad_fields():
+    with pytest.raises(ValueError, match="bogus"):
+        ServiceConfig.from_dict({"bogus": 1})
+    with pytest.raises(ValueError, match="max_slot"):
+        engine_config(ModelSpec(engine={"max_slot": 3}))
+    with pytest.raises(ValueError, match="device"):
+        ModelSpec.from_dict({"engine": {"device": "cuda"}})
+    with pytest.raises(ValueError, match="max_texts"):
+        ApiLimits(max_texts=0)
+    assert ServiceConfig.from_dict({"translator": {"device": "cpu"}}).translator.checkpoint == "weights/attnserve-zh-en"
+
+
+def test_missing_translator_is_reported_not_fatal(tmp_path):
+    cfg = ServiceConfig.from_dict({"generator": {"enabled": False},
+                                   "translator": {"checkpoint": str(tmp_path / "nothing")}})
+    b = load_backends(cfg, log=lambda *_: None)
+    assert b.generator is None and b.translator is None
+    assert "no translator checkpoint" in b.unavailable[TRANSLATOR_ID]
+    assert "disabled" in b.unavailable[GENERATOR_ID]
