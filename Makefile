@@ -34,3 +34,9 @@ bench-engine: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+cluster-up: install
+	$(VENV)/bin/attnserve cluster up
+
+cluster-down: install
+	$(VENV)/bin/attnserve cluster down
