@@ -67,9 +67,11 @@ def read_config(directory: str | Path) -> tuple[str, DecoderConfig | Seq2SeqConf
     if not path.is_file():
         raise CheckpointError(f"checkpoint config missing: {path}")
     try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("config", {}), dict):
+        raise CheckpointError(f"{path}: expected an object with 'architecture' and 'config'")
     arch = meta.get("architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: unknown architecture {arch!r}; expected one of {sorted(ARCHITECTURES)}")

@@ -17,6 +17,16 @@ def _from_dict(cls, data: dict[str, Any]):
     unknown = sorted(set(data) - names)
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown config field(s) {unknown}")
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for name, value in data.items():
+        d = defaults[name]
+        if isinstance(d, bool) and not isinstance(value, bool):
+            raise ValueError(f"{cls.__name__}.{name} must be a boolean, got {value!r}")
+        if isinstance(d, int) and not isinstance(d, bool) and (not isinstance(value, int) or isinstance(value, bool)
+                                                               or value < 0):
+            raise ValueError(f"{cls.__name__}.{name} must be a non-negative integer, got {value!r}")
+        if isinstance(d, float) and not isinstance(value, (int, float)):
+            raise ValueError(f"{cls.__name__}.{name} must be a number, got {value!r}")
     return cls(**data)
 
 
