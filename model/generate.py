@@ -140,8 +140,8 @@ def beam_search(model: EncoderDecoder, sources: list[list[int]], *, beam_size: i
             dst_slots.extend(i * k + j for j in range(k))
             last[i * k: (i + 1) * k, 0] = torch.tensor(new_last, device=dev)
             still.append(i)
-        if dst_slots:
-            cache.copy_slots(src_slots, dst_slots)
+        if dst_slots:  # within one source's beams: same cross K/V, positions 0..step written
+            cache.copy_slots(src_slots, dst_slots, length=step + 1, cross=False)
         active = still
         if not active:
             break

@@ -49,14 +49,21 @@ class KVCache:
         src_length = int(self.src_len[slots_t].max()) if self.cross_len and len(slots_t) else 0
         return CacheContext(self, slots_t, sel, positions, length, src_length)
 
-    def copy_slots(self, src: torch.Tensor | list[int], dst: torch.Tensor | list[int]) -> None:
-        """Copy whole slots (for beam search: reorder hypotheses). src/dst are equal-length lists."""
+    def copy_slots(self, src: torch.Tensor | list[int], dst: torch.Tensor | list[int], *,
+                   length: int | None = None, cross: bool = True) -> None:
+        """Copy whole slots (for beam search: reorder hypotheses). src/dst are equal-length lists.
+
+        `length` copies only the first `length` self-attention positions (all a hypothesis has
+        written); `cross=False` skips the cross-attention K/V, for beams of the same source whose
+        cross K/V are already identical.
+        """
         src = torch.as_tensor(src, dtype=torch.long, device=self.k.device)
         dst = torch.as_tensor(dst, dtype=torch.long, device=self.k.device)
-        # Index with a copy of src first, so that overlapping src/dst permutations are safe.
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
-        if self.cross_len:
+        n = self.max_len if length is None else length
+        # the right-hand side gathers a copy first, so overlapping src/dst permutations are safe
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        if self.cross_len and cross:
             self.cross_k[:, dst] = self.cross_k[:, src]
             self.cross_v[:, dst] = self.cross_v[:, src]
             self.src_len[dst] = self.src_len[src]

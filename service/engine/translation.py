@@ -211,8 +211,8 @@ class TranslationEngine(EngineLoop):
                 if p != j:  # reorder hypotheses; identical slots need no copy
                     src_slots.append(it.slots[p])
                     dst_slots.append(it.slots[j])
-        if dst_slots:
-            self.cache.copy_slots(src_slots, dst_slots)
+        if dst_slots:  # beams of one source share cross K/V: copy only the positions written so far
+            self.cache.copy_slots(src_slots, dst_slots, length=int(positions.max()) + 1, cross=False)
         return [it for it in items if it.beam.done]
 
     # --- after a step (event loop) -------------------------------------------------------------
