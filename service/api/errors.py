@@ -3,6 +3,8 @@ with a 4xx/503 status. Validation errors name the field; engine errors map to th
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -10,8 +12,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.engine.types import EngineError, EngineOverloaded
 
-TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-         413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+logger = logging.getLogger("attnserve.api")
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+         503: "service_unavailable", 504: "timeout_error"}
 
 
 class ApiError(Exception):
@@ -37,8 +41,18 @@ def engine_error(e: EngineError) -> ApiError:
     return ApiError(status, str(e) or type(e).__name__, None, headers)
 
 
+def _unparsable_body(cause: BaseException | None) -> str:
+    """What was wrong with a body FastAPI could not parse (it only says "error parsing the body")."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"body is not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at offset {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "body: JSON is nested too deeply"
+    return f"body could not be parsed as JSON ({type(cause).__name__ if cause else 'unknown error'})"
+
+
 def _field(loc: tuple) -> str:
-    parts = [str(p) for p in loc if p != "body"]
+    # pydantic tags errors inside a union with the member type (`function-after[...]`, `list[str]`): drop those
+    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and "[" in p)]
     return ".".join(parts) if parts else "body"
 
 
@@ -55,15 +69,28 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
         errors = e.errors()
-        first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
+        # inside a union (`str | list[str]`) the member whose type did not match adds a "should be a valid
+        # <type>" error; a more specific one (a bound, a bad value) names the real problem
+        specific = [er for er in errors if not str(er.get("type", "")).endswith("_type")]
+        first = (specific or errors or [{"loc": ("body",), "msg": "invalid request"}])[0]
         field = _field(tuple(first.get("loc", ())))
+        msg = f"{field}: {first.get('msg', 'invalid value')}"
         if first.get("type") == "json_invalid":
             field = "body"
-        msg = f"{field}: {first.get('msg', 'invalid value')}"
+            msg = f"body: invalid JSON: {(first.get('ctx') or {}).get('error', 'decode error')}"
+            pos = [p for p in first.get("loc", ()) if isinstance(p, int)]
+            msg += f" at offset {pos[0]}" if pos else ""
         if len(errors) > 1:
             msg += f" (and {len(errors) - 1} more error(s))"
         return error_response(400, msg, field)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception):  # a bug: JSON in the usual shape, no traceback leaked
+        logger.exception("unhandled error in a request")
+        return error_response(500, f"internal error ({type(e).__name__})")
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):
+        if e.status_code == 400 and e.detail == "There was an error parsing the body":
+            return error_response(400, _unparsable_body(e.__cause__), "body")
         return error_response(e.status_code, str(e.detail), None, getattr(e, "headers", None))

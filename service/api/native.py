@@ -76,7 +76,10 @@ async def translate(body: TranslateBody, request: Request):
     req = TranslateRequest(texts=texts, target_lang=target, beam_size=body.beam_size,
                            length_penalty=body.length_penalty, max_length=body.max_length,
                            request_id=new_id("tr"))
-    result = await unless_disconnected(request, tr.translate(req))
+    try:
+        result = await unless_disconnected(request, tr.translate(req))
+    except TimeoutError as e:  # the engine's per-request deadline (EngineConfig.default_deadline_s)
+        raise ApiError(504, str(e) or "translation exceeded its deadline", None) from None
     sources = [body.source_lang] * len(texts) if body.source_lang else result.source_langs
     return {"model": tr.name, "translations": result.translations, "source_langs": sources,
             "target_langs": result.target_langs, "usage": usage_dict(result.usage)}

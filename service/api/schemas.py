@@ -6,28 +6,42 @@ Static bounds live here; configurable ones (`ApiLimits`: prompt length, list len
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 MAX_CHARS = 1_000_000  # hard ceiling on any one string; ApiLimits tightens it
 MAX_TOKENS = 8192  # hard ceiling on max_tokens; the model's context tightens it
 SEED_MAX = 2**63 - 1
 
 
+def _valid_unicode(s: str) -> str:
+    """JSON may carry lone UTF-16 surrogates (`"\\ud800"`), which are not text: no tokenizer or UTF-8
+    response can hold them, so they are a 400 here rather than an error deep in the engine."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone UTF-16 surrogate {s[e.start]!r} at index {e.start}; "
+                         f"send valid Unicode text") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]  # every free-text field of a request body
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/Infinity are JSON extensions
 
 
 class TextPart(Strict):
     type: Literal["text"]
-    text: str = Field(max_length=MAX_CHARS)
+    text: Text = Field(max_length=MAX_CHARS)
 
 
 class ChatMessage(Strict):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart] = Field(max_length=MAX_CHARS)
-    name: str | None = Field(None, max_length=64)
+    content: Text | list[TextPart] = Field(max_length=MAX_CHARS)
+    name: Text | None = Field(None, max_length=64)
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -38,11 +52,11 @@ class ChatMessage(Strict):
 class Sampling(Strict):
     """Sampling fields shared by every generation endpoint (OpenAI names)."""
 
-    model: str | None = Field(None, max_length=128)
+    model: Text | None = Field(None, max_length=128)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = Field(None, max_length=MAX_CHARS)
+    stop: Text | list[Text] | None = Field(None, max_length=MAX_CHARS)
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     stream: bool = False
 
@@ -55,7 +69,7 @@ class Sampling(Strict):
 class GenerateBody(Sampling):
     """POST /v1/generate: a raw `prompt` or chat `messages` (exactly one)."""
 
-    prompt: str | None = Field(None, max_length=MAX_CHARS)
+    prompt: Text | None = Field(None, max_length=MAX_CHARS)
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024)
     top_k: int = Field(0, ge=0, le=1000)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
@@ -75,13 +89,13 @@ class StreamOptions(Strict):
 class OpenAIBase(Sampling):
     n: int = Field(1, ge=1, le=1)  # one choice per request
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, max_length=256)
+    user: Text | None = Field(None, max_length=256)
 
 
 class CompletionBody(OpenAIBase):
     """POST /v1/completions (OpenAI legacy completions)."""
 
-    prompt: str | list[str] = Field(max_length=MAX_CHARS)
+    prompt: Text | list[Text] = Field(max_length=MAX_CHARS)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionBody:
@@ -103,8 +117,8 @@ class ChatCompletionBody(OpenAIBase):
 class TranslateBody(Strict):
     """POST /v1/translate: one text or a list; the source language is detected when omitted."""
 
-    model: str | None = Field(None, max_length=128)
-    text: str | list[str] = Field(max_length=MAX_CHARS)
+    model: Text | None = Field(None, max_length=128)
+    text: Text | list[Text] = Field(max_length=MAX_CHARS)
     source_lang: Literal["en", "zh"] | None = None
     target_lang: Literal["en", "zh"] | None = None
     beam_size: int = Field(4, ge=1, le=64)
