@@ -60,7 +60,7 @@ class SentencePieceTokenizer:
             sentence_iterator=iter(texts), model_prefix=str(prefix), vocab_size=vocab_size,
             model_type=model_type, character_coverage=character_coverage,
             pad_id=0, bos_id=1, eos_id=2, unk_id=3, user_defined_symbols=list(user_symbols),
-            byte_fallback=True, normalization_rule_name="nmt_nfkc",
+            byte_fallback=True, normalization_rule_name="nmt_nfkc", hard_vocab_limit=False,
             num_threads=num_threads or os.cpu_count() or 1,
             input_sentence_size=input_sentence_size, shuffle_input_sentence=True,
             minloglevel=2,

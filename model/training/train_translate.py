@@ -180,8 +180,10 @@ def dev_bleu(model, tok, pairs, n: int) -> dict[str, float]:
 
 def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume: bool = False,
           data_dir: Path | None = None, export_to: str | Path | None = None,
-          export_only: bool = False) -> Path:
+          export_only: bool = False, threads: int | None = None) -> Path:
     cfg = TrainConfig.load(config_path)
+    if threads:  # a resource setting, not part of the recipe: e.g. 1 while the cores are shared
+        cfg = dataclasses.replace(cfg, threads=threads)
     run = Path(run_dir or paths.home() / "runs" / "translate" / Path(config_path).stem)
     run.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.threads)

@@ -8,6 +8,7 @@ def add_arguments(p):
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last state")
     p.add_argument("--export-only", action="store_true",
                    help="average the last snapshots and export the shipped checkpoint, no training")
+    p.add_argument("--threads", type=int, help="torch threads (overrides the config; 1 while the cores are shared)")
     p.add_argument("--export-to", help="export folder (default weights/attnserve-zh-en)")
 
 
@@ -15,5 +16,5 @@ def run(args) -> int:
     from model.training.train_translate import train
 
     train(args.config, args.run_dir, resume=args.resume, export_only=args.export_only,
-          export_to=args.export_to)
+          export_to=args.export_to, threads=args.threads)
     return 0
