@@ -18,6 +18,8 @@ serve: install
 	$(VENV)/bin/attnserve serve
 
 test: install
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null && $(PY) -c "import selenium" 2>/dev/null \
+		|| VENV=$(VENV) bash scripts/install_browser.sh
 	$(PY) -m pytest -q -ra
 
 test-fast: install
@@ -31,6 +33,15 @@ bench: install
 
 bench-engine: install
 	$(PY) -m loadtests.bench_engine
+
+# A short load test against the running service (`make serve` first); see docs/benchmarks.md.
+loadtest: install
+	$(VENV)/bin/attnserve loadtest --scenario chat-stream --users 4 --duration 30s
+
+# attnserve vs llama.cpp's llama-server on the same GGUF. Not CI: the build takes ~8 min of both cores.
+loadtest-compare: install
+	PY=$(PY) bash loadtests/build_llama_server.sh
+	$(PY) -m loadtests.compare_llamacpp --users 1,4,16,64 --duration 60s
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
