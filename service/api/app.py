@@ -12,6 +12,7 @@ from fastapi.staticfiles import StaticFiles
 
 from service import metrics
 from service.api import errors, native, openai_routes
+from service.api.auth import ApiKeyAuth, KeySet
 from service.api.backends import Backends
 from service.api.middleware import BodyLimit, CountResponses
 from service.api.streaming import ClientDisconnected
@@ -21,9 +22,9 @@ STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 
 
 def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_dir: Path | None = STATIC_DIR,
-               manage_engines: bool = False) -> FastAPI:
+               manage_engines: bool = False, api_keys: list[str] | None = None) -> FastAPI:
     """`manage_engines`: start/stop the engines in the app's lifespan (plain uvicorn); under Ray Serve
-    and in tests the owner starts them."""
+    and in tests the owner starts them. `api_keys`: None = from ATTNSERVE_API_KEYS(_FILE); [] = off."""
     lifespan = None
     if manage_engines:
         from contextlib import asynccontextmanager
@@ -39,6 +40,7 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
     app.state.backends = backends
     app.state.limits = limits or ApiLimits()
     app.state.created = int(time.time())
+    app.state.api_keys = KeySet.from_env() if api_keys is None else (KeySet(api_keys) if api_keys else None)
     errors.install(app)
     app.include_router(native.router)
     app.include_router(openai_routes.router)
@@ -72,6 +74,7 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
                 return errors.error_response(404, "playground page not installed")
             return FileResponse(index)
 
+    app.add_middleware(ApiKeyAuth, keys=lambda: app.state.api_keys)  # inside CountResponses: 401s are counted
     app.add_middleware(CountResponses)
     app.add_middleware(BodyLimit, limit=lambda: app.state.limits.max_body_bytes)
     return app

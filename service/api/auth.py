@@ -1,0 +1,97 @@
+"""Optional API keys: `Authorization: Bearer <key>` on every endpoint except health, readiness,
+metrics and the playground page.
+
+Keys come from `ATTNSERVE_API_KEYS` (comma-separated) and/or `ATTNSERVE_API_KEYS_FILE` (one key per
+line, `#` comments). With no key configured, authentication is off. Keys are compared as SHA-256
+digests with `hmac.compare_digest`, against every configured key, so the time taken does not depend
+on how much of a guess matches or on which key matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from service.api.errors import error_body
+
+ENV_KEYS = "ATTNSERVE_API_KEYS"
+ENV_KEYS_FILE = "ATTNSERVE_API_KEYS_FILE"
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/"})  # "/" = the playground page
+OPEN_PREFIXES = ("/static/",)  # the playground's assets
+REALM = 'Bearer realm="attnserve"'
+
+
+def load_keys(env: Mapping[str, str] | None = None) -> list[str]:
+    """The configured keys (possibly none). A key file that is named but unreadable is an error:
+    starting without authentication by mistake would be worse than not starting."""
+    env = os.environ if env is None else env
+    keys = [k.strip() for k in env.get(ENV_KEYS, "").split(",")]
+    path = env.get(ENV_KEYS_FILE, "").strip()
+    if path:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{ENV_KEYS_FILE}={path!r} cannot be read: {e}") from None
+        keys += [ln.strip() for ln in lines if not ln.strip().startswith("#")]
+    return [k for k in keys if k]
+
+
+class KeySet:
+    """Configured keys, kept as digests; `matches` compares in constant time."""
+
+    def __init__(self, keys: list[str]):
+        if not keys:
+            raise ValueError("KeySet needs at least one key (no keys = authentication off)")
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    def matches(self, candidate: str) -> bool:
+        d = hashlib.sha256(candidate.encode("utf-8", "surrogatepass")).digest()
+        found = False
+        for ref in self._digests:  # no early exit: every key is compared
+            found |= hmac.compare_digest(d, ref)
+        return found
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> KeySet | None:
+        keys = load_keys(env)
+        return cls(keys) if keys else None
+
+
+def _bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.decode("latin-1").strip().partition(" ")
+            return token.strip() if scheme.lower() == "bearer" and token.strip() else ""
+    return None
+
+
+async def _send_401(send, message: str, challenge: str) -> None:
+    body = json.dumps(error_body(401, message, "authorization")).encode()
+    await send({"type": "http.response.start", "status": 401,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"www-authenticate", challenge.encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyAuth:
+    """ASGI middleware: 401 + `WWW-Authenticate` unless the request carries a configured key.
+    `keys()` is read per request, so keys can be swapped on a running app (None = off)."""
+
+    def __init__(self, app, keys: Callable[[], KeySet | None]):
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send):
+        keys = self.keys() if scope["type"] == "http" else None
+        path = scope.get("path", "") if keys is not None else ""
+        if keys is None or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
+            return await self.app(scope, receive, send)
+        token = _bearer(scope.get("headers") or [])
+        if token is None:
+            return await _send_401(send, "missing API key: send the header 'Authorization: Bearer <key>'", REALM)
+        if not token or not keys.matches(token):
+            return await _send_401(send, "invalid API key", REALM + ', error="invalid_token"')
+        return await self.app(scope, receive, send)
