@@ -235,3 +235,34 @@ def test_no_slot_leaks_under_mixed_load_with_cancellations(mode):
     assert st.slots_used == 0 and st.running == 0 and st.waiting == 0
     assert set(outcomes) <= {"stop", "length", "cancelled"} and "cancelled" in outcomes
     assert st.requests_finished == n - outcomes.count("overloaded")
+
+
+def test_metrics_sink_sees_running_return_to_zero_when_idle():
+    from service.engine.stats import NullSink
+
+    class Recorder(NullSink):
+        def __init__(self):
+            self.steps = []
+
+        def on_step(self, model, batch_size, kv_usage, running, waiting):
+            self.steps.append((running, waiting, kv_usage))
+
+    sink = Recorder()
+
+    async def main():
+        engine = GenerationEngine(tiny_llama(), TOK, EngineConfig(max_slots=4, max_seq_len=128), eos_ids={TOK.eos_id},
+                                  sink=sink)
+        await engine.start()
+        try:
+            await collect(engine, GenerateRequest(prompt_ids=TARGET.prompt_ids,
+                                                  params=SamplingParams(max_new_tokens=4, ignore_eos=True)))
+            for _ in range(100):
+                if sink.steps and sink.steps[-1] == (0, 0, 0.0):
+                    break
+                await asyncio.sleep(0.005)
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+    assert any(r > 0 for r, _, _ in sink.steps)
+    assert sink.steps[-1] == (0, 0, 0.0)

@@ -80,6 +80,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         while not self._stopping:
             if not self._has_work():
+                self.sink.on_step(self.name, 0, 0.0, 0, 0)  # idle: gauges back to 0 before sleeping
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
