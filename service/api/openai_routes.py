@@ -59,7 +59,8 @@ async def completions(body: CompletionBody, request: Request):
     check_prompt(prompt, limits, "prompt")
     rid = new_id("cmpl")
     req = build_request(gen, body, gen.encode_prompt(prompt), prompt_param="prompt", max_tokens=body.max_tokens,
-                        default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, limits=limits, request_id=rid)
+                        default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, limits=limits,
+                        ignore_eos=body.ignore_eos, request_id=rid)
     events = gen.submit(req)
     if body.stream:
         def chunk(ev) -> list[dict]:
@@ -87,7 +88,8 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
     ids = encode_messages(gen, body.messages, limits)
     try:
         req = build_request(gen, body, ids, prompt_param="messages", max_tokens=max_tokens,
-                            default_max_tokens=CHAT_DEFAULT_MAX_TOKENS, limits=limits, request_id=rid)
+                            default_max_tokens=CHAT_DEFAULT_MAX_TOKENS, limits=limits,
+                        ignore_eos=body.ignore_eos, request_id=rid)
     except ApiError as e:  # name the field the client actually sent
         if e.param == "max_tokens":
             e.param, e.message = param, e.message.replace("max_tokens", param)

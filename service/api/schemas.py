@@ -90,6 +90,7 @@ class OpenAIBase(Sampling):
     n: int = Field(1, ge=1, le=1)  # one choice per request
     stream_options: StreamOptions | None = None
     user: Text | None = Field(None, max_length=256)
+    ignore_eos: bool = False  # extension, as in vLLM: fixed-length outputs for benchmarks
 
 
 class CompletionBody(OpenAIBase):
