@@ -45,7 +45,7 @@ def test_tiny_training_run_drops_loss_and_resumes(tiny_run, tmp_path):
 
     cfg["max_steps"] = 170
     path.write_text(json.dumps(cfg))
-    train(path, run, data_dir=data, resume=True)
+    train(path, run, data_dir=data, resume=True, export_to=tmp_path / "export2")
     log = _log(run)
     assert [r for r in log if r.get("event") == "resumed"][-1]["step"] == 150
     steps = [r["step"] for r in log if "loss" in r]
