@@ -127,3 +127,38 @@ def test_wrong_method_content_type_and_path_are_4xx_json():
             assert r.status_code == status, (method, path, r.status_code, r.text)
             assert r.json()["error"]["message"], r.text
     run(main, backends(with_translator=False))
+
+
+def test_a_failing_transport_receive_is_a_disconnect_not_a_crash():
+    """Under Ray Serve a dropped stream makes `receive` raise (TaskCancelledError) instead of returning
+    `http.disconnect`: the app must treat it as a disconnect, cancel the request and raise nothing."""
+    import asyncio
+
+    async def main(c):
+        body = json.dumps({"prompt": "x", "max_tokens": 100, "ignore_eos": True, "stream": True}).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/generate", "raw_path": b"/v1/generate", "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                              (b"content-length", str(len(body)).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        calls, sent = [0], []
+
+        async def receive():
+            calls[0] += 1
+            if calls[0] == 1:
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(0.05)
+            raise RuntimeError("transport receive failed (as ray.exceptions.TaskCancelledError)")
+
+        async def send(message):
+            sent.append(message)
+
+        await asyncio.wait_for(c.app(scope, receive, send), timeout=30)
+        assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+        engine = c.app.state.backends.generator.engine
+        for _ in range(100):  # freed on the engine's next step
+            if engine.stats().running == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.stats().running == 0 and engine.stats().slots_used == 0
+    run(main, backends(with_translator=False))

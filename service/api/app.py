@@ -14,7 +14,7 @@ from service import metrics
 from service.api import errors, native, openai_routes
 from service.api.auth import ApiKeyAuth, KeySet
 from service.api.backends import Backends
-from service.api.middleware import BodyLimit, CountResponses
+from service.api.middleware import BodyLimit, CountResponses, ReceiveErrorsAsDisconnect
 from service.api.streaming import ClientDisconnected
 from service.config import ApiLimits
 
@@ -77,4 +77,5 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
     app.add_middleware(ApiKeyAuth, keys=lambda: app.state.api_keys)  # inside CountResponses: 401s are counted
     app.add_middleware(CountResponses)
     app.add_middleware(BodyLimit, limit=lambda: app.state.limits.max_body_bytes)
+    app.add_middleware(ReceiveErrorsAsDisconnect)
     return app

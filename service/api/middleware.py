@@ -1,4 +1,5 @@
-"""Pure-ASGI middleware: a request body size limit (413) and HTTP response counting for Prometheus."""
+"""Pure-ASGI middleware: a request body size limit (413), HTTP response counting for Prometheus, and
+a transport whose `receive` fails read as a client disconnect."""
 
 from __future__ import annotations
 
@@ -71,3 +72,25 @@ class CountResponses:
             path = getattr(route, "path", None) or "unmatched"
             model = (scope.get("state") or {}).get("model", "none")
             metrics.count_http(model, path, status[0] or 499)
+
+
+class ReceiveErrorsAsDisconnect:
+    """A `receive` that raises means the client is gone. Under Ray Serve a client that drops a stream
+    makes the replica's `receive` raise `ray.exceptions.TaskCancelledError` instead of returning
+    `http.disconnect`; Starlette would log that as a crash. Turn it into the disconnect it is, so the
+    usual cancellation path (close the engine stream, free the slot) runs quietly."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def safe_receive():
+            try:
+                return await receive()
+            except Exception:  # not CancelledError (a BaseException): our own cancellation still propagates
+                return {"type": "http.disconnect"}
+
+        await self.app(scope, safe_receive, send)
