@@ -65,8 +65,28 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             if cache is not None:
                 k, v = cache.update(layer, k, v)  # (B, Hkv, Tk, D): this row's slot prefix
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, D)
+        if t == 1 and not self.training:
+            y = _decode_attention(q, k, v, mask)  # (B, H, 1, D)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(b, t, self.n_heads * hd)  # (B, T, H*D)
         return self.o_proj(y)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """One query per row (a decode step): grouped matmuls instead of SDPA.
+
+    On CPU, SDPA's flash kernel is slow for a single query (15x slower than this in bf16, 1.5x in
+    fp32, measured with 64 rows x 200 keys); grouping the query heads that share a K/V head needs no
+    copy of K/V. q (B, H, 1, D); k, v (B, Hkv, L, D); mask broadcastable to (B, 1, 1, L).
+    """
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    qg = q.view(b, hkv, h // hkv, d)  # (B, Hkv, G, D): query heads grouped by their K/V head
+    scores = (qg @ k.transpose(-1, -2)) * d ** -0.5  # (B, Hkv, G, L)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return (p @ v).view(b, h, 1, d)  # (B, H, 1, D)
