@@ -19,16 +19,31 @@ class ModelUnavailable(RuntimeError):
     """The model's files are missing or unreadable; the message says what to do."""
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): then bf16 decodes 2-3x faster
+    than fp32 here (docs/benchmarks.md); without it torch emulates bf16 and fp32 is the better choice."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def select_device(device: str, dtype: str, *, cuda_available: bool, ray_gpu_ids: list | None,
-                  bf16_supported: bool = True) -> tuple[str, str]:
-    """(device, dtype) for a replica. `ray_gpu_ids`: GPUs Ray assigned to this actor, None outside Ray."""
+                  bf16_supported: bool = True, cpu_bf16: bool = False) -> tuple[str, str]:
+    """(device, dtype) for a replica. `ray_gpu_ids`: GPUs Ray assigned to this actor, None outside Ray.
+    `cpu_bf16`: the CPU has native bf16 (auto dtype on CPU is then bfloat16, else float32)."""
     if device == "auto":
         wants_gpu = bool(ray_gpu_ids) if ray_gpu_ids is not None else cuda_available
         device = "cuda" if wants_gpu and cuda_available else "cpu"
     if device == "cuda" and not cuda_available:
         raise ModelUnavailable("device 'cuda' was configured but no CUDA device is visible to this replica")
     if dtype == "auto":
-        dtype = ("bfloat16" if bf16_supported else "float16") if device == "cuda" else "float32"
+        if device == "cuda":
+            dtype = "bfloat16" if bf16_supported else "float16"
+        else:
+            dtype = "bfloat16" if cpu_bf16 else "float32"
     return device, dtype
 
 
@@ -45,7 +60,7 @@ def _placement(spec: ModelSpec) -> tuple[str, str]:
         pass
     cuda = torch.cuda.is_available()
     return select_device(spec.device, spec.dtype, cuda_available=cuda, ray_gpu_ids=gpu_ids,
-                         bf16_supported=cuda and torch.cuda.is_bf16_supported())
+                         bf16_supported=cuda and torch.cuda.is_bf16_supported(), cpu_bf16=cpu_has_native_bf16())
 
 
 def engine_config(spec: ModelSpec) -> EngineConfig:

@@ -22,14 +22,23 @@ def test_select_device(device, dtype, cuda, ray_gpus, bf16, expected):
     assert select_device(device, dtype, cuda_available=cuda, ray_gpu_ids=ray_gpus, bf16_supported=bf16) == expected
 
 
+def test_cpu_with_native_bf16_defaults_to_bf16():
+    assert select_device("auto", "auto", cuda_available=False, ray_gpu_ids=None, cpu_bf16=True) == ("cpu", "bfloat16")
+    assert select_device("auto", "float32", cuda_available=False, ray_gpu_ids=None, cpu_bf16=True) == ("cpu", "float32")
+    assert select_device("auto", "auto", cuda_available=True, ray_gpu_ids=[], cpu_bf16=True) == ("cpu", "bfloat16")
+
+
 def test_cuda_requested_without_gpu_is_clear_error():
     with pytest.raises(ModelUnavailable, match="cuda"):
         select_device("cuda", "auto", cuda_available=False, ray_gpu_ids=None)
 
 
-def test_engine_config_on_this_machine_is_cpu_fp32():
+def test_engine_config_on_this_machine_is_cpu():
+    from service.models import cpu_has_native_bf16
+
     cfg = engine_config(ModelSpec(engine={"max_slots": 3}))
-    assert (cfg.device, cfg.dtype, cfg.max_slots) == ("cpu", "float32", 3)
+    dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert (cfg.device, cfg.dtype, cfg.max_slots) == ("cpu", dtype, 3)
 
 
 def test_config_rejects_unknown_and_bad_fields():
