@@ -21,6 +21,29 @@ def detect_lang(text: str) -> str:
     return "zh" if cjk and cjk * 3 >= latin else "en"
 
 
+_SENT_END = re.compile(r"(?<=[。！？；!?])\s*|(?<=[.;])\s+(?=[\"“‘(\[A-Z0-9\u3400-\u9fff])")
+
+
+_ABBREV = re.compile(r"\b(?:Mr|Mrs|Ms|Dr|Prof|No|Nos|St|Co|Ltd|Inc|Cap|paras?|ss?|arts?|e\.g|i\.e|cf|vs|etc)\.$",
+                     re.IGNORECASE)
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split a text into sentences (after 。！？；!? and after . or ; before a capital, digit or CJK);
+    each sentence is translated as its own item and the outputs are joined again."""
+    out: list[str] = []
+    for p in (p.strip() for p in _SENT_END.split(text)):
+        if out and _ABBREV.search(out[-1]):
+            out[-1] = f"{out[-1]} {p}".strip()  # "Mr." / "No." / "s." do not end a sentence
+        elif p:
+            out.append(p)
+    return out or [text]
+
+
+def join_sentences(parts: list[str], lang: str) -> str:
+    return ("" if lang == "zh" else " ").join(p for p in parts if p)
+
+
 def other(lang: str) -> str:
     return "en" if lang == "zh" else "zh"
 

@@ -154,3 +154,16 @@ def test_no_slot_leaks_with_random_cancellations():
     out, st = run(main, max_slots=8, max_waiting=1000)
     assert st.slots_used == 0 and st.running == 0 and st.waiting == 0
     assert "ok" in out and "cancelled" in out
+
+
+def test_multi_sentence_text_is_split_and_reassembled_in_order():
+    parts = ["the cat sat on a mat.", "Dogs ran far!", "Home and back again?"]
+    expected = offline(parts, 4)
+
+    async def main(engine):
+        return await engine.translate(TranslateRequest(texts=[" ".join(parts), "home"], target_lang="zh",
+                                                       beam_size=4))
+    res = run(main)
+    assert res.translations[0] == "".join(expected)  # zh output: sentences joined without spaces
+    assert res.translations[1] == offline(["home"], 4)[0]
+    assert res.usage.prompt_tokens == sum(len(encode_source(TOK, t, "zh")) for t in parts + ["home"])

@@ -18,7 +18,7 @@ import torch
 
 from model.generate import max_len_for, pad_batch
 from model.seq2seq import EncoderDecoder
-from model.translation import TAGS, detect_lang, encode_source, other
+from model.translation import TAGS, detect_lang, encode_source, join_sentences, other, split_sentences
 from service.engine.beam import BeamState
 from service.engine.config import EngineConfig
 from service.engine.loop import EngineLoop
@@ -36,7 +36,7 @@ from service.engine.types import (
 class _Job:
     req: TranslateRequest
     future: asyncio.Future
-    outputs: list[str | None]
+    outputs: list[list[str | None]]  # per text: its sentences' translations
     source_langs: list[str]
     target_langs: list[str]
     t_submit: float
@@ -50,6 +50,7 @@ class _Job:
 class _Item:
     job: _Job
     index: int  # position of the text in the request
+    part: int  # position of the sentence in the text
     beam: BeamState
     slots: list[int] = field(default_factory=list)
     encoded: bool = False
@@ -92,18 +93,20 @@ class TranslationEngine(EngineLoop):
             job.source_langs.append(src_lang)
             job.target_langs.append(tgt)
             if not text.strip():
-                job.outputs.append("")
+                job.outputs.append([""])
                 continue
-            job.outputs.append(None)
-            src = encode_source(self.tokenizer, text, tgt)
-            if len(src) > self.cfg.max_src_len:
-                raise RequestRejected(f"text {i} has {len(src) - 2} tokens; the translator takes at most "
-                                      f"{self.cfg.max_src_len - 2} tokens per text (split it into sentences)")
-            limit = req.max_length or max_len_for(len(src), 1.5, 10, self.max_tgt - 1)
-            beam = BeamState(src, req.beam_size, limit, self.cfg.bos_id, self.cfg.eos_id, self.cfg.pad_id,
-                             alpha=req.length_penalty)
-            items.append(_Item(job, i, beam))
-            job.usage.prompt_tokens += len(src)
+            sentences = split_sentences(text)
+            job.outputs.append([None] * len(sentences))
+            for j, sentence in enumerate(sentences):
+                src = encode_source(self.tokenizer, sentence, tgt)
+                if len(src) > self.cfg.max_src_len:
+                    raise RequestRejected(f"text {i} has a sentence of {len(src) - 2} tokens; the translator takes "
+                                          f"at most {self.cfg.max_src_len - 2} tokens per sentence")
+                limit = req.max_length or max_len_for(len(src), 1.5, 10, self.max_tgt - 1)
+                beam = BeamState(src, req.beam_size, limit, self.cfg.bos_id, self.cfg.eos_id, self.cfg.pad_id,
+                                 alpha=req.length_penalty)
+                items.append(_Item(job, i, j, beam))
+                job.usage.prompt_tokens += len(src)
         return items
 
     async def translate(self, req: TranslateRequest) -> TranslationResult:
@@ -130,7 +133,8 @@ class TranslationEngine(EngineLoop):
             self._wake()
 
     def _result(self, job: _Job) -> TranslationResult:
-        return TranslationResult(translations=list(job.outputs), source_langs=job.source_langs,
+        texts = [join_sentences(parts, lang) for parts, lang in zip(job.outputs, job.target_langs)]
+        return TranslationResult(translations=texts, source_langs=job.source_langs,
                                  target_langs=job.target_langs, usage=job.usage)
 
     # --- schedule (event loop) -----------------------------------------------------------------
@@ -223,7 +227,7 @@ class TranslationEngine(EngineLoop):
             self._release(it)
             job = it.job
             tokens = it.beam.best()
-            job.outputs[it.index] = self.tokenizer.decode(tokens)
+            job.outputs[it.index][it.part] = self.tokenizer.decode(tokens)
             job.usage.completion_tokens += len(tokens)
             job.left -= 1
             if job.left == 0 and not job.future.done():
