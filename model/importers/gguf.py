@@ -66,6 +66,9 @@ def read_metadata(reader, path: Path) -> dict:
     return {k: _meta(reader, k) for k in reader.fields}
 
 
+MAX_CONTEXT = 1 << 20
+
+
 def config_from_metadata(meta: dict, path: Path) -> DecoderConfig:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -84,10 +87,13 @@ def config_from_metadata(meta: dict, path: Path) -> DecoderConfig:
         raise GGUFImportError(f"{path}: partial rotary (rope dims {head_dim} != head dim {d_model // n_heads}) "
                               "is not supported")
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    context = int(need("context_length"))
+    if not 0 < context <= MAX_CONTEXT:  # the RoPE table is allocated for the whole context
+        raise GGUFImportError(f"{path}: context_length {context} outside 1..{MAX_CONTEXT}")
     return DecoderConfig(
         vocab_size=int(vocab), d_model=d_model, n_layers=int(need("block_count")), n_heads=n_heads,
         n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
-        d_ff=int(need("feed_forward_length")), max_seq_len=int(need("context_length")),
+        d_ff=int(need("feed_forward_length")), max_seq_len=context,
         norm="rmsnorm", norm_eps=float(need("attention.layer_norm_rms_epsilon")), positions="rope",
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)), mlp="swiglu",
         attn_bias=False, mlp_bias=False, norm_bias=False,
@@ -159,10 +165,28 @@ def tokenizer_metadata(meta: dict) -> dict:
 
 
 def load_gguf(path: str | Path) -> GGUFModel:
-    """Read and dequantize a GGUF file into our config + state dict (+ tokenizer metadata)."""
+    """Read and dequantize a GGUF file into our config + state dict (+ tokenizer metadata).
+    Any malformed content (truncated, corrupt metadata, inconsistent shapes) raises GGUFImportError."""
+    path = Path(path)
+    try:
+        return _load_gguf(path)
+    except GGUFImportError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError, ZeroDivisionError, OverflowError) as e:
+        raise GGUFImportError(f"{path}: malformed GGUF ({type(e).__name__}: {e})") from None
+
+
+def _expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of DecoderLM(cfg), computed on the meta device (nothing is allocated)."""
+    from model.decoder import DecoderLM
+
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in DecoderLM(cfg).state_dict().items()}
+
+
+def _load_gguf(path: Path) -> GGUFModel:
     import dataclasses
 
-    path = Path(path)
     reader = _open(path)
     meta = read_metadata(reader, path)
     cfg = config_from_metadata(meta, path)
@@ -170,11 +194,8 @@ def load_gguf(path: str | Path) -> GGUFModel:
     if "output.weight" in g:
         cfg = dataclasses.replace(cfg, tie_embeddings=False)
     sd = state_from_gguf_tensors(g, cfg, path)
-    expect = {"embed.weight": (cfg.vocab_size, cfg.d_model),
-              "blocks.0.attn.qkv_proj.weight": ((cfg.n_heads + 2 * cfg.kv_heads) * cfg.dim_head, cfg.d_model),
-              "blocks.0.mlp.gate_up.weight": (2 * cfg.d_ff, cfg.d_model)}
-    for name, shape in expect.items():
-        if tuple(sd[name].shape) != shape:
+    for name, shape in _expected_shapes(cfg).items():
+        if name in sd and tuple(sd[name].shape) != shape:
             raise GGUFImportError(f"{path}: {name} has shape {tuple(sd[name].shape)}, metadata implies {shape}")
     return GGUFModel(cfg, sd, tokenizer_metadata(meta), meta.get("tokenizer.chat_template"),
                      meta.get("general.name") or path.stem)
