@@ -1,0 +1,246 @@
+"""Translator benchmark: our TranslationEngine vs transformers MarianMTModel.generate vs CTranslate2
+Translator.translate_batch, on the same weights and the same sentences, greedy and beam search.
+
+Weights: the translator checkpoint (default weights/attnserve-zh-en) exported once to the Hugging Face
+Marian layout (`model.importers.marian.export_marian`) and converted from there to CTranslate2
+(`loadtests/ct2_convert.py`), under `$ATTNSERVE_HOME/bench/`. Sentences: --requests lines of the held-out
+split (`$ATTNSERVE_HOME/data/translate/test.tsv`, fixed seed), alternately the English side (-> zh) and
+the Chinese side (-> en), each its own one-text request.
+
+Our engine: --clients closed-loop callers, continuous (or static / serial) batching. Peers: static
+batches of up to --clients sentences in arrival order, max target length = the largest of the engine's
+per-sentence limits in the batch (1.5 x source + 10). Latency = request submit -> result (peers: batch
+start -> batch end). Output tokens = target tokens without bos/eos. Each run in its own subprocess
+(peak RSS = VmHWM of that process). Length penalty: ours is GNMT's ((5+len)/6)^alpha; transformers and
+CTranslate2 divide by len^alpha, so beam outputs may differ slightly; greedy outputs use no penalty.
+
+    python -m loadtests.bench_translate --beams 1 4 --peers hf:float32 ct2:float32 ct2:int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from loadtests.bench_engine import pct, peak_rss_mb
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def workload(args, tok, cfg) -> list[dict]:
+    """text, target lang, source ids (as the engine encodes them) and the engine's max target length, for
+    sentences alternately English -> zh and Chinese -> en whose source fits."""
+    from model import paths
+    from model.generate import max_len_for
+    from model.translation import encode_source
+
+    lines = (paths.home() / "data" / "translate" / "test.tsv").read_text(encoding="utf-8").splitlines()
+    rng = random.Random(args.seed)
+    out: list[dict] = []
+    while len(out) < args.requests:
+        en, zh = (lines[rng.randrange(len(lines))].split("\t") + [""])[:2]
+        text, tgt = (en, "zh") if len(out) % 2 == 0 else (zh, "en")
+        src = encode_source(tok, text, tgt)
+        if text.strip() and len(src) <= cfg.max_src_len:
+            out.append(dict(text=text, tgt=tgt, src=src, max_len=max_len_for(len(src), 1.5, 10, cfg.max_tgt_len - 1)))
+    return out
+
+
+def load(checkpoint: Path):
+    from model.checkpoint import load_checkpoint, load_tokenizer
+
+    return load_checkpoint(checkpoint), load_tokenizer(checkpoint)
+
+
+def result(name, beam, dtype, wall, out_tokens, latencies, n) -> dict:
+    return dict(engine=name, beam=beam, dtype=dtype, wall_s=wall, out_tok_s=out_tokens / wall, sent_s=n / wall,
+                lat_p50=pct(latencies, 0.5), lat_p95=pct(latencies, 0.95), rss_mb=peak_rss_mb())
+
+
+async def run_ours(args, mode: str, dtype: str) -> dict:
+    from service.engine.config import EngineConfig
+    from service.engine.translation import TranslationEngine
+    from service.engine.types import TranslateRequest
+
+    model, tok = load(args.checkpoint)
+    jobs = [(j["text"], j["tgt"]) for j in json.loads(args.workload.read_text())]
+    cfg = EngineConfig(max_slots=args.clients * args.beam, max_seq_len=model.cfg.max_tgt_len, mode=mode, dtype=dtype,
+                       threads=args.threads, max_waiting=args.requests + 1)
+    engine = TranslationEngine(model, tok, cfg)
+    await engine.start()
+    queue = list(reversed(jobs))
+    lat, out = [], 0
+
+    async def client():
+        nonlocal out
+        while queue:
+            text, tgt = queue.pop()
+            t0 = time.perf_counter()
+            r = await engine.translate(TranslateRequest([text], target_lang=tgt, beam_size=args.beam))
+            lat.append(time.perf_counter() - t0)
+            out += r.usage.completion_tokens
+
+    await engine.translate(TranslateRequest(["warm-up"], target_lang="zh", beam_size=args.beam))
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(args.clients)))
+    wall = time.perf_counter() - t0
+    await engine.stop()
+    return result(f"attnserve {mode}", args.beam, dtype, wall, out, lat, len(jobs))
+
+
+def run_peer(args, peer: str, dtype: str) -> dict:
+    """Static batches through transformers or CTranslate2; sources tokenized exactly as the engine does."""
+    jobs = json.loads(args.workload.read_text())  # tokenized by the parent: this child never imports torch
+    ids = json.loads((args.marian_dir / "config.json").read_text())
+    translate = _hf(args, dtype, ids) if peer == "hf" else _ct2(args, dtype)
+    translate([jobs[0]["src"]], 4)  # warm-up
+    lat, out = [], 0
+    t0 = time.perf_counter()
+    for i in range(0, len(jobs), args.clients):
+        batch = jobs[i: i + args.clients]
+        t = time.perf_counter()
+        out += translate([j["src"] for j in batch], max(j["max_len"] for j in batch))
+        lat += [time.perf_counter() - t] * len(batch)
+    wall = time.perf_counter() - t0
+    name = "transformers generate (static)" if peer == "hf" else "CTranslate2 translate_batch (static)"
+    return result(name, args.beam, dtype, wall, out, lat, len(jobs))
+
+
+def _hf(args, dtype: str, ids: dict):
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    model = transformers.MarianMTModel.from_pretrained(str(args.marian_dir), dtype=getattr(torch, dtype)).eval()
+
+    def translate(batch: list[list[int]], max_len: int) -> int:
+        width = max(len(s) for s in batch)
+        pad, eos = ids["pad_token_id"], ids["eos_token_id"]
+        src = torch.tensor([s + [pad] * (width - len(s)) for s in batch])  # (B, S) right-padded
+        with torch.inference_mode():
+            out = model.generate(input_ids=src, attention_mask=src != pad, num_beams=args.beam,
+                                 do_sample=False, max_new_tokens=max_len, length_penalty=0.6 if args.beam > 1 else 1.0)
+        n = 0
+        for row in out[:, 1:].tolist():  # drop the decoder start token
+            n += row.index(eos) if eos in row else sum(t != pad for t in row)
+        return n
+
+    return translate
+
+
+def _ct2(args, compute_type: str):
+    import ctranslate2
+
+    vocab = json.loads((args.marian_dir / "vocab.json").read_text())
+    pieces = sorted(vocab, key=vocab.get)
+    tr = ctranslate2.Translator(str(args.ct2_dir), device="cpu", compute_type=compute_type,
+                                intra_threads=args.threads, inter_threads=1)
+
+    def translate(batch: list[list[int]], max_len: int) -> int:
+        res = tr.translate_batch([[pieces[i] for i in s] for s in batch], beam_size=args.beam,
+                                 max_decoding_length=max_len, length_penalty=0.6 if args.beam > 1 else 1.0)
+        return sum(len(r.hypotheses[0]) for r in res)
+
+    return translate
+
+
+def prepare(args, peers: list[str]) -> dict[str, list[str]]:
+    """Export to Marian / convert to CTranslate2 once per checkpoint version; child arguments per peer."""
+    from loadtests.bench_peers import bench_dir
+    from loadtests.ct2_convert import convert
+    from model.importers.marian import export_marian
+
+    st = (args.checkpoint / "model.safetensors").stat()
+    key = f"{args.checkpoint.name}-{st.st_size}-{int(st.st_mtime)}" if not args.tiny else None
+    root = Path(args.workdir) if args.tiny else bench_dir("")
+    marian = root / f"{key or 'tiny'}-marian"
+    if not (marian / "model.safetensors").is_file():
+        export_marian(*load(args.checkpoint), marian)
+    extra = {}
+    for spec in peers:
+        peer, dtype = spec.split(":")
+        extra[spec] = ["--marian-dir", str(marian)]
+        if peer == "ct2":
+            d = root / f"{key or 'tiny'}-ct2-{dtype}"
+            if not (d / "model.bin").is_file():
+                convert(marian, d, quantization=dtype)
+            extra[spec] += ["--ct2-dir", str(d)]
+        elif peer != "hf":
+            raise SystemExit(f"unknown peer {spec!r}: use hf:<float32|bfloat16> or ct2:<float32|int8|...>")
+    return extra
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default=str(ROOT / "weights" / "attnserve-zh-en"))
+    ap.add_argument("--clients", type=int, default=16, help="concurrent clients = peers' batch size")
+    ap.add_argument("--requests", type=int, default=64, help="sentences (one per request)")
+    ap.add_argument("--beams", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--modes", nargs="*", default=["continuous"])
+    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    ap.add_argument("--peers", nargs="*", default=["hf:float32", "ct2:float32", "ct2:int8"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="random tiny checkpoint: validates the script only")
+    for internal in ("--run", "--beam", "--marian-dir", "--ct2-dir", "--workdir", "--workload"):
+        ap.add_argument(internal, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    for name in ("checkpoint", "marian_dir", "ct2_dir", "workload"):
+        if getattr(args, name):
+            setattr(args, name, Path(getattr(args, name)))
+    if args.run:
+        args.beam = int(args.beam)
+        parts = args.run.split(":")
+        if parts[0] != "ct2":
+            import torch
+
+            torch.set_num_threads(args.threads)
+        r = asyncio.run(run_ours(args, parts[1], parts[2])) if parts[0] == "ours" else run_peer(args, *parts)
+        print(json.dumps(r))
+        return
+    with tempfile.TemporaryDirectory(prefix="attnserve-bench-tr-") as tmp:
+        if args.tiny:
+            sys.path.insert(0, str(ROOT / "tests"))
+            from serve_fixture import tiny_checkpoints
+
+            args.checkpoint, args.workdir = tiny_checkpoints(Path(tmp))[1], tmp
+        elif not (args.checkpoint / "config.json").is_file():
+            raise SystemExit(f"no translator checkpoint at {args.checkpoint} (train one, or pass --checkpoint)")
+        specs = {f"ours:{m}:{d}": [] for d in args.dtype for m in args.modes} | prepare(args, args.peers)
+        model, tok = load(args.checkpoint)
+        args.workload = Path(tmp) / "workload.json"
+        args.workload.write_text(json.dumps(workload(args, tok, model.cfg), ensure_ascii=False))
+        del model
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        rows = []
+        for beam in args.beams:
+            for spec, extra in specs.items():
+                cmd = [sys.executable, "-m", "loadtests.bench_translate", "--run", spec, "--beam", str(beam),
+                       "--checkpoint", str(args.checkpoint), "--clients", str(args.clients), "--requests",
+                       str(args.requests), "--threads", str(args.threads), "--workload", str(args.workload), *extra]
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+                if proc.returncode != 0:
+                    print(f"# {spec} beam {beam} FAILED:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                    continue
+                rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                print(f"# {spec} beam {beam}: {rows[-1]['sent_s']:.2f} sentences/s", file=sys.stderr)
+    label = "TINY random checkpoint (validation only)" if args.tiny else str(args.checkpoint)
+    print(f"Translator: {label}; {args.clients} clients, {args.requests} sentences (half en->zh, half zh->en), "
+          f"threads {args.threads}, seed {args.seed}\n")
+    print("| engine | beam | dtype | sentences/s | output tok/s | latency p50 / p95 (s) | peak RSS (MB) | wall (s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['engine']} | {r['beam']} | {r['dtype']} | {r['sent_s']:.2f} | {r['out_tok_s']:.1f} | "
+              f"{r['lat_p50']:.2f} / {r['lat_p95']:.2f} | {r['rss_mb']:.0f} | {r['wall_s']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
