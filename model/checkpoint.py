@@ -116,7 +116,13 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None,
     if not d.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {d}")
     _, cfg, _ = read_config(d)
-    model = build_model(cfg)
+    previous = torch.get_default_dtype()
+    if dtype is not None and dtype.is_floating_point:
+        torch.set_default_dtype(dtype)  # build in the target dtype: no transient fp32 copy of the weights
+    try:
+        model = build_model(cfg)
+    finally:
+        torch.set_default_dtype(previous)
     load_state(model, d / WEIGHTS_FILE)
     if dtype is not None:
         model.to(dtype)

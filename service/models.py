@@ -77,15 +77,16 @@ def load_generator(spec: ModelSpec, sink=None) -> GeneratorBackend:
     from model.checkpoint import load_checkpoint, load_tokenizer
     from service.engine.generation import GenerationEngine
 
+    cfg = engine_config(spec)
     if spec.checkpoint:
         d = _resolve(spec.checkpoint)
     else:
         from model.importers.smollm2 import ensure_smollm2
 
-        d = ensure_smollm2()
-    model, tok = load_checkpoint(d), load_tokenizer(d)
+        d = ensure_smollm2(dtype="bfloat16" if cfg.dtype == "bfloat16" else "float32")
+    model, tok = load_checkpoint(d, dtype=cfg.torch_dtype), load_tokenizer(d)
     eos = tok.stop_ids() if hasattr(tok, "stop_ids") else {tok.eos_id} - {None}
-    engine = GenerationEngine(model, tok, engine_config(spec), eos_ids=eos, name=GENERATOR_ID, sink=sink)
+    engine = GenerationEngine(model, tok, cfg, eos_ids=eos, name=GENERATOR_ID, sink=sink)
     return GeneratorBackend(engine, tok, name=GENERATOR_ID,
                             chat_template=spec.chat_template or getattr(tok, "chat_template", None))
 
@@ -98,7 +99,8 @@ def load_translator(spec: ModelSpec, sink=None) -> TranslatorBackend:
     if not (d / "config.json").is_file():
         raise ModelUnavailable(f"no translator checkpoint at {d}; train one (`attnserve train translate`) "
                                f"or point translator.checkpoint at a checkpoint folder")
-    engine = TranslationEngine(load_checkpoint(d), load_tokenizer(d), engine_config(spec), name=TRANSLATOR_ID,
+    cfg = engine_config(spec)
+    engine = TranslationEngine(load_checkpoint(d, dtype=cfg.torch_dtype), load_tokenizer(d), cfg, name=TRANSLATOR_ID,
                                sink=sink)
     return TranslatorBackend(engine, name=TRANSLATOR_ID)
 
