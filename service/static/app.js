@@ -6,6 +6,15 @@ const $ = (id) => document.getElementById(id);
 const CHAT_MODEL = "smollm2-135m-instruct";
 const MAX_TEXTS_PER_CALL = 32; // the service's default ApiLimits.max_texts
 
+// ---- API key (only when the service has ATTNSERVE_API_KEYS set) ---------------------------------
+
+function apiHeaders(extra = {}) {
+  const key = $("api-key").value.trim();
+  if (key) localStorage.setItem("attnserve-api-key", key);
+  else localStorage.removeItem("attnserve-api-key");
+  return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
+}
+
 // ---- errors ------------------------------------------------------------------------------------
 
 function showError(message) {
@@ -133,7 +142,7 @@ async function sendChat(event) {
   try {
     const resp = await fetch("/v1/chat/completions", {
       method: "POST",
-      headers: { "Content-Type": "application/json" },
+      headers: apiHeaders({ "Content-Type": "application/json" }),
       body: JSON.stringify(body),
       signal: chat.controller.signal,
     });
@@ -234,7 +243,7 @@ async function translate() {
       const part = todo.slice(k, k + MAX_TEXTS_PER_CALL);
       const resp = await fetch("/v1/translate", {
         method: "POST",
-        headers: { "Content-Type": "application/json" },
+        headers: apiHeaders({ "Content-Type": "application/json" }),
         body: JSON.stringify({ text: part.map(([, l]) => l), beam_size: beam, ...extra }),
       });
       if (!resp.ok) throw new Error(await apiError(resp));
@@ -275,7 +284,7 @@ async function copyTranslation() {
 
 async function loadModels() {
   try {
-    const resp = await fetch("/v1/models");
+    const resp = await fetch("/v1/models", { headers: apiHeaders() });
     if (!resp.ok) throw new Error(await apiError(resp));
     const ids = (await resp.json()).data.map((m) => m.id);
     $("models").textContent = ids.length ? `models: ${ids.join(", ")}` : "no models loaded";
@@ -284,6 +293,8 @@ async function loadModels() {
   }
 }
 
+$("api-key").value = localStorage.getItem("attnserve-api-key") || "";
+$("api-key").addEventListener("change", loadModels);
 $("tab-chat").addEventListener("click", () => selectTab("chat"));
 $("tab-translate").addEventListener("click", () => selectTab("translate"));
 $("chat-form").addEventListener("submit", sendChat);
