@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import glob
-import json
 import random
 import time
 from pathlib import Path
 
 import httpx
 
-from loadtests.reliability.tiny_service import TinyServiceConfig, scrape, tiny_service
+from loadtests.reliability.tiny_service import TinyServiceConfig, report, scrape, tiny_service
 
 LONG = {"prompt": "tell me a long story", "max_tokens": 100, "ignore_eos": True, "temperature": 0.8}
 GOOD = {"prompt": "hello", "max_tokens": 16, "ignore_eos": True, "temperature": 0}
@@ -114,11 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tiny_service(TinyServiceConfig(max_waiting=64)) as url:
         result = asyncio.run(run(url, args.n, args.concurrency))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    report(result, args.out)
     return 0
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import time
 from collections import Counter
@@ -26,6 +25,7 @@ from loadtests.reliability.tiny_service import (
     TinyServiceConfig,
     percentile,
     replica_pids,
+    report,
     rss_mb,
     serve_pids,
     tiny_service,
@@ -124,11 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TinyServiceConfig(max_slots=args.max_slots, max_waiting=args.max_waiting)
     with tiny_service(cfg) as url:
         result = asyncio.run(run(url, args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    report(result, args.out)
     return 0
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtests.reliability.tiny_service import TinyServiceConfig, replica_pids, tiny_service
+from loadtests.reliability.tiny_service import TinyServiceConfig, replica_pids, report, tiny_service
 
 BODY = {"prompt": "hello world", "max_tokens": 16, "ignore_eos": True, "temperature": 0}
 
@@ -100,11 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tiny_service(TinyServiceConfig(num_replicas=2)) as url:
         result = asyncio.run(run(url, args.users, args.kill_at_s, args.duration_s))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    report(result, args.out)
     return 0
 
 

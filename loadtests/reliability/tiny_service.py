@@ -138,3 +138,14 @@ def percentile(values: list[float], q: float) -> float | None:
         return None
     s = sorted(values)
     return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
+
+
+def report(result: dict, out: Path | None) -> None:
+    """Print a script's result as JSON and, with --out, write it to a file too."""
+    import json
+
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
