@@ -1,13 +1,22 @@
 """`attnserve cluster up|down`: a real two-node Ray cluster on loopback — a head and a worker, each a
-separate `ray start` process (separate raylets, object stores and node ids) on 127.0.0.1."""
+separate `ray start` process (separate raylets, object stores and node ids) on 127.0.0.1.
+
+The head runs Ray's dashboard on 127.0.0.1 (`serve deploy`, `serve status` and `ray list` talk to
+it). `down` stops only this cluster's processes (those tied to its GCS port, and their children), so
+another Ray instance on the machine (e.g. one started by `attnserve serve`) keeps running.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import subprocess
 import sys
 
 HEAD_PORT = 6380
+DASHBOARD_PORT = 8265
+CLIENT_PORT = 10001
 
 
 def add_arguments(p) -> None:
@@ -15,34 +24,76 @@ def add_arguments(p) -> None:
     p.add_argument("--head-cpus", type=int, default=1)
     p.add_argument("--worker-cpus", type=int, default=1)
     p.add_argument("--object-store-mb", type=int, default=256)
-    p.add_argument("--port", type=int, default=HEAD_PORT)
+    p.add_argument("--port", type=int, default=HEAD_PORT, help="GCS port of the head (identifies the cluster)")
+    p.add_argument("--dashboard-port", type=int, default=DASHBOARD_PORT)
+    p.add_argument("--client-port", type=int, default=CLIENT_PORT, help="Ray client server port on the head")
 
 
-def _ray() -> str:
-    return os.path.join(os.path.dirname(sys.executable), "ray")
+def _ray() -> list[str]:
+    return [os.path.join(os.path.dirname(sys.executable), "ray")]
 
 
 def commands(args) -> list[list[str]]:
     store = str(args.object_store_mb * 2**20)
     common = ["--node-ip-address=127.0.0.1", f"--object-store-memory={store}", "--disable-usage-stats"]
-    head = [_ray(), "start", "--head", f"--port={args.port}", f"--num-cpus={args.head_cpus}",
-            "--include-dashboard=false", "--dashboard-host=127.0.0.1", *common]
-    worker = [_ray(), "start", f"--address=127.0.0.1:{args.port}", f"--num-cpus={args.worker_cpus}",
+    head = [*_ray(), "start", "--head", f"--port={args.port}", f"--num-cpus={args.head_cpus}",
+            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={args.dashboard_port}",
+            f"--ray-client-server-port={args.client_port}", *common]
+    worker = [*_ray(), "start", f"--address=127.0.0.1:{args.port}", f"--num-cpus={args.worker_cpus}",
               "--resources={\"worker_node\": 1}", *common]
     return [head, worker]
+
+
+def cluster_processes(port: int) -> list:
+    """This cluster's Ray processes: those naming its GCS address or port, with all their children."""
+    import psutil
+
+    mark = re.compile(rf"(gcs[-_]address|--address)=\S*:{port}\b|--gcs[-_]server[-_]port={port}\b")
+    found: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            line = " ".join(p.info["cmdline"] or [])
+            if p.pid != os.getpid() and mark.search(line):
+                for q in [p, *p.children(recursive=True)]:
+                    found[q.pid] = q
+    return list(found.values())
+
+
+def down(port: int, timeout_s: float = 15.0) -> int:
+    import psutil
+
+    procs = cluster_processes(port)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+    print(f"cluster down: stopped {len(procs)} process(es) of the cluster on 127.0.0.1:{port}")
+    return 0
 
 
 def run(args) -> int:
     from service.ray_local import loopback_env
 
     loopback_env()
+    # loopback_env's 0 makes `ray start --address` refuse to join (Ray's multi-node guard), and a head started with 0
+    # requires an auth token a joining node lacks: a real cluster needs 1. Ray then binds some agent ports on the host
+    # address / 0.0.0.0 despite --node-ip-address=127.0.0.1 (Ray's own behaviour for multi-node; firewall them).
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
+    # a head auto-enables token auth when ~/.ray/auth_token exists; a worker joins only if told (clients: set it too)
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     if args.action == "down":
-        return subprocess.call([_ray(), "stop", "--force"])
+        return down(args.port)
     for cmd in commands(args):
         rc = subprocess.call(cmd)
         if rc:
             print(f"attnserve cluster up: `{' '.join(cmd)}` failed ({rc}); run `attnserve cluster down`")
             return rc
-    print(f"cluster up: head + worker on 127.0.0.1:{args.port}; `attnserve deploy` (or `serve deploy "
-          f"deploy/serve_config.yaml`), `serve status`, `attnserve cluster down`")
+    print(f"cluster up: head + worker on 127.0.0.1:{args.port}; `attnserve deploy --address 127.0.0.1:{args.port}` "
+          f"(or `serve deploy --address http://127.0.0.1:{args.dashboard_port} deploy/serve_config.yaml`), "
+          f"`serve status --address http://127.0.0.1:{args.dashboard_port}`, "
+          f"`attnserve cluster down --port {args.port}`")
     return 0
