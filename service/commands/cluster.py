@@ -13,6 +13,8 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 HEAD_PORT = 6380
 DASHBOARD_PORT = 8265
@@ -71,6 +73,11 @@ def down(port: int, timeout_s: float = 15.0) -> int:
         with contextlib.suppress(psutil.Error):
             p.kill()
     psutil.wait_procs(alive, timeout=5)
+    # `ray start --head` records its address here; a later bare `ray.init()` would join it (`ray stop` clears it)
+    current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    with contextlib.suppress(OSError):
+        if current.read_text().strip().endswith(f":{port}"):
+            current.unlink()
     print(f"cluster down: stopped {len(procs)} process(es) of the cluster on 127.0.0.1:{port}")
     return 0
 
