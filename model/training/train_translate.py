@@ -108,8 +108,7 @@ def collate(examples, idx, pad: int):
 def save_state(run: Path, model, opt, meta: dict) -> None:
     from safetensors.torch import save_file
 
-    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()
-               if k != "embed.weight" or True}
+    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
     names = {id(p): n for n, p in model.named_parameters()}
     for p, st in opt.state.items():
         for k in ("exp_avg", "exp_avg_sq"):
