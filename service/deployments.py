@@ -24,13 +24,16 @@ from service.config import ApiLimits, ServiceConfig
 @serve.ingress()
 class AttnServe:
     async def __init__(self, config: dict | None = None):
-        from service.metrics import PrometheusSink
+        from service import metrics
         from service.models import load_backends
+        from service.ray_metrics import RayRecorder
+
+        metrics.install(RayRecorder())  # ray.serve.metrics: GET /metrics combines every replica's series
 
         self.config = ServiceConfig.from_dict(config)
         self.limits = self.config.limits
         self.fastapi = None
-        self.backends = await asyncio.to_thread(load_backends, self.config, PrometheusSink())
+        self.backends = await asyncio.to_thread(load_backends, self.config, metrics.EngineMetrics())
         if self.config.batching == "serve_batch" and self.backends.generator is not None:
             from service.serve_batching import ServeBatchGenerator
 

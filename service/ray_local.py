@@ -22,6 +22,7 @@ LOOPBACK_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
 }
 DEFAULT_CONFIG = REPO_ROOT / "deploy" / "serve_config.yaml"
+METRICS_REPORT_MS = 2000  # Ray's default is 10 s: GET /metrics would lag that long
 OBJECT_STORE_BYTES = 256 * 1024**2  # Ray otherwise reserves a large slice of /dev/shm
 
 
@@ -54,7 +55,8 @@ def start_ray(num_cpus: int | None = None, object_store_bytes: int = OBJECT_STOR
         return
     ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=num_cpus,
              object_store_memory=object_store_bytes, namespace="serve", log_to_driver=True,
-             runtime_env={"env_vars": {k: os.environ[k] for k in ("PYTHONPATH", *LOOPBACK_ENV)}})
+             runtime_env={"env_vars": {k: os.environ[k] for k in ("PYTHONPATH", *LOOPBACK_ENV)}},
+             _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS})
 
 
 def deploy(config: dict, timeout_s: float = 600.0) -> None:

@@ -14,7 +14,7 @@ from service.api.backends import Backends, GeneratorBackend, TranslatorBackend
 from service.config import TRANSLATOR_ID, ApiLimits
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
-from service.metrics import PrometheusSink
+from service.metrics import EngineMetrics
 
 TOK = CharTokenizer()
 TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }} | {% endfor %}"
@@ -23,7 +23,7 @@ TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }} | {% endfor %}
 
 def generator(**engine_kw) -> GeneratorBackend:
     cfg = EngineConfig(**{"max_slots": 4, "max_seq_len": 128, "prefill_chunk": 32, **engine_kw})
-    engine = GenerationEngine(tiny_llama(), TOK, cfg, eos_ids={TOK.eos_id}, sink=PrometheusSink())
+    engine = GenerationEngine(tiny_llama(), TOK, cfg, eos_ids={TOK.eos_id}, sink=EngineMetrics())
     return GeneratorBackend(engine, TOK, chat_template=TEMPLATE)
 
 
@@ -35,7 +35,7 @@ def translator(**engine_kw) -> TranslatorBackend | None:
     from engine_util import tiny_seq2seq
 
     cfg = EngineConfig(**{"max_slots": 8, "max_seq_len": 64, **engine_kw})
-    return TranslatorBackend(TranslationEngine(tiny_seq2seq(), TOK, cfg, sink=PrometheusSink()))
+    return TranslatorBackend(TranslationEngine(tiny_seq2seq(), TOK, cfg, sink=EngineMetrics()))
 
 
 def backends(gen_kw: dict | None = None, with_translator: bool = True) -> Backends:

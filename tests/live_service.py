@@ -79,15 +79,15 @@ def main() -> None:
     from service import models
     from service.api.app import create_app
     from service.config import ModelSpec
-    from service.metrics import PrometheusSink
+    from service.metrics import EngineMetrics
 
     torch.set_num_threads(1)
     b = backends()
     if args.generator == "smollm2":
         engine = {"max_slots": 8, "max_seq_len": 1024}
-        b.generator = models.load_generator(ModelSpec(device="cpu", dtype="float32", engine=engine), PrometheusSink())
+        b.generator = models.load_generator(ModelSpec(device="cpu", dtype="float32", engine=engine), EngineMetrics())
     if (models.REPO_ROOT / "weights" / "attnserve-zh-en" / "config.json").is_file():
-        b.translator = models.load_translator(ModelSpec(device="cpu", dtype="float32"), PrometheusSink())
+        b.translator = models.load_translator(ModelSpec(device="cpu", dtype="float32"), EngineMetrics())
     elif b.translator is None:
         b.translator = translator()
     app = create_app(b, manage_engines=True)

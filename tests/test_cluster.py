@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 import yaml
+from api_util import metric
 from serve_fixture import tiny_checkpoints
 
 from loadtests.reliability.tiny_service import TinyServiceConfig, _free_port, serve_config
@@ -69,6 +70,13 @@ def test_two_node_cluster(tmp_path):
                 assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4, r.text
                 r = c.post("/v1/translate", json={"text": "hello world", "beam_size": 2, "max_length": 4})
                 assert r.status_code == 200 and r.json()["target_langs"] == ["zh"], r.text
+            # GET /metrics combines both replicas' series from both nodes' Ray metrics exports (~2 s lag)
+            deadline, generated = time.monotonic() + 60, 0.0
+            while generated < 4 and time.monotonic() < deadline:
+                time.sleep(1)
+                generated = metric(c.get("/metrics").text, "attnserve_http_requests_total",
+                                   route="/v1/generate", status="200")
+            assert generated == 4
 
         nodes = json.loads(_run(f"{BIN}/ray", "list", "nodes", "--address", dashboard, "--format", "json",
                                 "--filter", "state=ALIVE"))

@@ -4,6 +4,7 @@ client, streaming, the @serve.batch mode, and Prometheus counters that move on G
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -67,18 +68,45 @@ def test_serve_batch_mode(serve_url):
     assert [o["usage"]["completion_tokens"] for o in outs] == [4, 5, 6]
 
 
+def _our_lines(c: httpx.Client) -> str:
+    r = c.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return "\n".join(ln for ln in r.text.splitlines() if ln.startswith("attnserve_") and 'route="/metrics"' not in ln)
+
+
+def _settled(c: httpx.Client, timeout_s: float = 60.0) -> str:
+    """GET /metrics once two reads a few Ray report intervals (2 s) apart agree: earlier requests are in."""
+    deadline = time.monotonic() + timeout_s
+    last = _our_lines(c)
+    while time.monotonic() < deadline:
+        time.sleep(5)
+        now = _our_lines(c)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError("GET /metrics kept changing with no traffic")
+
+
 def test_metrics_on_http_port(serve_url):
+    """Replicas record into ray.serve.metrics; GET /metrics combines Ray's export (it lags ~2 s)."""
     with httpx.Client(base_url=serve_url, timeout=60) as c:
-        before = c.get("/metrics")
-        assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
+        before = _settled(c)
         c.post("/v1/generate", json={"prompt": "hello", "max_tokens": 7, "ignore_eos": True})
         r = c.post("/v1/translate", json={"text": "hello", "beam_size": 1, "max_length": 5})
         assert r.status_code == 200, r.text
-        after = c.get("/metrics").text
+        deadline = time.monotonic() + 60
+        while (metric(_our_lines(c), "attnserve_request_success_total", model=TRANSLATOR_ID)
+               == metric(before, "attnserve_request_success_total", model=TRANSLATOR_ID)
+               and time.monotonic() < deadline):
+            time.sleep(1)
+        after = _settled(c)
+
     def moved(name, **labels):
-        return metric(after, name, **labels) - metric(before.text, name, **labels)
+        return metric(after, name, **labels) - metric(before, name, **labels)
 
     assert moved("attnserve_generation_tokens_total", model=GENERATOR_ID) == 7
     assert moved("attnserve_request_success_total", model=TRANSLATOR_ID, finished_reason="stop") == 1
     assert moved("attnserve_http_requests_total", model=GENERATOR_ID, route="/v1/generate", status="200") == 1
     assert moved("attnserve_time_to_first_token_seconds_count", model=GENERATOR_ID) == 1
+    # one series per label set: the replica-identifying labels Ray adds are combined away
+    assert "WorkerId" not in after and "replica=" not in after

@@ -61,7 +61,7 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
 
     @app.get("/metrics", tags=["ops"])
     async def prometheus():
-        data, content_type = metrics.render()
+        data, content_type = await metrics.render()
         return Response(data, media_type=content_type)
 
     if static_dir is not None and static_dir.is_dir():

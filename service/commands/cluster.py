@@ -9,6 +9,7 @@ another Ray instance on the machine (e.g. one started by `attnserve serve`) keep
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 
 HEAD_PORT = 6380
 DASHBOARD_PORT = 8265
+REPORT_INTERVAL_MS = 2000  # = service.ray_metrics.REPORT_INTERVAL_MS (not imported: no prometheus parser here)
 CLIENT_PORT = 10001
 
 
@@ -40,7 +42,8 @@ def commands(args) -> list[list[str]]:
     common = ["--node-ip-address=127.0.0.1", f"--object-store-memory={store}", "--disable-usage-stats"]
     head = [*_ray(), "start", "--head", f"--port={args.port}", f"--num-cpus={args.head_cpus}",
             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={args.dashboard_port}",
-            f"--ray-client-server-port={args.client_port}", *common]
+            f"--ray-client-server-port={args.client_port}",
+            f"--system-config={json.dumps({'metrics_report_interval_ms': REPORT_INTERVAL_MS})}", *common]
     worker = [*_ray(), "start", f"--address=127.0.0.1:{args.port}", f"--num-cpus={args.worker_cpus}",
               "--resources={\"worker_node\": 1}", *common]
     return [head, worker]

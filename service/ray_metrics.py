@@ -1,0 +1,145 @@
+"""Metrics through Ray: `ray.serve.metrics` in each replica, combined across replicas by `GET /metrics`.
+
+Each replica records into `ray.serve.metrics` objects. Ray ships them to the metrics export of the
+node the replica runs on (`ray_` prefix, Ray's bookkeeping labels: WorkerId, replica, NodeAddress, ...).
+On a cluster Prometheus scrapes every node's export (deploy/prometheus/prometheus.yml). So that the
+single-node default needs nothing but the service's own port, `RayRecorder.render()` (behind
+`GET /metrics`) reads the export of every alive node, keeps this application's attnserve series and
+combines the replicas into one series per label set of ours (`aggregate`): counters and histogram
+buckets/sums/counts summed, gauges summed, ratios (kv_cache_usage_ratio) averaged: what one vLLM
+server shows, whatever the replica count.
+
+Caveats (Ray's): series reach the export every `metrics_report_interval_ms` (2 s as `attnserve serve`
+starts Ray, 10 s by default), histogram `_sum` is estimated by Ray from bucket midpoints, and a dead
+replica's series leave the export, so a combined counter can step down (Prometheus `rate()` treats
+that as a reset).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.metrics import PREFIX, SPEC_BY_NAME, SPECS
+
+RAY_PREFIX = "ray_" + PREFIX
+
+
+class RayRecorder:
+    """`ray.serve.metrics` objects for SPECS; only constructible inside a Ray worker."""
+
+    def __init__(self):
+        from ray import serve
+        from ray.serve import metrics as serve_metrics
+
+        self._metrics = {}
+        for s in SPECS:
+            if s.kind == "histogram":
+                m = serve_metrics.Histogram(PREFIX + s.name, s.help, boundaries=list(s.buckets), tag_keys=s.labels)
+            else:
+                m = {"counter": serve_metrics.Counter, "gauge": serve_metrics.Gauge}[s.kind](
+                    PREFIX + s.name, s.help, tag_keys=s.labels)
+            self._metrics[s.name] = m
+        try:
+            self.application = serve.get_replica_context().app_name
+        except Exception:  # not inside a replica (a tool that records from a driver)
+            self.application = None
+
+    def _tags(self, name, labels):
+        return dict(zip(SPEC_BY_NAME[name].labels, labels, strict=True))
+
+    def inc(self, name, labels, amount=1.0):
+        if amount > 0:  # Ray's Counter refuses 0
+            self._metrics[name].inc(amount, tags=self._tags(name, labels))
+
+    def set(self, name, labels, value):
+        self._metrics[name].set(value, tags=self._tags(name, labels))
+
+    def observe(self, name, labels, value):
+        self._metrics[name].observe(value, tags=self._tags(name, labels))
+
+    async def render(self) -> bytes:
+        urls = export_urls()
+        texts = await asyncio.gather(*(_fetch(url) for url in urls))
+        missing = [u for u, t in zip(urls, texts, strict=True) if t is None]
+        body = aggregate([t for t in texts if t is not None], self.application)
+        notes = "".join(f"# attnserve: metrics export {u} did not answer\n" for u in missing)
+        return (notes + body).encode()
+
+
+def export_urls() -> list[str]:
+    """The Prometheus endpoint of Ray's metrics export on every alive node of the cluster."""
+    import ray
+
+    return [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
+            for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
+
+
+async def _fetch(url: str) -> str | None:
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=3.0) as client:
+            r = await client.get(url)
+            return r.text if r.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+def aggregate(export_texts: list[str], application: str | None = None) -> str:
+    """Ray metrics exports (Prometheus text) -> attnserve's series, replicas combined, in Prometheus text.
+
+    Keeps the `ray_attnserve_*` families whose type matches SPECS (Ray also exports each counter as a
+    gauge), drops the `ray_` prefix and every label but the spec's own (and `le`), and combines what
+    then shares a name and label set per the spec's `combine`. With `application`, only that Serve
+    application's series count.
+    """
+    sums: dict[str, dict[tuple, float]] = defaultdict(lambda: defaultdict(float))
+    counts: dict[str, dict[tuple, int]] = defaultdict(lambda: defaultdict(int))
+    for text in export_texts:
+        for family in text_string_to_metric_families(text):
+            if not family.name.startswith(RAY_PREFIX):
+                continue
+            spec = SPEC_BY_NAME.get(family.name[len(RAY_PREFIX):])
+            if spec is None or family.type != spec.kind:
+                continue
+            for sample in family.samples:
+                if application is not None and sample.labels.get("application", application) != application:
+                    continue
+                keep = (*spec.labels, "le") if sample.name.endswith("_bucket") else spec.labels
+                key = tuple((k, sample.labels.get(k, "")) for k in keep)
+                name = PREFIX + sample.name[len(RAY_PREFIX):]
+                sums[name][key] += sample.value
+                counts[name][key] += 1
+    lines = []
+    for spec in SPECS:
+        base = PREFIX + spec.name
+        suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}[spec.kind]
+        names = [base + s for s in suffixes if base + s in sums]
+        if not names:
+            continue
+        lines += [f"# HELP {base} {spec.help}", f"# TYPE {base} {spec.kind}"]
+        for name in names:
+            for key in sorted(sums[name], key=_sort_key):
+                value = sums[name][key]
+                if spec.combine == "mean":
+                    value /= counts[name][key]
+                labels = ",".join(f'{k}="{_escape(v)}"' for k, v in key)
+                lines.append(f"{name}{{{labels}}} {_number(value)}")
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def _sort_key(key: tuple) -> tuple:
+    d = dict(key)
+    le = d.pop("le", None)
+    return (tuple(d.items()), float(le) if le is not None else 0.0)
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(v: float) -> str:
+    return repr(float(v)) if v != int(v) or abs(v) >= 1e15 else f"{int(v)}.0"
