@@ -93,7 +93,9 @@ async def run(url: str, n: int, concurrency: int) -> dict:
     settle_s = time.monotonic() - t0 - drop_s
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         after = await c.post("/v1/generate", json=GOOD)
-    await asyncio.sleep(2)  # let the log monitor flush
+    # let the log monitor flush and Ray's metrics export catch up (GET /metrics lags by its 2 s report
+    # interval; seconds_to_zero_after_last_drop includes that lag)
+    await asyncio.sleep(6)
     return {"dropped_clients": n, "outcomes": outcomes, "drop_phase_s": round(drop_s, 1),
             "engine_cancelled": scrape(url, "attnserve_request_success_total", finished_reason="cancelled")
             - cancelled_before,
