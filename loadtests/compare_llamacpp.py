@@ -1,13 +1,16 @@
-"""Side by side: the same Locust scenario against attnserve and llama.cpp's `llama-server` on the very
-same SmolLM2 GGUF, with 2 threads, in one run -> one table, one sweep.csv, one set of plots.
+"""Side by side: the same Locust scenario against attnserve, llama.cpp's `llama-server` and
+llama-cpp-python's server on the very same SmolLM2 GGUF, with 2 threads, in one run -> one table, one
+sweep.csv, one set of plots.
 
     make loadtest-compare            # builds llama-server once (~8 min, both cores), then runs this
-    python -m loadtests.compare_llamacpp --users 1,4,16,64 --duration 60s [--attnserve URL]
+    python -m loadtests.compare_llamacpp --users 1,4,16,64 --py-users 16,64 --duration 60s [--attnserve URL]
 
-attnserve must already be running (`make serve`). llama-server is started here on a free loopback port
-with `-t 2 -tb 2 -np 16 -c 4096 --cont-batching` (each slot gets 256 tokens of context). Both targets get
-the OpenAI chat endpoint, greedy, the same prompts and max_tokens; answers may end at EOS at different
-lengths (Q4_1 kernels vs fp32), so compare output tokens/s rather than requests/s. Not part of CI."""
+attnserve must already be running (`make serve`). The peers are started here, one at a time, on free
+loopback ports: `llama-server -t 2 -tb 2 -np 16 -c 4096 --cont-batching` (each slot gets 256 tokens of
+context), then `python -m llama_cpp.server` (n_threads 2, --interrupt_requests False; it serialises
+requests, so it gets the shorter --py-users list). Every target gets the OpenAI chat endpoint, greedy, the
+same prompts and max_tokens; answers may end at EOS at different lengths (Q4_1 kernels vs fp32), so
+compare output tokens/s rather than requests/s. Not part of CI."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from loadtests.summary import Summary, format_table
 
 HOME = Path(os.environ.get("ATTNSERVE_HOME", Path.home() / ".cache" / "attnserve"))
 LLAMA_SERVER = HOME / "llama.cpp" / "build" / "bin" / "llama-server"
+LLAMA_CPP_PYTHON = HOME / "llama.cpp" / "py-venv" / "bin" / "python"  # made by setup_llama_cpp_python.sh
 GGUF = HOME / "downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -40,26 +44,41 @@ def find_gguf() -> Path:
     return hits[0]
 
 
-def start_llama_server(binary: Path, gguf: Path, parallel: int, log: Path) -> tuple[subprocess.Popen, str]:
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-tb", "2",
-           "-np", str(parallel), "-c", str(256 * parallel), "--cont-batching"]
+        return s.getsockname()[1]
+
+
+def _start(cmd: list[str], url: str, health: str, log: Path, name: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"llama-server exited with {proc.returncode}; see {log}")
+            raise SystemExit(f"{name} exited with {proc.returncode}; see {log}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + health, timeout=2).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise SystemExit(f"llama-server not healthy after 120 s; see {log}")
+    raise SystemExit(f"{name} not healthy after 180 s; see {log}")
+
+
+def start_llama_server(binary: Path, gguf: Path, parallel: int, log: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-tb", "2",
+           "-np", str(parallel), "-c", str(256 * parallel), "--cont-batching"]
+    return _start(cmd, f"http://127.0.0.1:{port}", "/health", log, "llama-server")
+
+
+def start_llama_cpp_python(python: Path, gguf: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "smollm2-135m-instruct",
+           "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2", "--n_threads_batch", "2",
+           "--n_ctx", "4096", "--interrupt_requests", "False"]
+    return _start(cmd, f"http://127.0.0.1:{port}", "/v1/models", log, "llama_cpp.server")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,15 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attnserve", default=cli.DEFAULT_HOST, help="URL of the running attnserve")
     p.add_argument("--scenario", default="chat-stream", choices=["chat-stream"])
     p.add_argument("--users", default="1,4,16,64")
+    p.add_argument("--py-users", default="16,64", help="users for llama-cpp-python's server; '' skips it")
     p.add_argument("--duration", default="60s")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--parallel", type=int, default=16, help="llama-server slots (-np)")
     p.add_argument("--llama-server", default=str(LLAMA_SERVER))
+    p.add_argument("--llama-cpp-python", default=str(LLAMA_CPP_PYTHON), help="python of its venv")
     p.add_argument("--results-dir", default=str(cli.REPO / "results"))
     a = p.parse_args(argv)
     try:
         cli.check_host(a.attnserve, allow_remote=False)
         users, duration_s = cli.parse_users(a.users), cli.parse_duration(a.duration)
+        py_users = cli.parse_users(a.py_users) if a.py_users else []
     except cli.UsageError as e:
         print(f"compare: {e}", file=sys.stderr)
         return 2
@@ -83,23 +105,38 @@ def main(argv: list[str] | None = None) -> int:
     if not binary.is_file():
         print(f"compare: {binary} missing; build it with loadtests/build_llama_server.sh (~8 min)", file=sys.stderr)
         return 2
+    python = Path(a.llama_cpp_python)
+    if py_users and not python.is_file():
+        print(f"compare: {python} missing; run loadtests/setup_llama_cpp_python.sh (or --py-users '')", file=sys.stderr)
+        return 2
     out = cli.new_results_dir(a.results_dir, "compare-llamacpp")
-    proc, llama_url = start_llama_server(binary, find_gguf(), a.parallel, out / "llama-server.log")
+    gguf = find_gguf()
     rows: list[tuple[str, Summary]] = []
-    try:
-        for label, host in (("attnserve", a.attnserve.rstrip("/")), ("llama-server", llama_url)):
-            for u in users:
-                ns = argparse.Namespace(host=host, scenario=a.scenario, rate=0.0, max_tokens=a.max_tokens,
-                                        temperature=0.0, ignore_eos=False, beam_size=1, model="smollm2-135m-instruct",
-                                        translate_file="", label=label)
-                rows.append((label, cli.run_once(ns, u, duration_s, out / f"{label}-users-{u}")))
-                print(format_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+
+    def sweep(label: str, host: str, user_list: list[int]) -> None:
+        for u in user_list:
+            ns = argparse.Namespace(host=host, scenario=a.scenario, rate=0.0, max_tokens=a.max_tokens,
+                                    temperature=0.0, ignore_eos=False, beam_size=1, model="smollm2-135m-instruct",
+                                    translate_file="", label=label)
+            rows.append((label, cli.run_once(ns, u, duration_s, out / f"{label}-users-{u}")))
+            print(format_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
+
+    sweep("attnserve", a.attnserve.rstrip("/"), users)
+    peers = [("llama-server", lambda: start_llama_server(binary, gguf, a.parallel, out / "llama-server.log"), users)]
+    if py_users:
+        peers.append(("llama-cpp-python", lambda: start_llama_cpp_python(python, gguf, out / "llama-cpp-python.log"),
+                      py_users))
+    for label, start, user_list in peers:  # one peer at a time: each gets both cores
+        proc, url = start()
+        try:
+            sweep(label, url, user_list)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
     print(format_table(rows))
     cli.write_summaries(out / "sweep.csv", rows)
-    plot_sweep(out / "sweep.csv", title=f"{a.scenario}: attnserve vs llama-server (-np {a.parallel} -t 2)")
+    plot_sweep(out / "sweep.csv",
+               title=f"{a.scenario}: attnserve vs llama-server (-np {a.parallel} -t 2) vs llama-cpp-python")
     print(f"results: {out}", file=sys.stderr)
     return 0
 
