@@ -165,7 +165,11 @@ def run_peer(args, peer: str, dtype: str) -> dict:
 def run_one(args) -> dict:
     """The `--run SPEC` child: `ours:<mode>:<dtype>`, `hf:<dtype>` or `ct2:<compute type>`."""
     parts = args.run.split(":")
-    if parts[0] != "ct2":
+    if parts[0] == "ours":  # the engine sets args.threads on its own thread; this one stays at 1
+        from service.engine.cpu_runtime import single_threaded_caller
+
+        single_threaded_caller()
+    elif parts[0] != "ct2":
         import torch
 
         torch.set_num_threads(args.threads)

@@ -72,9 +72,11 @@ async def closed_loop(clients: int, texts: list[str], one) -> tuple[float, int, 
 
 async def engine_phase(args) -> dict:
     from service.config import ServiceConfig
+    from service.engine.cpu_runtime import single_threaded_caller
     from service.engine.types import GenerateRequest, SamplingParams
     from service.models import load_generator
 
+    single_threaded_caller()  # as in a replica: only the engine thread runs torch in parallel
     gen = load_generator(ServiceConfig.from_dict(app_args(Path(args.config))).generator)
     await gen.start()
 

@@ -199,7 +199,11 @@ def main() -> None:
     if args.run:
         args.beam = int(args.beam)
         parts = args.run.split(":")
-        if parts[0] != "ct2":
+        if parts[0] == "ours":  # the engine sets args.threads on its own thread; this one stays at 1
+            from service.engine.cpu_runtime import single_threaded_caller
+
+            single_threaded_caller()
+        elif parts[0] != "ct2":
             import torch
 
             torch.set_num_threads(args.threads)

@@ -79,20 +79,20 @@ def _prometheus_metric(spec: MetricSpec):
     return kind(PREFIX + spec.name, spec.help, list(spec.labels), registry=REGISTRY, **extra)
 
 
-_PROMETHEUS = {s.name: _prometheus_metric(s) for s in SPECS}
+PROMETHEUS = {s.name: _prometheus_metric(s) for s in SPECS}
 
 
 class PrometheusRecorder:
     """prometheus_client objects in this process's REGISTRY (one per process: per replica under Ray)."""
 
     def inc(self, name, labels, amount=1.0):
-        _PROMETHEUS[name].labels(*labels).inc(amount)
+        PROMETHEUS[name].labels(*labels).inc(amount)
 
     def set(self, name, labels, value):
-        _PROMETHEUS[name].labels(*labels).set(value)
+        PROMETHEUS[name].labels(*labels).set(value)
 
     def observe(self, name, labels, value):
-        _PROMETHEUS[name].labels(*labels).observe(value)
+        PROMETHEUS[name].labels(*labels).observe(value)
 
     async def render(self) -> bytes:
         return generate_latest(REGISTRY)

@@ -108,7 +108,9 @@ def load_translator(spec: ModelSpec, sink=None) -> TranslatorBackend:
 def load_backends(cfg: ServiceConfig, sink=None, log=print) -> Backends:
     """Every enabled model that loads; the others with the reason they did not."""
     from model.checkpoint import CheckpointError
+    from service.engine.cpu_runtime import single_threaded_caller
 
+    single_threaded_caller()  # engines parallelise on their own threads (see cpu_runtime)
     backends = Backends()
     for name, spec, loader, attr in ((GENERATOR_ID, cfg.generator, load_generator, "generator"),
                                      (TRANSLATOR_ID, cfg.translator, load_translator, "translator")):

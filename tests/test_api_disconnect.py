@@ -10,7 +10,7 @@ from api_util import backends
 
 from service.api.app import create_app
 from service.config import GENERATOR_ID
-from service.metrics import REQUEST_SUCCESS
+from service.metrics import PROMETHEUS
 
 torch.set_num_threads(1)
 
@@ -48,7 +48,7 @@ async def call(app, body: dict, disconnect_after_chunks: int | None, disconnect_
 
 
 def cancelled() -> float:
-    return REQUEST_SUCCESS.labels(GENERATOR_ID, "cancelled")._value.get()
+    return PROMETHEUS["request_success"].labels(GENERATOR_ID, "cancelled")._value.get()
 
 
 def _run(body, **kw):

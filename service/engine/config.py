@@ -21,7 +21,7 @@ class EngineConfig:
     mode: Literal["continuous", "static", "serial"] = "continuous"
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    threads: int | None = None  # torch intra-op threads; None = leave torch's setting alone
+    threads: int | None = None  # torch threads of the engine thread; None = torch default (the cores it sees)
     default_deadline_s: float | None = None  # per-request time limit when the request has none
     static_batch_wait_s: float = 0.01  # static mode: wait this long for a batch to fill
     prefill_budget: int = 512  # prompt tokens per step across all requests (bounds a step's latency)

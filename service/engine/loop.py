@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from service.engine.config import EngineConfig
+from service.engine.cpu_runtime import init_engine_thread
 from service.engine.slots import SlotAllocator
 from service.engine.stats import EngineStats, MetricsSink, NullSink
 from service.engine.types import EngineStopped
@@ -41,9 +42,10 @@ class EngineLoop:
     async def start(self) -> None:
         if self._task is not None:
             return
-        if self.config.threads:
-            torch.set_num_threads(self.config.threads)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{self.name}")
+        if torch.device(self.config.device).type == "cpu":
+            # torch's thread count is per OS thread: set it where the steps run (see cpu_runtime)
+            self._pool.submit(init_engine_thread, self.config.threads).result()
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"engine-{self.name}")
