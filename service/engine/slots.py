@@ -1,5 +1,6 @@
-"""Free-slot bookkeeping: always hands out the lowest free slots, so a batch's slots are often
-contiguous and the KV cache can read a view instead of gathering."""
+"""Free-slot bookkeeping: always hands out the lowest free slots, and can move a sequence to a lower
+slot (`move`), so the generator keeps its running sequences in slots [0, n): the KV cache then reads
+a view instead of gathering."""
 
 from __future__ import annotations
 
@@ -33,3 +34,13 @@ class SlotAllocator:
                 raise RuntimeError(f"slot {s} freed twice")
             self._used.discard(s)
             heapq.heappush(self._free, s)
+
+    def move(self, src: int, dst: int) -> None:
+        """Bookkeeping for a sequence moved from used slot `src` to free slot `dst`."""
+        if src not in self._used or dst in self._used:
+            raise RuntimeError(f"cannot move slot {src} -> {dst}")
+        self._free.remove(dst)
+        heapq.heapify(self._free)
+        self._used.discard(src)
+        self._used.add(dst)
+        heapq.heappush(self._free, src)
