@@ -58,3 +58,14 @@ def test_grafana_dashboard_uses_exported_metric_names():
     used = {re.sub(r"_(bucket|sum|count|total)$", "", n)
             for p in dash["panels"] for t in p["targets"] for n in re.findall(r"attnserve_\w+", t["expr"])}
     assert used and used <= exported, used - exported
+
+
+def test_rayservice_containers_carry_the_serve_tuning_env():
+    from service.ray_local import SERVE_TUNING_ENV
+
+    spec = _load("kuberay/rayservice.yaml")["spec"]["rayClusterConfig"]
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    for g in groups:
+        for c in g["template"]["spec"]["containers"]:
+            env = {e["name"]: e["value"] for e in c.get("env", [])}
+            assert {k: env.get(k) for k in SERVE_TUNING_ENV} == SERVE_TUNING_ENV, c["name"]
