@@ -23,7 +23,7 @@ def test_card_and_size():
 
 
 UNDERTRAINED = pytest.mark.xfail(
-    strict=True, reason="issue 4 open: the shipped checkpoint (2.1 h of CPU training, test BLEU ~5) does not "
+    strict=True, reason="issue 4 open: the shipped checkpoint (~4 h of CPU training, test BLEU ~9.5-12) does not "
     "yet translate this; strict, so the test fails as soon as a better checkpoint passes it")
 
 
