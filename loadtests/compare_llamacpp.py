@@ -135,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(timeout=30)
     print(format_table(rows))
     cli.write_summaries(out / "sweep.csv", rows)
-    plot_sweep(out / "sweep.csv",
-               title=f"{a.scenario}: attnserve vs llama-server (-np {a.parallel} -t 2) vs llama-cpp-python")
+    plot_sweep(out / "sweep.csv", title=f"{a.scenario}: attnserve, llama-server -np {a.parallel}, llama-cpp-python")
     print(f"results: {out}", file=sys.stderr)
     return 0
 
