@@ -107,10 +107,6 @@ def install(recorder: Recorder) -> None:
     _recorder = recorder
 
 
-def recorder() -> Recorder:
-    return _recorder
-
-
 class EngineMetrics:
     """The engine's MetricsSink, writing to the installed recorder (looked up per call)."""
 

@@ -127,7 +127,7 @@ def aggregate(export_texts: list[str], application: str | None = None) -> str:
                 if spec.combine == "mean":
                     value /= counts[name][key]
                 labels = ",".join(f'{k}="{_escape(v)}"' for k, v in key)
-                lines.append(f"{name}{{{labels}}} {_number(value)}")
+                lines.append(f"{name}{{{labels}}} {float(value)!r}")
     return "\n".join(lines) + ("\n" if lines else "")
 
 
@@ -140,6 +140,3 @@ def _sort_key(key: tuple) -> tuple:
 def _escape(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
-
-def _number(v: float) -> str:
-    return repr(float(v)) if v != int(v) or abs(v) >= 1e15 else f"{int(v)}.0"

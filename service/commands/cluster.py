@@ -17,9 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from service.ray_local import METRICS_REPORT_MS
+
 HEAD_PORT = 6380
 DASHBOARD_PORT = 8265
-REPORT_INTERVAL_MS = 2000  # = service.ray_metrics.REPORT_INTERVAL_MS (not imported: no prometheus parser here)
 CLIENT_PORT = 10001
 
 
@@ -43,7 +44,7 @@ def commands(args) -> list[list[str]]:
     head = [*_ray(), "start", "--head", f"--port={args.port}", f"--num-cpus={args.head_cpus}",
             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={args.dashboard_port}",
             f"--ray-client-server-port={args.client_port}",
-            f"--system-config={json.dumps({'metrics_report_interval_ms': REPORT_INTERVAL_MS})}", *common]
+            f"--system-config={json.dumps({'metrics_report_interval_ms': METRICS_REPORT_MS})}", *common]
     worker = [*_ray(), "start", f"--address=127.0.0.1:{args.port}", f"--num-cpus={args.worker_cpus}",
               "--resources={\"worker_node\": 1}", *common]
     return [head, worker]
