@@ -53,3 +53,31 @@ def test_tiny_training_run_drops_loss_and_resumes(tiny_run, tmp_path):
 
     model = load_checkpoint(tmp_path / "export")
     assert load_tokenizer(tmp_path / "export").vocab_size == model.cfg.vocab_size
+
+
+def test_warm_start_from_a_shipped_checkpoint_continues_its_step_count(tiny_run, tmp_path):
+    import torch
+
+    path, cfg, data, run = tiny_run
+    train(path, run, data_dir=data, export_to=tmp_path / "export")  # 150 steps, exported (averaged)
+    shipped = load_checkpoint(tmp_path / "export")
+
+    cfg["max_steps"] = 150  # a warm start at the shipped step trains nothing more: weights come back as loaded
+    path.write_text(json.dumps(cfg))
+    run2 = tmp_path / "run2"
+    train(path, run2, data_dir=data, init_from=tmp_path / "export", export_to=tmp_path / "export2")
+    log = _log(run2)
+    assert [r for r in log if r.get("event") == "warm_start"][0]["step"] == 150
+    assert (run2 / "spm.model").read_bytes() == (tmp_path / "export" / "tokenizer.model").read_bytes()
+    again = load_checkpoint(tmp_path / "export2")
+    for (name, a), (_, b) in zip(shipped.state_dict().items(), again.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+    cfg["max_steps"] = 180  # and more steps continue from it, starting at a low, re-warming lr
+    path.write_text(json.dumps(cfg))
+    train(path, run2, data_dir=data, resume=True, export_to=tmp_path / "export3")
+    steps = [r for r in _log(run2) if "loss" in r]
+    assert [r["step"] for r in steps] == [160, 170, 180]
+    assert steps[0]["lr"] < steps[-1]["lr"]
+    meta = json.loads((tmp_path / "export2" / "config.json").read_text())
+    assert meta["training"]["continued_at_step"] == 150

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ class TrainConfig:
     eval_sentences: int = 200
     avg_last: int = 5
     log_every: int = 20
+    rewarm_steps: int = 300  # --init-from: fresh Adam moments, so ramp the lr back up over these steps
 
     @classmethod
     def load(cls, path: str | Path) -> TrainConfig:
@@ -179,7 +181,8 @@ def dev_bleu(model, tok, pairs, n: int) -> dict[str, float]:
 
 def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume: bool = False,
           data_dir: Path | None = None, export_to: str | Path | None = None,
-          export_only: bool = False, threads: int | None = None) -> Path:
+          export_only: bool = False, threads: int | None = None,
+          init_from: str | Path | None = None) -> Path:
     cfg = TrainConfig.load(config_path)
     if threads:  # a resource setting, not part of the recipe: e.g. 1 while the cores are shared
         cfg = dataclasses.replace(cfg, threads=threads)
@@ -198,6 +201,8 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     train_pairs = translate_data.read_split("train", data_dir)
     dev_pairs = translate_data.read_split("dev", data_dir)
     spm_path = run / "spm.model"
+    if init_from and not (run / "state.json").is_file():  # warm start: the checkpoint's own vocabulary
+        shutil.copyfile(Path(init_from) / SentencePieceTokenizer.FILE, spm_path)
     if not spm_path.is_file():
         t0 = time.time()
         texts = [s for p in train_pairs for s in p]
@@ -213,6 +218,9 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     if (resume or export_only) and (run / "state.json").is_file():
         meta = load_state(run, model, opt)
         log(event="resumed", step=meta["step"], epoch=meta["epoch"])
+    elif init_from:
+        meta = warm_start(model, Path(init_from))
+        log(event="warm_start", init_from=str(init_from), step=meta["step"], epoch=meta["epoch"])
     if export_only:
         return export(run, model, tok, cfg, meta, export_to, log)
 
@@ -231,10 +239,15 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
         rng = random.Random(cfg.seed * 1000 + meta["epoch"])
         batches = make_batches(examples, cfg.batch_tokens, rng)
         while meta["batch_in_epoch"] < len(batches) and not stop["flag"]:
+            if meta["train_seconds"] > cfg.max_hours * 3600 or meta["step"] >= cfg.max_steps:
+                stop["flag"] = True  # already done (e.g. a resume or warm start at the limit)
+                break
             idx = batches[meta["batch_in_epoch"]]
             src, tgt_in, tgt_out = collate(examples, idx, mcfg.pad_id)
             step = meta["step"] + 1
             lr = lr_at(step, mcfg.d_model, cfg.warmup_steps, cfg.lr_factor)
+            if "warm_start_step" in meta:  # fresh optimizer moments: ramp up to the schedule again
+                lr *= min(1.0, (step - meta["warm_start_step"]) / cfg.rewarm_steps)
             for g in opt.param_groups:
                 g["lr"] = lr
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
@@ -274,6 +287,24 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     return run
 
 
+def warm_start(model, ckpt: Path) -> dict:
+    """Continue from a shipped checkpoint (weights only: its optimizer state is not shipped).
+
+    The step, epoch, hours and token counters carry on from the checkpoint's training record, so the
+    learning-rate schedule and the logs continue where that run stopped; `rewarm_steps` ramps the
+    rate up again because Adam's moments start from zero.
+    """
+    from model.checkpoint import load_state as load_weights
+    from model.checkpoint import read_config
+
+    load_weights(model, ckpt / "model.safetensors")
+    rec = read_config(ckpt)[2].get("training", {})
+    step = int(rec.get("steps", 0))
+    return {"step": step, "epoch": int(rec.get("epochs", 0)), "batch_in_epoch": 0,
+            "train_seconds": float(rec.get("hours", 0.0)) * 3600, "tokens": int(rec.get("tokens", 0)),
+            "warm_start_step": step, "warm_start_from": str(ckpt)}
+
+
 def checkpoint(run: Path, model, opt, meta: dict, cfg: TrainConfig) -> None:
     from safetensors.torch import save_file
 
@@ -293,6 +324,9 @@ def export(run: Path, model, tok, cfg: TrainConfig, meta: dict, export_to, log) 
     save_checkpoint(model, out, tokenizer=tok, dtype=torch.bfloat16,
                     extra={"training": {"steps": meta["step"], "epochs": meta["epoch"],
                                         "hours": round(meta["train_seconds"] / 3600, 3),
-                                        "tokens": meta["tokens"], "averaged": used}})
+                                        "tokens": meta["tokens"], "averaged": used,
+                                        **({"continued_from": meta["warm_start_from"],
+                                            "continued_at_step": meta["warm_start_step"]}
+                                           if "warm_start_from" in meta else {})}})
     log(event="exported", path=str(out), averaged=used)
     return out

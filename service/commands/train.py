@@ -9,6 +9,9 @@ def add_arguments(p):
     p.add_argument("--export-only", action="store_true",
                    help="average the last snapshots and export the shipped checkpoint, no training")
     p.add_argument("--threads", type=int, help="torch threads (overrides the config; 1 while the cores are shared)")
+    p.add_argument("--init-from", metavar="DIR",
+                   help="start a new run from a shipped checkpoint's weights and vocabulary (e.g. "
+                        "weights/attnserve-zh-en), continuing its step count and lr schedule")
     p.add_argument("--export-to", help="export folder (default weights/attnserve-zh-en)")
 
 
@@ -16,5 +19,6 @@ def run(args) -> int:
     from model.training.train_translate import train
 
     train(args.config, args.run_dir, resume=args.resume, export_only=args.export_only,
-          export_to=args.export_to, threads=args.threads)
+          export_to=args.export_to, threads=args.threads,
+          init_from=args.init_from)
     return 0
