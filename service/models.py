@@ -20,14 +20,11 @@ class ModelUnavailable(RuntimeError):
 
 
 def cpu_has_native_bf16() -> bool:
-    """True when the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): then bf16 decodes 2-3x faster
-    than fp32 here (docs/benchmarks.md); without it torch emulates bf16 and fp32 is the better choice."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """True when bf16 is the faster CPU dtype: the CPU has AMX (see model/cpu_features.py for the figures;
+    AVX512-BF16 alone multiplies bf16 slower than fp32 on this project's hosts)."""
+    from model.cpu_features import has_amx_bf16
+
+    return has_amx_bf16()
 
 
 def select_device(device: str, dtype: str, *, cuda_available: bool, ray_gpu_ids: list | None,

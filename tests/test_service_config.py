@@ -28,6 +28,14 @@ def test_cpu_with_native_bf16_defaults_to_bf16():
     assert select_device("auto", "auto", cuda_available=True, ray_gpu_ids=[], cpu_bf16=True) == ("cpu", "bfloat16")
 
 
+def test_bf16_is_chosen_on_cpu_only_with_amx():
+    from model.cpu_features import has_amx_bf16
+
+    assert has_amx_bf16(frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"}))
+    assert not has_amx_bf16(frozenset({"avx512f", "avx512_bf16"}))  # bf16 GEMM slower than fp32 there
+    assert not has_amx_bf16(frozenset())
+
+
 def test_cuda_requested_without_gpu_is_clear_error():
     with pytest.raises(ModelUnavailable, match="cuda"):
         select_device("cuda", "auto", cuda_available=False, ray_gpu_ids=None)

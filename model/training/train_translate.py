@@ -40,7 +40,7 @@ class TrainConfig:
     warmup_steps: int = 1000
     label_smoothing: float = 0.1
     clip_norm: float = 1.0
-    bf16: bool = True
+    bf16: bool | str = "auto"  # autocast to bf16; "auto": only where the CPU has AMX (model/cpu_features.py)
     threads: int = 2
     seed: int = 1
     max_hours: float = 2.5
@@ -188,6 +188,10 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
         cfg = dataclasses.replace(cfg, threads=threads)
     run = Path(run_dir or paths.home() / "runs" / "translate" / Path(config_path).stem)
     run.mkdir(parents=True, exist_ok=True)
+    if cfg.bf16 == "auto":
+        from model.cpu_features import has_amx_bf16
+
+        cfg = dataclasses.replace(cfg, bf16=has_amx_bf16())
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     log_f = open(run / "train.log", "a", encoding="utf-8")
