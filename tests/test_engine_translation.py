@@ -84,6 +84,33 @@ def test_engine_equals_offline_alone_and_in_company(beam):
     assert run(company, max_slots=24).translations == expected
 
 
+def test_hypotheses_are_compacted_into_the_lowest_slots():
+    """Hypotheses that outlive their neighbours move down (self and cross K/V copied), so every step's
+    rows are slots [0, R) and the cache reads views; outputs (greedy and beam) are unchanged."""
+    seen = {"steps": 0, "moves": 0, "holes": 0}
+    rng = random.Random(11)
+    reqs = [TranslateRequest([sentence(rng)], target_lang="zh", beam_size=rng.choice([1, 2, 3])) for _ in range(20)]
+
+    async def main(engine):
+        plan = engine._plan
+
+        def checked_plan():  # record, never raise: an exception here would end the engine loop
+            p = plan()
+            if p is not None:
+                slots = sorted(s for it in p.items for s in it.slots)
+                seen["holes"] += slots != list(range(len(slots)))
+                seen["steps"] += 1
+                seen["moves"] += len(p.moves)
+            return p
+        engine._plan = checked_plan
+        return await asyncio.gather(*(engine.translate(r) for r in reqs))
+
+    results = run(main, max_slots=12)
+    assert seen["holes"] == 0 and seen["moves"] > 0 and seen["steps"] > 0
+    for r, res in zip(reqs, results, strict=True):
+        assert res.translations == offline(r.texts, r.beam_size)
+
+
 def test_static_and_serial_modes_agree():
     expected = offline(TEXTS, 2)
     for mode in ("static", "serial"):

@@ -77,7 +77,11 @@ class BeamState:
         return parents
 
     def _greedy(self, logits: torch.Tensor) -> list[int]:
-        tok = int(logits[0].argmax())
+        return self.push(int(logits[0].argmax()))
+
+    def push(self, tok: int) -> list[int]:
+        """Greedy (k == 1) step with the argmax token already chosen (the engine takes the argmax of
+        every greedy row in one op); same result as `advance`."""
         out = self.seqs[0]
         if tok == self.eos_id or len(out) >= self.limit:
             self.done = True

@@ -1,0 +1,125 @@
+"""Where a translation engine step's time goes (issue 5): not a benchmark.
+
+Runs the TranslationEngine (continuous, greedy or beam) on bench_translate's workload (held-out
+sentences, alternately en->zh and zh->en, one per request) with N closed-loop clients and reports,
+per step: encoder pass, decoder forward, hypothesis advance (argmax / beam bookkeeping), beam slot
+copies, the rest of `_execute`, and time outside it (plan, deliver, event loop); then torch.profiler's
+top operators by self CPU time over a window of steps.
+
+    python -m loadtests.profile_translate --clients 64 --requests 256 --beam 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from loadtests.profile_engine import Timers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def run(args) -> None:
+    import torch
+
+    from loadtests.bench_translate import load, workload
+    from service.engine.beam import BeamState
+    from service.engine.config import EngineConfig
+    from service.engine.cpu_runtime import single_threaded_caller
+    from service.engine.translation import TranslationEngine
+    from service.engine.types import TranslateRequest
+
+    single_threaded_caller()
+    model, tok = load(Path(args.checkpoint))
+    jobs = workload(SimpleNamespace(requests=args.requests, seed=args.seed), tok, model.cfg)
+    cfg = EngineConfig(max_slots=args.clients * args.beam, max_seq_len=model.cfg.max_tgt_len, mode="continuous",
+                       dtype=args.dtype, threads=args.threads, max_waiting=args.requests + 1)
+    engine = TranslationEngine(model, tok, cfg)
+    t = Timers()
+    engine.model.encode = t.wrap(lambda *a, **kw: "encoder", engine.model.encode)
+    engine.model.set_cross = t.wrap(lambda *a, **kw: "cross K/V into slots", engine.model.set_cross)
+    engine.model.decode = t.wrap(lambda *a, **kw: "decoder forward", engine.model.decode)
+    engine.cache.copy_slots = t.wrap(lambda *a, **kw: "slot copies (beam, compaction)", engine.cache.copy_slots)
+    advance, push = BeamState.advance, BeamState.push
+    BeamState.advance = t.wrap(lambda *a, **kw: "advance (argmax / beam)", advance)
+    BeamState.push = t.wrap(lambda *a, **kw: "advance (argmax / beam)", push)
+    execute = engine._execute
+    rows: list[int] = []
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    window = {"on": False}
+
+    def profiled_execute(step):
+        n = len(rows)
+        rows.append(sum(it.beam.k for it in getattr(step, "items", step)))
+        if n == args.profile_from:
+            prof.start()
+            window["on"] = True
+        elif n == args.profile_from + args.profile_steps and window["on"]:
+            prof.stop()
+            window["on"] = False
+        return execute(step)
+    engine._execute = t.wrap(lambda *a, **kw: "execute (whole)", profiled_execute)
+
+    await engine.start()
+    await engine.translate(TranslateRequest(["warm-up"], target_lang="zh", beam_size=args.beam))
+    rows.clear()
+    for k in list(t.total):
+        t.total[k], t.count[k] = 0.0, 0
+    queue = [(j["text"], j["tgt"]) for j in reversed(jobs)]
+    out = 0
+
+    async def client():
+        nonlocal out
+        while queue:
+            text, tgt = queue.pop()
+            r = await engine.translate(TranslateRequest([text], target_lang=tgt, beam_size=args.beam))
+            out += r.usage.completion_tokens
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(args.clients)))
+    wall = time.perf_counter() - t0
+    await engine.stop()
+    BeamState.advance, BeamState.push = advance, push
+    if window["on"]:
+        prof.stop()
+    steps = len(rows)
+    print(f"translator {args.checkpoint}; dtype {args.dtype}; threads {args.threads}; clients {args.clients}; "
+          f"beam {args.beam}; {len(jobs)} sentences, {out} output tokens in {wall:.1f} s = {out / wall:.0f} tok/s")
+    print(f"{steps} steps, mean rows {sum(rows) / max(steps, 1):.1f}, {1000 * wall / max(steps, 1):.2f} ms/step")
+    print("\n| part of a step | total s | % of wall | calls | ms/call |\n|---|---|---|---|---|")
+    whole = t.total["execute (whole)"]
+    names = ("encoder", "cross K/V into slots", "decoder forward", "advance (argmax / beam)",
+             "slot copies (beam, compaction)")
+    parts = [(k, t.total[k], t.count[k]) for k in names]
+    parts.append(("rest of _execute", whole - sum(v for _, v, _ in parts), steps))
+    parts.append(("outside _execute (plan, deliver, event loop)", wall - whole, steps))
+    for k, v, n in parts:
+        print(f"| {k} | {v:.2f} | {100 * v / wall:.1f} | {n} | {1000 * v / max(n, 1):.3f} |")
+    print(f"\ntorch.profiler, {args.profile_steps} steps from step {args.profile_from}, top operators by self CPU:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"tok_s": out / wall, "steps": steps, "wall": wall}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--checkpoint", default=str(ROOT / "weights" / "attnserve-zh-en"))
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--beam", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile-from", type=int, default=40, help="first profiled step")
+    ap.add_argument("--profile-steps", type=int, default=40)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--json", help=argparse.SUPPRESS)
+    asyncio.run(run(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
