@@ -34,6 +34,16 @@ class Timers:
                 self.count[name] += 1
         return timed
 
+    def report(self, names, rest: str, steps: int, wall: float) -> None:
+        """Markdown table: each timed part, the rest of `execute (whole)`, and the time outside it."""
+        print("\n| part of a step | total s | % of wall | calls | ms/call |\n|---|---|---|---|---|")
+        whole = self.total["execute (whole)"]
+        parts = [(k, self.total[k], self.count[k]) for k in names]
+        parts.append((rest, whole - sum(v for _, v, _ in parts), steps))
+        parts.append(("outside _execute (plan, deliver, event loop)", wall - whole, steps))
+        for k, v, n in parts:
+            print(f"| {k} | {v:.2f} | {100 * v / wall:.1f} | {n} | {1000 * v / max(n, 1):.3f} |")
+
 
 async def run(args) -> None:
     import torch
@@ -103,13 +113,8 @@ async def run(args) -> None:
           f"{len(work)} requests, {out_tokens} output tokens in {wall:.1f} s = {out_tokens / wall:.1f} tok/s")
     print(f"{steps} steps, mean batch {sum(batch_sizes) / max(steps, 1):.1f}, "
           f"{1000 * wall / max(steps, 1):.1f} ms/step")
-    print("\n| part of a step | total s | % of wall | calls | ms/call |\n|---|---|---|---|---|")
-    whole = t.total["execute (whole)"]
-    parts = [(k, t.total[k], t.count[k]) for k in ("prefill forward", "decode forward", "sampling")]
-    parts.append(("rest of _execute (tensors in, tokens out)", whole - sum(v for _, v, _ in parts), steps))
-    parts.append(("outside _execute (plan, deliver, event loop)", wall - whole, steps))
-    for k, v, n in parts:
-        print(f"| {k} | {v:.2f} | {100 * v / wall:.1f} | {n} | {1000 * v / max(n, 1):.2f} |")
+    t.report(("prefill forward", "decode forward", "sampling"), "rest of _execute (tensors in, tokens out)",
+             steps, wall)
     print(f"\ntorch.profiler, {args.profile_steps} steps from step {args.profile_from}, top operators by self CPU:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
 

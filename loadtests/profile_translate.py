@@ -90,15 +90,8 @@ async def run(args) -> None:
     print(f"translator {args.checkpoint}; dtype {args.dtype}; threads {args.threads}; clients {args.clients}; "
           f"beam {args.beam}; {len(jobs)} sentences, {out} output tokens in {wall:.1f} s = {out / wall:.0f} tok/s")
     print(f"{steps} steps, mean rows {sum(rows) / max(steps, 1):.1f}, {1000 * wall / max(steps, 1):.2f} ms/step")
-    print("\n| part of a step | total s | % of wall | calls | ms/call |\n|---|---|---|---|---|")
-    whole = t.total["execute (whole)"]
-    names = ("encoder", "cross K/V into slots", "decoder forward", "advance (argmax / beam)",
-             "slot copies (beam, compaction)")
-    parts = [(k, t.total[k], t.count[k]) for k in names]
-    parts.append(("rest of _execute", whole - sum(v for _, v, _ in parts), steps))
-    parts.append(("outside _execute (plan, deliver, event loop)", wall - whole, steps))
-    for k, v, n in parts:
-        print(f"| {k} | {v:.2f} | {100 * v / wall:.1f} | {n} | {1000 * v / max(n, 1):.3f} |")
+    t.report(("encoder", "cross K/V into slots", "decoder forward", "advance (argmax / beam)",
+              "slot copies (beam, compaction)"), "rest of _execute", steps, wall)
     print(f"\ntorch.profiler, {args.profile_steps} steps from step {args.profile_from}, top operators by self CPU:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     if args.json:
