@@ -22,18 +22,11 @@ def test_card_and_size():
     assert total <= 60 * 2**20
 
 
-UNDERTRAINED = pytest.mark.xfail(
-    strict=True, reason="issue 4 open: the shipped checkpoint (~4 h of CPU training, test BLEU ~9.5-12) does not "
-    "yet translate this; strict, so the test fails as soon as a better checkpoint passes it")
-
-
-@UNDERTRAINED
 def test_zh_to_en_money_market(translator):
     out = translator.translate(["本基金亦可投资于货币市场工具和持有现金。"], target_lang="en", beam_size=4)[0]
     assert "money market" in out.lower(), out
 
 
-@UNDERTRAINED
 def test_en_to_zh_money_market(translator):
     out = translator.translate(["The Fund may also invest in money market instruments."], target_lang="zh",
                                beam_size=4)[0]
