@@ -50,6 +50,10 @@ def test_tiny_training_run_drops_loss_and_resumes(tiny_run, tmp_path):
     assert [r for r in log if r.get("event") == "resumed"][-1]["step"] == 150
     steps = [r["step"] for r in log if "loss" in r]
     assert steps[-2:] == [160, 170]  # continued from 150, not restarted
+    assert json.loads((run / "state.json").read_text())["opt_step"] == 170  # Adam's own count went on too
+
+    with pytest.raises(FileExistsError, match="--resume"):  # a new run would mix with this one's snapshots
+        train(path, run, data_dir=data, export_to=tmp_path / "export3")
 
     model = load_checkpoint(tmp_path / "export")
     assert load_tokenizer(tmp_path / "export").vocab_size == model.cfg.vocab_size
@@ -81,3 +85,9 @@ def test_warm_start_from_a_shipped_checkpoint_continues_its_step_count(tiny_run,
     assert steps[0]["lr"] < steps[-1]["lr"]
     meta = json.loads((tmp_path / "export2" / "config.json").read_text())
     assert meta["training"]["continued_at_step"] == 150
+
+    cfg.update(max_steps=10**9, max_hours=meta["training"]["hours"])  # the hour limit, as recorded, counts too
+    path.write_text(json.dumps(cfg))
+    run3 = tmp_path / "run3"
+    train(path, run3, data_dir=data, init_from=tmp_path / "export", export_to=tmp_path / "export4")
+    assert [r for r in _log(run3) if r.get("event") == "stopped"][-1]["step"] == 150

@@ -115,7 +115,7 @@ def save_state(run: Path, model, opt, meta: dict) -> None:
     for p, st in opt.state.items():
         for k in ("exp_avg", "exp_avg_sq"):
             tensors[f"opt.{names[id(p)]}.{k}"] = st[k].contiguous()
-        meta.setdefault("opt_step", float(st["step"]))
+        meta["opt_step"] = float(st["step"])  # Adam's step count (one for all parameters)
     tensors["rng.torch"] = torch.get_rng_state()
     tmp = run / "state.safetensors.tmp"
     save_file(tensors, str(tmp))
@@ -188,6 +188,11 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
         cfg = dataclasses.replace(cfg, threads=threads)
     run = Path(run_dir or paths.home() / "runs" / "translate" / Path(config_path).stem)
     run.mkdir(parents=True, exist_ok=True)
+    resuming = (resume or export_only) and (run / "state.json").is_file()
+    if not resuming and (run / "state.json").is_file():
+        # a new run here would mix its snapshots (and maybe its vocabulary) with the old run's
+        raise FileExistsError(f"{run} already holds a training run (state.json): pass --resume to continue it, "
+                              "or --run-dir to start a new run elsewhere")
     if cfg.bf16 == "auto":
         from model.cpu_features import has_amx_bf16
 
@@ -205,7 +210,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     train_pairs = translate_data.read_split("train", data_dir)
     dev_pairs = translate_data.read_split("dev", data_dir)
     spm_path = run / "spm.model"
-    if init_from and not (run / "state.json").is_file():  # warm start: the checkpoint's own vocabulary
+    if init_from and not resuming:  # warm start: the checkpoint's own vocabulary
         shutil.copyfile(Path(init_from) / SentencePieceTokenizer.FILE, spm_path)
     if not spm_path.is_file():
         t0 = time.time()
@@ -219,7 +224,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     model = build_model(mcfg)
     opt = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
     meta = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_seconds": 0.0, "tokens": 0}
-    if (resume or export_only) and (run / "state.json").is_file():
+    if resuming:
         meta = load_state(run, model, opt)
         log(event="resumed", step=meta["step"], epoch=meta["epoch"])
     elif init_from:
@@ -243,7 +248,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
         rng = random.Random(cfg.seed * 1000 + meta["epoch"])
         batches = make_batches(examples, cfg.batch_tokens, rng)
         while meta["batch_in_epoch"] < len(batches) and not stop["flag"]:
-            if meta["train_seconds"] > cfg.max_hours * 3600 or meta["step"] >= cfg.max_steps:
+            if finished(meta, cfg):
                 stop["flag"] = True  # already done (e.g. a resume or warm start at the limit)
                 break
             idx = batches[meta["batch_in_epoch"]]
@@ -251,7 +256,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
             step = meta["step"] + 1
             lr = lr_at(step, mcfg.d_model, cfg.warmup_steps, cfg.lr_factor)
             if "warm_start_step" in meta:  # fresh optimizer moments: ramp up to the schedule again
-                lr *= min(1.0, (step - meta["warm_start_step"]) / cfg.rewarm_steps)
+                lr *= min(1.0, (step - meta["warm_start_step"]) / max(1, cfg.rewarm_steps))
             for g in opt.param_groups:
                 g["lr"] = lr
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
@@ -279,16 +284,20 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
             if time.time() - last_eval > cfg.eval_minutes * 60:
                 log(step=step, event="eval", **dev_bleu(model, tok, dev_pairs, cfg.eval_sentences))
                 last_eval = time.time()
-            if meta["train_seconds"] > cfg.max_hours * 3600 or step >= cfg.max_steps:
+            if finished(meta, cfg):
                 stop["flag"] = True
         if meta["batch_in_epoch"] >= len(batches):
             meta.update(epoch=meta["epoch"] + 1, batch_in_epoch=0)
     checkpoint(run, model, opt, meta, cfg)
     log(event="stopped", step=meta["step"], hours=round(meta["train_seconds"] / 3600, 3))
-    done = meta["train_seconds"] > cfg.max_hours * 3600 or meta["step"] >= cfg.max_steps
-    if done or export_to:
+    if finished(meta, cfg) or export_to:
         export(run, model, tok, cfg, meta, export_to, log)
     return run
+
+
+def finished(meta: dict, cfg: TrainConfig) -> bool:
+    """The run has reached its hour or step limit (hours as recorded: a checkpoint rounds them to 3 decimals)."""
+    return meta["train_seconds"] >= cfg.max_hours * 3600 or meta["step"] >= cfg.max_steps
 
 
 def warm_start(model, ckpt: Path) -> dict:
