@@ -141,6 +141,39 @@ def test_cancellation_frees_slots():
     assert st.slots_used == 0 and st.running == 0 and st.waiting == 0
 
 
+@pytest.mark.parametrize("beam", [1, 4])
+def test_survivors_are_unchanged_when_company_is_cancelled(beam):
+    """Cancelled requests free slots mid-decode; survivors move into them and must decode as if alone."""
+    expected = offline(TEXTS, beam)
+    seen = {"moves": 0}
+
+    async def main(engine):
+        plan = engine._plan
+
+        def counting_plan():
+            p = plan()
+            seen["moves"] += bool(p is not None and p.moves)
+            return p
+        engine._plan = counting_plan
+        rng = random.Random(7)
+        others = [TranslateRequest([sentence(rng) for _ in range(rng.randint(1, 3))], target_lang="zh",
+                                   beam_size=rng.choice([1, 2, 4])) for _ in range(12)]
+        tasks = [asyncio.create_task(engine.translate(r)) for r in others]
+        mine = asyncio.create_task(engine.translate(TranslateRequest(TEXTS, target_lang="zh", beam_size=beam)))
+        while engine.steps < 3:
+            await asyncio.sleep(0.0005)
+        for t in tasks[::2]:
+            t.cancel()
+        result = await mine
+        kept = await asyncio.gather(*tasks[1::2])
+        for r, res in zip(others[1::2], kept, strict=True):
+            assert res.translations == offline(r.texts, r.beam_size)
+        return result
+
+    assert run(main, max_slots=48).translations == expected
+    assert seen["moves"] > 0  # survivors did move into freed slots
+
+
 def test_overload_and_rejections():
     async def main(engine):
         with pytest.raises(RequestRejected, match="at most 62 tokens"):
