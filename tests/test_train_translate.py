@@ -54,6 +54,9 @@ def test_tiny_training_run_drops_loss_and_resumes(tiny_run, tmp_path):
 
     with pytest.raises(FileExistsError, match="--resume"):  # a new run would mix with this one's snapshots
         train(path, run, data_dir=data, export_to=tmp_path / "export3")
+    with pytest.raises(FileNotFoundError, match="no training run"):  # nothing to export: say so, export nothing
+        train(path, tmp_path / "empty", data_dir=data, export_only=True, export_to=tmp_path / "export4")
+    assert not (tmp_path / "export4").exists()
 
     model = load_checkpoint(tmp_path / "export")
     assert load_tokenizer(tmp_path / "export").vocab_size == model.cfg.vocab_size

@@ -193,6 +193,8 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
         # a new run here would mix its snapshots (and maybe its vocabulary) with the old run's
         raise FileExistsError(f"{run} already holds a training run (state.json): pass --resume to continue it, "
                               "or --run-dir to start a new run elsewhere")
+    if export_only and not resuming:  # else an untrained model would be exported over the shipped one
+        raise FileNotFoundError(f"{run} holds no training run (state.json) to export")
     if cfg.bf16 == "auto":
         from model.cpu_features import has_amx_bf16
 
