@@ -1,15 +1,19 @@
-"""What the CPU can do, from /proc/cpuinfo: decides whether bf16 is worth it on a CPU.
+"""Whether bf16 is worth it on this CPU: decided by measuring, not by the name of the CPU.
 
-Measured with torch 2.13 on two hosts of this project (2 cores each, docs/benchmarks.md):
-- with AMX (amx_bf16, amx_tile): bf16 GEMM 370-730 GFLOP/s vs fp32 ~200 -> bf16 decodes and trains faster;
-- with AVX512-BF16 but no AMX: bf16 GEMM ~160 GFLOP/s vs fp32 ~220 -> fp32 is faster
-  (translator training: 2,600 tok/s fp32 vs 1,550 with bf16 autocast).
-So "auto" picks bf16 on a CPU only when it has AMX.
+Measured with torch 2.13 on the hosts of this project (2 cores each, docs/benchmarks.md):
+- Intel with AMX (amx_bf16, amx_tile): bf16 GEMM 370-730 GFLOP/s vs fp32 ~200 -> bf16 faster;
+- Intel with AVX512-BF16 but no AMX: bf16 GEMM ~160 GFLOP/s vs fp32 ~220 -> fp32 faster;
+- AMD EPYC with AVX512-BF16, no AMX: bf16 GEMM ~890 GFLOP/s vs fp32 ~205 -> bf16 faster.
+The same flag (avx512_bf16) means "slower" on one host and "4x faster" on another, so "auto" times a
+decode-sized matmul in both dtypes once per process (~0.1 s) and picks bf16 when it is clearly faster.
 """
 
 from __future__ import annotations
 
+import time
 from functools import lru_cache
+
+BF16_MIN_SPEEDUP = 1.25  # below this the rounding error of bf16 is not worth it
 
 
 @lru_cache(maxsize=1)
@@ -26,3 +30,44 @@ def has_amx_bf16(flags: frozenset[str] | None = None) -> bool:
     """True when the CPU has AMX tiles with bf16 (oneDNN then runs bf16 matmuls on AMX)."""
     flags = cpu_flags() if flags is None else flags
     return "amx_bf16" in flags and "amx_tile" in flags
+
+
+def has_bf16_instructions(flags: frozenset[str] | None = None) -> bool:
+    """The CPU multiplies bf16 natively (AVX512-BF16 or AMX); without either, bf16 is emulated and slow."""
+    flags = cpu_flags() if flags is None else flags
+    return has_amx_bf16(flags) or "avx512_bf16" in flags
+
+
+def bf16_matmul_speedup(m: int = 64, k: int = 576, n: int = 1536, repeats: int = 7) -> float:
+    """fp32 time / bf16 time of an (m, k) @ (k, n) product (a decode step's MLP at 64 rows), best of
+    `repeats` each, the two dtypes interleaved so that a noisy neighbour hits both, at torch's current
+    thread count."""
+    import torch
+
+    x32 = torch.randn(m, k)
+    w32 = torch.randn(n, k)
+    x16, w16 = x32.bfloat16(), w32.bfloat16()
+    best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
+    for _ in range(repeats):
+        for x, w in ((x32, w32), (x16, w16)):
+            t = time.perf_counter()
+            for _ in range(5):
+                torch.nn.functional.linear(x, w)  # (m, n)
+            best[x.dtype] = min(best[x.dtype], time.perf_counter() - t)
+    return best[torch.float32] / best[torch.bfloat16]
+
+
+def decide_bf16(flags: frozenset[str], speedup: float | None) -> bool:
+    """The rule: native bf16 instructions, and (when measured) at least BF16_MIN_SPEEDUP x fp32."""
+    if not has_bf16_instructions(flags):
+        return False
+    return speedup is None or speedup >= BF16_MIN_SPEEDUP
+
+
+@lru_cache(maxsize=1)
+def prefers_bf16() -> bool:
+    """True when bf16 is the faster dtype on this CPU (measured once per process)."""
+    flags = cpu_flags()
+    if not has_bf16_instructions(flags):
+        return False
+    return decide_bf16(flags, bf16_matmul_speedup())

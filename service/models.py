@@ -20,11 +20,11 @@ class ModelUnavailable(RuntimeError):
 
 
 def cpu_has_native_bf16() -> bool:
-    """True when bf16 is the faster CPU dtype: the CPU has AMX (see model/cpu_features.py for the figures;
-    AVX512-BF16 alone multiplies bf16 slower than fp32 on this project's hosts)."""
-    from model.cpu_features import has_amx_bf16
+    """True when bf16 is the faster CPU dtype here: native bf16 instructions and a measured bf16 matmul
+    clearly faster than fp32 (model/cpu_features.py has the figures of this project's hosts)."""
+    from model.cpu_features import prefers_bf16
 
-    return has_amx_bf16()
+    return prefers_bf16()
 
 
 def select_device(device: str, dtype: str, *, cuda_available: bool, ray_gpu_ids: list | None,

@@ -28,12 +28,24 @@ def test_cpu_with_native_bf16_defaults_to_bf16():
     assert select_device("auto", "auto", cuda_available=True, ray_gpu_ids=[], cpu_bf16=True) == ("cpu", "bfloat16")
 
 
-def test_bf16_is_chosen_on_cpu_only_with_amx():
-    from model.cpu_features import has_amx_bf16
+def test_bf16_on_cpu_needs_native_instructions_and_a_measured_speedup():
+    from model.cpu_features import BF16_MIN_SPEEDUP, decide_bf16, has_amx_bf16
 
-    assert has_amx_bf16(frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"}))
-    assert not has_amx_bf16(frozenset({"avx512f", "avx512_bf16"}))  # bf16 GEMM slower than fp32 there
-    assert not has_amx_bf16(frozenset())
+    amx = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"})
+    avx512_bf16 = frozenset({"avx512f", "avx512_bf16"})
+    assert has_amx_bf16(amx) and not has_amx_bf16(avx512_bf16)
+    assert decide_bf16(avx512_bf16, 4.3)  # AMD EPYC here: bf16 GEMM ~4x fp32
+    assert not decide_bf16(avx512_bf16, 0.73)  # Intel without AMX: bf16 slower than fp32
+    assert not decide_bf16(amx, BF16_MIN_SPEEDUP * 0.9)  # the measurement decides, not the flag
+    assert decide_bf16(amx, None)
+    assert not decide_bf16(frozenset({"avx2"}), 10.0)  # emulated bf16 is never chosen
+
+
+def test_bf16_speedup_is_measured():
+    from model.cpu_features import bf16_matmul_speedup
+
+    r = bf16_matmul_speedup(m=8, k=64, n=64, repeats=2)
+    assert 0.01 < r < 100.0
 
 
 def test_cuda_requested_without_gpu_is_clear_error():

@@ -40,7 +40,7 @@ class TrainConfig:
     warmup_steps: int = 1000
     label_smoothing: float = 0.1
     clip_norm: float = 1.0
-    bf16: bool | str = "auto"  # autocast to bf16; "auto": only where the CPU has AMX (model/cpu_features.py)
+    bf16: bool | str = "auto"  # autocast to bf16; "auto": where bf16 measures faster (model/cpu_features.py)
     threads: int = 2
     seed: int = 1
     max_hours: float = 2.5
@@ -195,11 +195,11 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
                               "or --run-dir to start a new run elsewhere")
     if export_only and not resuming:  # else an untrained model would be exported over the shipped one
         raise FileNotFoundError(f"{run} holds no training run (state.json) to export")
-    if cfg.bf16 == "auto":
-        from model.cpu_features import has_amx_bf16
-
-        cfg = dataclasses.replace(cfg, bf16=has_amx_bf16())
     torch.set_num_threads(cfg.threads)
+    if cfg.bf16 == "auto":
+        from model.cpu_features import prefers_bf16
+
+        cfg = dataclasses.replace(cfg, bf16=prefers_bf16())
     torch.manual_seed(cfg.seed)
     log_f = open(run / "train.log", "a", encoding="utf-8")
 
