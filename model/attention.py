@@ -65,13 +65,15 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             if cache is not None:
                 k, v = cache.update(layer, k, v)  # (B, Hkv, Tk, D): this row's slot prefix
+        if k.dtype != q.dtype:  # a cache kept in a wider dtype than the weights: attend in its dtype
+            q = q.to(k.dtype)
         if t == 1 and not self.training:
             y = _decode_attention(q, k, v, mask)  # (B, H, 1, D)
         else:
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
                 enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(b, t, self.n_heads * hd)  # (B, T, H*D)
+        y = y.transpose(1, 2).reshape(b, t, self.n_heads * hd).to(x.dtype)  # (B, T, H*D)
         return self.o_proj(y)
 
 

@@ -90,8 +90,8 @@ class CacheContext:
         ck, cv = self.cache.k[layer], self.cache.v[layer]  # (S, Hkv, L, D)
         rows = self.slots[:, None]  # (B, 1) broadcast against positions (B, T)
         # advanced indices in dims 0 and 2 -> indexed shape is (B, T, Hkv, D)
-        ck[rows, :, self.positions] = k.transpose(1, 2)
-        cv[rows, :, self.positions] = v.transpose(1, 2)
+        ck[rows, :, self.positions] = k.transpose(1, 2).to(ck.dtype)  # the cache may keep a wider dtype
+        cv[rows, :, self.positions] = v.transpose(1, 2).to(cv.dtype)
         return self._read(ck, self.length), self._read(cv, self.length)
 
     def _read(self, buf: torch.Tensor, n: int) -> torch.Tensor:
@@ -109,8 +109,8 @@ class CacheContext:
         s = k.shape[2]
         if s > self.cache.cross_len:
             raise ValueError(f"source length {s} beyond cache cross_len {self.cache.cross_len}")
-        self.cache.cross_k[layer][self.slots, :, :s] = k
-        self.cache.cross_v[layer][self.slots, :, :s] = v
+        self.cache.cross_k[layer][self.slots, :, :s] = k.to(self.cache.cross_k.dtype)
+        self.cache.cross_v[layer][self.slots, :, :s] = v.to(self.cache.cross_v.dtype)
 
     def cross(self, layer: int):
         """Cross-attention k, v (B, Hkv, src_length, D) and key-valid mask (B, 1, 1, src_length)."""

@@ -81,3 +81,18 @@ def test_batched_beam_search_equals_one_at_a_time():
         assert [h.tokens for h in hb] == [h.tokens for h in alone]
         for x, y in zip(hb, alone):
             assert abs(x.score - y.score) < 1e-4
+
+
+def test_bf16_weights_with_a_float32_cache_cross_attention_included():
+    m = _model()
+    m16 = m.to(torch.bfloat16)
+    m32 = _model()
+    m32.load_state_dict({k: v.float() for k, v in m16.state_dict().items()})
+    src, tgt = torch.randint(3, m.cfg.vocab_size, (1, 9)), torch.randint(3, m.cfg.vocab_size, (1, 12))
+    full = m32(src, tgt)[0]  # (T, V)
+    cache = m16.new_cache(3, dtype=torch.float32)
+    m16.set_cross(m16.encode(src), torch.ones(1, 9, dtype=torch.bool), cache, [2])
+    assert cache.cross_k.dtype == torch.float32
+    got = torch.cat([m16.decode(tgt[:, t:t + 1], torch.tensor([[t]]), cache, [2])[0] for t in range(12)])
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - full).abs().max().item() < 0.05 * full.abs().max().item()

@@ -21,6 +21,10 @@ class EngineConfig:
     mode: Literal["continuous", "static", "serial"] = "continuous"
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # KV cache dtype. "auto": float32 on CPU (decode attention reads each row's strided slot prefix;
+    # CPU batched matmuls take fp32 strides as they are but copy bf16 first: 81 vs 188 ms per SmolLM2
+    # step at 38 rows x 500 positions, docs/benchmarks.md), the weights' dtype on GPU.
+    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     threads: int | None = None  # torch threads of the engine thread; None = torch default (the cores it sees)
     default_deadline_s: float | None = None  # per-request time limit when the request has none
     static_batch_wait_s: float = 0.01  # static mode: wait this long for a batch to fill
@@ -31,6 +35,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.mode must be one of {MODES}, got {self.mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_dtype != "auto" and self.kv_dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.kv_dtype must be auto or one of {sorted(DTYPES)}, got {self.kv_dtype!r}")
         for name in ("max_slots", "max_seq_len", "prefill_chunk", "prefill_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -42,6 +48,12 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        if self.kv_dtype == "auto":
+            return torch.float32 if self.device == "cpu" else self.torch_dtype
+        return DTYPES[self.kv_dtype]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -77,7 +77,7 @@ class GenerationEngine(EngineLoop):
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.vocab_size = model.cfg.vocab_size
-        self.cache = model.new_cache(config.max_slots, config.max_seq_len)
+        self.cache = model.new_cache(config.max_slots, config.max_seq_len, dtype=config.kv_torch_dtype)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
 

@@ -70,7 +70,7 @@ class TranslationEngine(EngineLoop):
         self.tokenizer = tokenizer
         self.cfg = model.cfg
         self.max_tgt = min(config.max_seq_len, self.cfg.max_tgt_len)
-        self.cache = model.new_cache(config.max_slots, self.max_tgt)
+        self.cache = model.new_cache(config.max_slots, self.max_tgt, dtype=config.kv_torch_dtype)
         self.waiting: deque[_Item] = deque()
         self.running: list[_Item] = []
 
