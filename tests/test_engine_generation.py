@@ -290,3 +290,20 @@ def test_metrics_sink_sees_running_return_to_zero_when_idle():
     asyncio.run(main())
     assert any(r > 0 for r, _, _ in sink.steps)
     assert sink.steps[-1] == (0, 0, 0.0)
+
+
+def test_prefill_groups_bound_padding_and_keep_every_chunk():
+    import random
+
+    from service.engine.generation import _padding_bounded_groups
+
+    rng = random.Random(0)
+    for _ in range(200):
+        chunks = [(i, rng.randint(1, 256)) for i in range(rng.randint(1, 8))]
+        groups = _padding_bounded_groups(chunks, max_padding=0.25)
+        assert sorted(x for g in groups for x in g) == sorted(chunks)
+        for g in groups:
+            width, real = max(c for _, c in g), sum(c for _, c in g)
+            assert len(g) == 1 or width * len(g) <= 1.25 * real
+    assert len(_padding_bounded_groups([(0, 256), (1, 16)])) == 2  # 240 pad positions: apart
+    assert len(_padding_bounded_groups([(0, 256), (1, 250), (2, 240)])) == 1

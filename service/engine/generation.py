@@ -245,21 +245,21 @@ class GenerationEngine(EngineLoop):
             self.cache.copy_slots(list(src), list(dst), length=max(n))
         rows: list[_Seq] = []
         logits = []
-        if plan.prefill:
-            width = max(c for _, c in plan.prefill)
+        for group in _padding_bounded_groups(plan.prefill):
+            width = max(c for _, c in group)
             top = self.config.max_seq_len - 1
-            tokens = torch.zeros(len(plan.prefill), width, dtype=torch.long)  # (P, W) right-padded
-            positions = torch.empty(len(plan.prefill), width, dtype=torch.long)
+            tokens = torch.zeros(len(group), width, dtype=torch.long)  # (P, W) right-padded
+            positions = torch.empty(len(group), width, dtype=torch.long)
             ar = torch.arange(width)
-            for i, (seq, c) in enumerate(plan.prefill):
+            for i, (seq, c) in enumerate(group):
                 tokens[i, :c] = torch.tensor(seq.prompt[seq.n_cached: seq.n_cached + c])
                 # pad positions go past the chunk (clamped to the last cache row, never a real one)
                 positions[i] = (ar + seq.n_cached).clamp_(max=top)
-            last = torch.tensor([c - 1 for _, c in plan.prefill])
-            out = self.model(tokens.to(dev), positions.to(dev), self.cache, [s.slot for s, _ in plan.prefill],
+            last = torch.tensor([c - 1 for _, c in group])
+            out = self.model(tokens.to(dev), positions.to(dev), self.cache, [s.slot for s, _ in group],
                              output_index=last.to(dev))  # (P, V)
             done = []
-            for i, (seq, c) in enumerate(plan.prefill):
+            for i, (seq, c) in enumerate(group):
                 seq.n_cached += c
                 if seq.n_cached == len(seq.prompt):
                     done.append(i)
@@ -342,3 +342,21 @@ class GenerationEngine(EngineLoop):
                 seq.queue.put_nowait(error)
             self._release(seq)
         self.running, self.waiting = [], deque()
+
+
+def _padding_bounded_groups(chunks: list, max_padding: float = 0.25) -> list[list]:
+    """Split a step's prefill chunks [(seq, n_tokens)] into forwards whose right padding stays within
+    `max_padding` of their real tokens: a 16-token prompt batched with a 256-token one would otherwise
+    compute 240 pad positions through every layer. Longest first; a chunk joins the current group
+    while the group's padded size stays within bounds."""
+    groups: list[list] = []
+    for item in sorted(chunks, key=lambda sc: -sc[1]):
+        g = groups[-1] if groups else None
+        if g is not None:
+            width = g[0][1]  # longest in the group (sorted)
+            real = sum(c for _, c in g) + item[1]
+            if width * (len(g) + 1) <= (1 + max_padding) * real:
+                g.append(item)
+                continue
+        groups.append([item])
+    return groups
