@@ -87,3 +87,17 @@ def test_two_node_cluster(tmp_path):
     finally:
         _run(*cli, "down", f"--port={gcs}", timeout=60)
     assert cluster_processes(gcs) == []
+
+
+def test_fresh_machine_gets_an_auth_token(tmp_path, monkeypatch):
+    """`ray start --head` with token auth fails without ~/.ray/auth_token (a clean machine has none)."""
+    from service.commands.cluster import ensure_auth_token
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    path = ensure_auth_token()
+    assert path == tmp_path / ".ray" / "auth_token" and len(path.read_text().strip()) >= 32
+    first = path.read_text()
+    assert ensure_auth_token() is None and path.read_text() == first  # kept, not regenerated

@@ -50,6 +50,20 @@ def commands(args) -> list[list[str]]:
     return [head, worker]
 
 
+def ensure_auth_token() -> Path | None:
+    """With RAY_AUTH_MODE=token, `ray start --head` refuses to start without a token, and a fresh machine
+    has none: generate one with Ray's own CLI (saved to ~/.ray/auth_token, readable by this user only
+    in practice: the home folder). Returns the new token's path, or None when one was already set up."""
+    if os.environ.get("RAY_AUTH_MODE") != "token" or os.environ.get("RAY_AUTH_TOKEN") \
+            or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return None
+    path = Path.home() / ".ray" / "auth_token"
+    if path.is_file():
+        return None
+    subprocess.run([*_ray(), "get-auth-token", "--generate"], check=True, capture_output=True, text=True)
+    return path
+
+
 def cluster_processes(port: int) -> list:
     """This cluster's Ray processes: those naming its GCS address or port, with all their children."""
     import psutil
@@ -98,6 +112,9 @@ def run(args) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     if args.action == "down":
         return down(args.port)
+    token = ensure_auth_token()
+    if token is not None:
+        print(f"attnserve cluster up: generated a Ray auth token at {token} (clients of this cluster need it)")
     for cmd in commands(args):
         rc = subprocess.call(cmd)
         if rc:
