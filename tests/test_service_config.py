@@ -61,14 +61,14 @@ def test_engine_config_on_this_machine_is_cpu():
     assert (cfg.device, cfg.dtype, cfg.max_slots) == ("cpu", dtype, 3)
 
 
-def test_kv_cache_dtype_defaults_to_float32_on_cpu_and_the_weights_dtype_on_gpu():
+def test_kv_cache_dtype_defaults_to_the_weights_dtype_and_can_be_wider():
     import torch
 
     from service.engine.config import EngineConfig
 
-    assert EngineConfig(device="cpu", dtype="bfloat16").kv_torch_dtype == torch.float32
-    assert EngineConfig(device="cuda", dtype="bfloat16").kv_torch_dtype == torch.bfloat16
-    assert EngineConfig(device="cpu", dtype="bfloat16", kv_dtype="bfloat16").kv_torch_dtype == torch.bfloat16
+    assert EngineConfig(device="cpu", dtype="bfloat16").kv_torch_dtype == torch.bfloat16
+    assert EngineConfig(device="cuda", dtype="float16").kv_torch_dtype == torch.float16
+    assert EngineConfig(device="cpu", dtype="bfloat16", kv_dtype="float32").kv_torch_dtype == torch.float32
     with pytest.raises(ValueError, match="kv_dtype"):
         EngineConfig(kv_dtype="int8")
 

@@ -21,9 +21,9 @@ class EngineConfig:
     mode: Literal["continuous", "static", "serial"] = "continuous"
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # KV cache dtype. "auto": float32 on CPU (decode attention reads each row's strided slot prefix;
-    # CPU batched matmuls take fp32 strides as they are but copy bf16 first: 81 vs 188 ms per SmolLM2
-    # step at 38 rows x 500 positions, docs/benchmarks.md), the weights' dtype on GPU.
+    # KV cache dtype; "auto" = the weights' dtype. float32 under bf16 weights lets CPU batched matmuls read
+    # the strided slot prefixes without a copy (a decode step alone: 185 -> 79 ms at 38 rows x 500
+    # positions), but end to end it measured no faster on SmolLM2 and doubles the cache (docs/benchmarks.md).
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     threads: int | None = None  # torch threads of the engine thread; None = torch default (the cores it sees)
     default_deadline_s: float | None = None  # per-request time limit when the request has none
@@ -52,7 +52,7 @@ class EngineConfig:
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         if self.kv_dtype == "auto":
-            return torch.float32 if self.device == "cpu" else self.torch_dtype
+            return self.torch_dtype
         return DTYPES[self.kv_dtype]
 
     def to_dict(self) -> dict[str, Any]:
