@@ -114,7 +114,7 @@ async def run_ours(args, mode: str, dtype: str) -> dict:
     cfg = EngineConfig(max_slots=args.clients, max_seq_len=args.prompt[1] + args.output[1] + 1, mode=mode,
                        dtype=dtype, threads=args.threads, max_waiting=args.requests + 1,
                        prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
-                       kv_dtype=args.kv_dtype)
+                       kv_dtype=args.kv_dtype, prefill_max_padding=args.prefill_max_padding)
     engine = GenerationEngine(model, tok, cfg, eos_ids=eos)
     await engine.start()
     jobs = workload(args, model.cfg.vocab_size)
@@ -183,7 +183,8 @@ def child_cmd(args, spec: str, extra: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "loadtests.bench_engine", "--run", spec, "--clients", str(args.clients),
            "--requests", str(args.requests), "--prompt", *map(str, args.prompt), "--output", *map(str, args.output),
            "--threads", str(args.threads), "--prefill-chunk", str(args.prefill_chunk),
-           "--prefill-budget", str(args.prefill_budget), "--seed", str(args.seed), "--kv-dtype", args.kv_dtype]
+           "--prefill-budget", str(args.prefill_budget), "--seed", str(args.seed), "--kv-dtype", args.kv_dtype,
+           "--prefill-max-padding", str(args.prefill_max_padding)]
     return cmd + (["--tiny"] if args.tiny else []) + extra
 
 
@@ -244,6 +245,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="KV cache dtype (EngineConfig.kv_dtype; auto = the weights' dtype)")
+    ap.add_argument("--prefill-max-padding", type=float, default=0.25,
+                    help="EngineConfig.prefill_max_padding (1e9 = one padded prefill forward per step)")
     ap.add_argument("--tiny", action="store_true", help="tiny random model: validates the script, not a benchmark")
     for internal in ("--run", "--hf-dir", "--ct2-dir", "--label"):  # the child's arguments
         ap.add_argument(internal, help=argparse.SUPPRESS)

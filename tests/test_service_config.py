@@ -71,6 +71,8 @@ def test_kv_cache_dtype_defaults_to_the_weights_dtype_and_can_be_wider():
     assert EngineConfig(device="cpu", dtype="bfloat16", kv_dtype="float32").kv_torch_dtype == torch.float32
     with pytest.raises(ValueError, match="kv_dtype"):
         EngineConfig(kv_dtype="int8")
+    with pytest.raises(ValueError, match="prefill_max_padding"):
+        EngineConfig(prefill_max_padding=-0.1)
 
 
 def test_config_rejects_unknown_and_bad_fields():

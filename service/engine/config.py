@@ -29,6 +29,9 @@ class EngineConfig:
     default_deadline_s: float | None = None  # per-request time limit when the request has none
     static_batch_wait_s: float = 0.01  # static mode: wait this long for a batch to fill
     prefill_budget: int = 512  # prompt tokens per step across all requests (bounds a step's latency)
+    # a step's prompts go in right-padded forwards whose pad positions stay within this share of their
+    # real tokens (length-sorted groups); a huge value = one padded forward for all of them
+    prefill_max_padding: float = 0.25
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -40,6 +43,8 @@ class EngineConfig:
         for name in ("max_slots", "max_seq_len", "prefill_chunk", "prefill_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_max_padding < 0:
+            raise ValueError(f"EngineConfig.prefill_max_padding must be >= 0, got {self.prefill_max_padding}")
         if self.max_waiting < 0:
             raise ValueError(f"EngineConfig.max_waiting must be >= 0, got {self.max_waiting}")
         if self.threads is not None and self.threads < 1:

@@ -245,7 +245,7 @@ class GenerationEngine(EngineLoop):
             self.cache.copy_slots(list(src), list(dst), length=max(n))
         rows: list[_Seq] = []
         logits = []
-        for group in _padding_bounded_groups(plan.prefill):
+        for group in _padding_bounded_groups(plan.prefill, self.config.prefill_max_padding):
             width = max(c for _, c in group)
             top = self.config.max_seq_len - 1
             tokens = torch.zeros(len(group), width, dtype=torch.long)  # (P, W) right-padded
