@@ -65,7 +65,7 @@ def result(name, beam, dtype, wall, out_tokens, latencies, n) -> dict:
                 lat_p50=pct(latencies, 0.5), lat_p95=pct(latencies, 0.95), rss_mb=peak_rss_mb())
 
 
-async def run_ours(args, mode: str, dtype: str) -> dict:
+async def run_ours(args, mode: str, dtype: str, step: str = "eager") -> dict:
     from service.engine.config import EngineConfig
     from service.engine.translation import TranslationEngine
     from service.engine.types import TranslateRequest
@@ -73,7 +73,7 @@ async def run_ours(args, mode: str, dtype: str) -> dict:
     model, tok = load(args.checkpoint)
     jobs = [(j["text"], j["tgt"]) for j in json.loads(args.workload.read_text())]
     cfg = EngineConfig(max_slots=args.clients * args.beam, max_seq_len=model.cfg.max_tgt_len, mode=mode, dtype=dtype,
-                       threads=args.threads, max_waiting=args.requests + 1)
+                       threads=args.threads, max_waiting=args.requests + 1, compile=step == "compiled")
     engine = TranslationEngine(model, tok, cfg)
     await engine.start()
     queue = list(reversed(jobs))
@@ -93,7 +93,10 @@ async def run_ours(args, mode: str, dtype: str) -> dict:
     await asyncio.gather(*(client() for _ in range(args.clients)))
     wall = time.perf_counter() - t0
     await engine.stop()
-    return result(f"attnserve {mode}", args.beam, dtype, wall, out, lat, len(jobs))
+    if cfg.compile and engine.compiled is None:
+        raise SystemExit("compiling the decode step failed (see the log above)")
+    name = f"attnserve {mode}" + (f" (compiled, {engine.compiled.compile_seconds:.0f} s)" if cfg.compile else "")
+    return result(name, args.beam, dtype, wall, out, lat, len(jobs))
 
 
 def run_peer(args, peer: str, dtype: str) -> dict:
@@ -186,6 +189,8 @@ def main() -> None:
     ap.add_argument("--beams", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--modes", nargs="*", default=["continuous"])
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    ap.add_argument("--compile", nargs="+", default=["eager"], choices=["eager", "compiled"],
+                    help="our decode step: eager, or torch.compile'd (EngineConfig.compile); both = side by side")
     ap.add_argument("--peers", nargs="*", default=["hf:float32", "ct2:float32", "ct2:int8"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -207,7 +212,7 @@ def main() -> None:
             import torch
 
             torch.set_num_threads(args.threads)
-        r = asyncio.run(run_ours(args, parts[1], parts[2])) if parts[0] == "ours" else run_peer(args, *parts)
+        r = asyncio.run(run_ours(args, *parts[1:])) if parts[0] == "ours" else run_peer(args, *parts)
         print(json.dumps(r))
         return
     with tempfile.TemporaryDirectory(prefix="attnserve-bench-tr-") as tmp:
@@ -218,7 +223,8 @@ def main() -> None:
             args.checkpoint, args.workdir = tiny_checkpoints(Path(tmp))[1], tmp
         elif not (args.checkpoint / "config.json").is_file():
             raise SystemExit(f"no translator checkpoint at {args.checkpoint} (train one, or pass --checkpoint)")
-        specs = {f"ours:{m}:{d}": [] for d in args.dtype for m in args.modes} | prepare(args, args.peers)
+        specs = {f"ours:{m}:{d}:{c}": [] for d in args.dtype for m in args.modes for c in args.compile}
+        specs |= prepare(args, args.peers)
         model, tok = load(args.checkpoint)
         args.workload = Path(tmp) / "workload.json"
         args.workload.write_text(json.dumps(workload(args, tok, model.cfg), ensure_ascii=False))

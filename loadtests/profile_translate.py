@@ -37,12 +37,13 @@ async def run(args) -> None:
     model, tok = load(Path(args.checkpoint))
     jobs = workload(SimpleNamespace(requests=args.requests, seed=args.seed), tok, model.cfg)
     cfg = EngineConfig(max_slots=args.clients * args.beam, max_seq_len=model.cfg.max_tgt_len, mode="continuous",
-                       dtype=args.dtype, threads=args.threads, max_waiting=args.requests + 1)
+                       dtype=args.dtype, threads=args.threads, max_waiting=args.requests + 1, compile=args.compile)
     engine = TranslationEngine(model, tok, cfg)
     t = Timers()
-    engine.model.encode = t.wrap(lambda *a, **kw: "encoder", engine.model.encode)
-    engine.model.set_cross = t.wrap(lambda *a, **kw: "cross K/V into slots", engine.model.set_cross)
-    engine.model.decode = t.wrap(lambda *a, **kw: "decoder forward", engine.model.decode)
+    if not args.compile:  # (wrapping the model's methods would break the compiled graphs)
+        engine.model.encode = t.wrap(lambda *a, **kw: "encoder", engine.model.encode)
+        engine.model.set_cross = t.wrap(lambda *a, **kw: "cross K/V into slots", engine.model.set_cross)
+        engine.model.decode = t.wrap(lambda *a, **kw: "decoder forward", engine.model.decode)
     engine.cache.copy_slots = t.wrap(lambda *a, **kw: "slot copies (beam, compaction)", engine.cache.copy_slots)
     advance, push = BeamState.advance, BeamState.push
     BeamState.advance = t.wrap(lambda *a, **kw: "advance (argmax / beam)", advance)
@@ -65,6 +66,9 @@ async def run(args) -> None:
     engine._execute = t.wrap(lambda *a, **kw: "execute (whole)", profiled_execute)
 
     await engine.start()
+    if engine.compiled is not None:  # compiled in start(): "encoder" includes the cross K/V
+        engine.compiled.encode = t.wrap(lambda *a, **kw: "encoder", engine.compiled.encode)
+        engine.compiled.decode = t.wrap(lambda *a, **kw: "decoder forward", engine.compiled.decode)
     await engine.translate(TranslateRequest(["warm-up"], target_lang="zh", beam_size=args.beam))
     rows.clear()
     for k in list(t.total):
@@ -106,6 +110,7 @@ def main() -> None:
     ap.add_argument("--beam", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (EngineConfig.compile)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile-from", type=int, default=40, help="first profiled step")
     ap.add_argument("--profile-steps", type=int, default=40)

@@ -70,6 +70,38 @@ class KVCache:
                 # index_select gathers a copy first, so overlapping src/dst permutations are safe
                 layer.index_copy_(0, dst, layer.index_select(0, src))
 
+    def prefix_views(self, rows: int, length: int, src_length: int = 0):
+        """Views of slots [0, rows) for `model.seq2seq_step.decode_step`, no copy: k, v (NL, rows, Hkv,
+        length, D), and for encoder-decoders cross_k, cross_v (NL, rows, Hkv, src_length, D), src_len (rows,)."""
+        if rows > self.n_slots or length > self.max_len:
+            raise ValueError(f"views of {rows} slots x {length} positions beyond the cache "
+                             f"({self.n_slots} x {self.max_len})")
+        views = (self.k[:, :rows, :, :length], self.v[:, :rows, :, :length])
+        if not self.cross_len:
+            return views
+        if src_length > self.cross_len:
+            raise ValueError(f"source length {src_length} beyond cache cross_len {self.cross_len}")
+        return views + (self.cross_k[:, :rows, :, :src_length], self.cross_v[:, :rows, :, :src_length],
+                        self.src_len[:rows])
+
+    def write_step(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store one new key/value per row for every layer: k, v (NL, R, Hkv, D) go to slot r (rows are
+        slots [0, R)) at positions[r] (R,)."""
+        rows = torch.arange(k.shape[1], device=self.k.device)
+        # advanced indices in dims 1 and 3 -> the indexed shape is (R, NL, Hkv, D)
+        self.k[:, rows, :, positions] = k.transpose(0, 1).to(self.k.dtype)
+        self.v[:, rows, :, positions] = v.transpose(0, 1).to(self.v.dtype)
+
+    def set_cross_all(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, src_len: torch.Tensor) -> None:
+        """Store cross-attention K/V of every layer: k, v (NL, B, Hkv, S, D) into `slots` (B,), whose
+        sources are src_len (B,) tokens long."""
+        s = k.shape[3]
+        if s > self.cross_len:
+            raise ValueError(f"source length {s} beyond cache cross_len {self.cross_len}")
+        self.cross_k[:, slots, :, :s] = k.to(self.cross_k.dtype)
+        self.cross_v[:, slots, :, :s] = v.to(self.cross_v.dtype)
+        self.src_len[slots] = src_len.to(self.src_len.dtype)
+
     def free_slots(self, slots: torch.Tensor | list[int]) -> None:
         """O(1) release: self-attention data is masked by position; cross data by src_len."""
         if self.cross_len:

@@ -71,6 +71,9 @@ class GenerationEngine(EngineLoop):
     def __init__(self, model: DecoderLM, tokenizer, config: EngineConfig, *, eos_ids: set[int],
                  name: str = "smollm2-135m-instruct", sink: MetricsSink | None = None):
         super().__init__(config, name, sink)
+        if config.compile:
+            raise ValueError("EngineConfig.compile is implemented for the translator's decode step only; "
+                             "set compile: false for a decoder-only model")
         if config.max_seq_len > model.cfg.max_seq_len:
             config.max_seq_len = model.cfg.max_seq_len  # a slot can never hold more than the model
         self.model = model.to(device=config.device, dtype=config.torch_dtype).eval()

@@ -46,6 +46,7 @@ class EngineLoop:
         if torch.device(self.config.device).type == "cpu":
             # torch's thread count is per OS thread: set it where the steps run (see cpu_runtime)
             self._pool.submit(init_engine_thread, self.config.threads).result()
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._prepare)
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"engine-{self.name}")
@@ -99,6 +100,9 @@ class EngineLoop:
                 continue
             self.steps += 1
             self._deliver(result)
+
+    def _prepare(self) -> None:
+        """Hook run once on the worker thread before the first step (e.g. compiling the decode step)."""
 
     async def _before_plan(self) -> None:
         """Hook for policies that wait before admitting (static batching)."""

@@ -10,6 +10,7 @@ in request order when all of a request's items are done.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from model.generate import max_len_for, pad_batch
 from model.seq2seq import EncoderDecoder
 from model.translation import TAGS, detect_lang, encode_source, join_sentences, other, split_sentences
 from service.engine.beam import BeamState
+from service.engine.compiled import CompiledTranslator
 from service.engine.config import EngineConfig
 from service.engine.loop import EngineLoop
 from service.engine.stats import EngineStats, MetricsSink
@@ -30,6 +32,8 @@ from service.engine.types import (
     TranslationResult,
     Usage,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -73,6 +77,18 @@ class TranslationEngine(EngineLoop):
         self.cache = model.new_cache(config.max_slots, self.max_tgt, dtype=config.kv_torch_dtype)
         self.waiting: deque[_Item] = deque()
         self.running: list[_Item] = []
+        self.compiled: CompiledTranslator | None = None
+
+    def _prepare(self) -> None:
+        if not self.config.compile or self.compiled is not None:
+            return
+        try:
+            compiled = CompiledTranslator(self.model, self.cache)
+            compiled.warm_up()
+        except Exception:  # no C++ compiler, an unsupported device...: serve eagerly rather than not at all
+            log.warning("engine %s: torch.compile failed; running eagerly", self.name, exc_info=True)
+            return
+        self.compiled = compiled
 
     @property
     def max_positions(self) -> int:
@@ -223,13 +239,16 @@ class TranslationEngine(EngineLoop):
             src, dst, n = zip(*step.moves, strict=True)
             self.cache.copy_slots(list(src), list(dst), length=max(n))
         new = [it for it in items if not it.encoded]
-        if new:
+        if new and self.compiled is not None:
+            self.compiled.encode([it.beam.src for it in new], [it.beam.k for it in new],
+                                 [s for it in new for s in it.slots])
+        elif new:
             src, mask = pad_batch([it.beam.src for it in new], self.cfg.pad_id, dev)  # (N, S)
             memory = self.model.encode(src, mask)  # (N, S, d)
             rep = torch.tensor([i for i, it in enumerate(new) for _ in range(it.beam.k)], device=dev)
             self.model.set_cross(memory[rep], mask[rep], self.cache, [s for it in new for s in it.slots])
-            for it in new:
-                it.encoded = True
+        for it in new:
+            it.encoded = True
         # rows are slots 0..R-1 in order (compacted): the cache reads views, row index == slot
         r = sum(it.beam.k for it in items)
         last, pos = [0] * r, [0] * r
@@ -237,9 +256,16 @@ class TranslationEngine(EngineLoop):
             for j, slot in enumerate(it.slots):
                 last[slot] = it.beam.last[j]
                 pos[slot] = it.beam.step
-        tokens = torch.tensor(last, device=dev)[:, None]  # (R, 1)
-        positions = torch.tensor(pos, device=dev)[:, None]  # (R, 1)
-        logits = self.model.decode(tokens, positions, self.cache, list(range(r)))[:, -1]  # (R, V)
+        if self.compiled is not None:
+            src_lengths = [0] * r
+            for it in items:
+                for slot in it.slots:
+                    src_lengths[slot] = len(it.beam.src)
+            logits = self.compiled.decode(last, pos, src_lengths)  # (R, V)
+        else:
+            tokens = torch.tensor(last, device=dev)[:, None]  # (R, 1)
+            positions = torch.tensor(pos, device=dev)[:, None]  # (R, 1)
+            logits = self.model.decode(tokens, positions, self.cache, list(range(r)))[:, -1]  # (R, V)
         greedy = logits.argmax(-1).tolist()  # (R,) one op for every greedy row
         src_slots, dst_slots = [], []
         for it in items:

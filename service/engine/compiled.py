@@ -1,0 +1,106 @@
+"""`torch.compile` of the translator's per-step work (`EngineConfig.compile`).
+
+In eager mode the small translator's steps are per-op overhead: a decoder step is ~150 ops of a few to
+tens of microseconds each around matmuls of 15 x 256. Inductor fuses the elementwise work (masks,
+softmax, residual + LayerNorm) into generated C++ and, with `freezing`, treats the weights as
+constants. Two pure functions are compiled (`model/seq2seq_step.py`): `decode_step` (one token for
+every running hypothesis) and `encode_cross` (the encoder over newly admitted sources plus every
+decoder layer's cross K/V). Measured numbers are in docs/benchmarks.md.
+
+Every size (rows, prefix length, source length, sources) is marked dynamic, so ONE graph per function
+serves every batch. Dynamo specialises sizes 0 and 1, which would recompile mid-serving, so each size
+is kept >= 2: a free slot pads the rows (slots >= R are free: the engine compacts), masked positions pad
+the lengths, and a copy of the first source pads a lone source. Compilation happens in `warm_up`,
+before the engine takes requests (~20 s per function on 2 cores; inductor's on-disk cache makes later
+starts faster).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+import torch._inductor.config
+
+from model.kv_cache import KVCache
+from model.seq2seq import EncoderDecoder
+from model.seq2seq_step import decode_step, encode_cross
+
+log = logging.getLogger(__name__)
+
+MIN_SIZE = 2  # dynamo specialises sizes 0 and 1
+
+
+def _mark_dynamic(*spec) -> None:
+    for t, dims in spec:
+        for dim in dims:
+            torch._dynamo.mark_dynamic(t, dim)
+
+
+class CompiledTranslator:
+    """Compiled encoder admission and decoder step over a translator's slot cache."""
+
+    def __init__(self, model: EncoderDecoder, cache: KVCache):
+        if cache.n_slots < MIN_SIZE or cache.max_len < MIN_SIZE or cache.cross_len < MIN_SIZE:
+            raise ValueError(f"compiled steps need >= {MIN_SIZE} slots, positions and source positions")
+        self.model, self.cache = model, cache
+        self.pad_id = model.cfg.pad_id
+        self.dev = cache.k.device
+        self._decode = torch.compile(functools.partial(decode_step, model), dynamic=None)
+        self._encode = torch.compile(functools.partial(encode_cross, model), dynamic=None)
+        self.compile_seconds: float | None = None
+
+    def warm_up(self) -> float:
+        """Compile both graphs now. Warm-up sizes are distinct, so no two dims share a symbol."""
+        t0 = time.perf_counter()
+        rows, length, src = 3, 5, 7
+        # freezing is read while compiling (the first call); as a torch.compile option it measured slower
+        with torch.inference_mode(), torch._inductor.config.patch(freezing=True):
+            tokens = torch.full((rows,), self.pad_id, dtype=torch.long, device=self.dev)
+            positions = torch.zeros(rows, dtype=torch.long, device=self.dev)
+            k, v, ck, cv, src_len = self.cache.prefix_views(rows, length, src)
+            src_len = src_len.clamp(min=1)
+            _mark_dynamic((tokens, (0,)), (positions, (0,)), (src_len, (0,)), (k, (1, 3)), (v, (1, 3)),
+                          (ck, (1, 3)), (cv, (1, 3)))
+            self._decode(tokens, positions, k, v, ck, cv, src_len)
+            sources = torch.full((rows, src), self.pad_id, dtype=torch.long, device=self.dev)
+            sources[:, 0] = self.model.cfg.eos_id
+            mask = sources != self.pad_id
+            _mark_dynamic((sources, (0, 1)), (mask, (0, 1)))
+            self._encode(sources, mask)
+        self.compile_seconds = time.perf_counter() - t0
+        log.info("compiled the translator's encoder and decode step in %.1f s", self.compile_seconds)
+        return self.compile_seconds
+
+    def encode(self, sources: list[list[int]], copies: list[int], slots: list[int]) -> None:
+        """Encode `sources` and store their cross K/V in `slots`: source i fills the next copies[i] slots
+        (a beam's hypotheses share their source)."""
+        n = max(len(sources), MIN_SIZE)
+        sources = sources + [sources[0]] * (n - len(sources))  # a lone source is encoded twice
+        width = max(max(len(s) for s in sources), MIN_SIZE)
+        src = torch.tensor([s + [self.pad_id] * (width - len(s)) for s in sources], device=self.dev)  # (N, S)
+        lengths = torch.tensor([len(s) for s in sources], device=self.dev)  # (N,)
+        mask = torch.arange(width, device=self.dev)[None, :] < lengths[:, None]  # (N, S)
+        ck, cv = self._encode(src, mask)  # (NL, N, H, S, D) x 2
+        rep = torch.tensor([i for i, c in enumerate(copies) for _ in range(c)], device=self.dev)
+        slots_t = torch.tensor(slots, device=self.dev)
+        self.cache.set_cross_all(slots_t, ck[:, rep], cv[:, rep], lengths[rep])
+
+    def decode(self, tokens: list[int], positions: list[int], src_lengths: list[int]) -> torch.Tensor:
+        """tokens, positions, source lengths of rows [0, R) -> logits (R, V); writes their K/V."""
+        r = len(tokens)
+        n = max(r, MIN_SIZE)
+        if n > r:  # pad with a free slot: a pad token at position 0
+            tokens = tokens + [self.pad_id] * (n - r)
+            positions = positions + [0] * (n - r)
+        length = min(max(max(positions), MIN_SIZE), self.cache.max_len)
+        src = min(max(max(src_lengths), MIN_SIZE), self.cache.cross_len)
+        tokens_t = torch.tensor(tokens, device=self.dev)  # (n,)
+        positions_t = torch.tensor(positions, device=self.dev)  # (n,)
+        k, v, ck, cv, src_len = self.cache.prefix_views(n, length, src)
+        # a pad row has no source: one (stale, finite) key keeps its softmax finite, so no NaN is stored
+        logits, new_k, new_v = self._decode(tokens_t, positions_t, k, v, ck, cv, src_len.clamp(min=1))
+        self.cache.write_step(new_k, new_v, positions_t)
+        return logits[:r]  # (R, V)

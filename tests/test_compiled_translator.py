@@ -1,0 +1,119 @@
+"""The compile-friendly translator steps (model/seq2seq_step.py) equal the general path, and the
+engine with `compile=True` (service/engine/compiled.py) translates exactly as eagerly, without
+recompiling as batches change shape."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from engine_util import CharTokenizer, tiny_llama, tiny_seq2seq
+
+from model.generate import beam_search, greedy
+from model.seq2seq_step import decode_step, encode_cross
+from model.translation import encode_source
+from service.engine.config import EngineConfig
+from service.engine.generation import GenerationEngine
+from service.engine.translation import TranslationEngine
+from service.engine.types import TranslateRequest
+
+torch.set_num_threads(1)
+TOK = CharTokenizer()
+MODEL = tiny_seq2seq()
+
+
+def _sources(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 12, (n,), generator=g)
+    src = torch.randint(4, MODEL.cfg.vocab_size, (n, int(lengths.max())), generator=g)
+    mask = torch.arange(src.shape[1])[None, :] < lengths[:, None]
+    return src.masked_fill(~mask, MODEL.cfg.pad_id), mask
+
+
+@torch.inference_mode()
+def test_decode_step_equals_decode_over_ragged_rows():
+    src, mask = _sources(5, 0)
+    general, stepped = MODEL.new_cache(8, 32), MODEL.new_cache(8, 32)
+    memory = MODEL.encode(src, mask)
+    for cache in (general, stepped):
+        MODEL.set_cross(memory, mask, cache, list(range(5)))
+    start = torch.tensor([0, 4, 1, 0, 7])  # rows at different positions, as in a continuous batch
+    tokens = torch.randint(4, MODEL.cfg.vocab_size, (5,), generator=torch.Generator().manual_seed(1))
+    for t in range(9):
+        positions = start + t
+        ref = MODEL.decode(tokens[:, None], positions[:, None], general, list(range(5)))[:, -1]  # (R, V)
+        k, v, ck, cv, src_len = stepped.prefix_views(5, int(positions.max()) + 3, src.shape[1])  # extra keys masked
+        logits, new_k, new_v = decode_step(MODEL, tokens, positions, k, v, ck, cv, src_len)
+        stepped.write_step(new_k, new_v, positions)
+        torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+        tokens = ref.argmax(-1)
+    for row, pos in enumerate((start + 8).tolist()):  # the cache holds the same keys at every written position
+        torch.testing.assert_close(stepped.k[:, row, :, :pos + 1], general.k[:, row, :, :pos + 1])
+
+
+@torch.inference_mode()
+def test_encode_cross_equals_encoder_and_cross_projection():
+    src, mask = _sources(3, 2)
+    ck, cv = encode_cross(MODEL, src, mask)  # (NL, N, H, S, D)
+    memory = MODEL.encode(src, mask)
+    for i, layer in enumerate(MODEL.decoder):
+        k, v = layer.cross_attn.project_kv(memory)
+        torch.testing.assert_close(ck[i], k)
+        torch.testing.assert_close(cv[i], v)
+    cache = MODEL.new_cache(6, 8)
+    cache.set_cross_all(torch.tensor([4, 1, 2]), ck, cv, mask.sum(-1))
+    assert cache.src_len.tolist() == [0, mask[1].sum().item(), mask[2].sum().item(), 0, mask[0].sum().item(), 0]
+    torch.testing.assert_close(cache.cross_k[:, 4, :, :src.shape[1]], ck[:, 0])
+
+
+WORDS = "the cat sat on a mat while dogs ran far away from home and back again".split()
+TEXTS = ["the cat sat on a mat", "dogs ran far", "home", "and back again while the cat ran away"]
+
+
+def offline(texts, beam):
+    srcs = [encode_source(TOK, t, "zh") for t in texts]
+    if beam == 1:
+        return [TOK.decode(h) for h in greedy(MODEL, srcs)]
+    return [TOK.decode(h[0].tokens) for h in beam_search(MODEL, srcs, beam_size=beam)]
+
+
+def test_compiled_engine_translates_as_offline_without_recompiling():
+    from torch._dynamo.utils import counters
+
+    rng = random.Random(3)
+    company = [[" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 8))) for _ in range(rng.randint(1, 3))]
+               for _ in range(12)]
+    beams = [rng.choice([1, 2, 4]) for _ in company]
+    expected = {b: offline(TEXTS, b) for b in (1, 4)}
+    expected_company = [offline(t, b) for t, b in zip(company, beams, strict=True)]
+
+    async def main():
+        engine = TranslationEngine(MODEL, TOK, EngineConfig(max_slots=24, max_waiting=256, compile=True))
+        await engine.start()
+        try:
+            assert engine.compiled is not None, "compilation failed (see the warning in the log)"
+            graphs = counters["stats"]["unique_graphs"]
+            alone = [await engine.translate(TranslateRequest(TEXTS, target_lang="zh", beam_size=b)) for b in (1, 4)]
+            single = await engine.translate(TranslateRequest(["cat"], target_lang="zh"))  # one row, one source
+            mixed = await asyncio.gather(
+                engine.translate(TranslateRequest(TEXTS, target_lang="zh", beam_size=4)),
+                *(engine.translate(TranslateRequest(t, target_lang="zh", beam_size=b))
+                  for t, b in zip(company, beams, strict=True)))
+            return alone, single, mixed, counters["stats"]["unique_graphs"] - graphs, engine.slots.n_used
+        finally:
+            await engine.stop()
+
+    alone, single, mixed, new_graphs, used = asyncio.run(main())
+    assert [r.translations for r in alone] == [expected[1], expected[4]]
+    assert single.translations == offline(["cat"], 1)
+    assert mixed[0].translations == expected[4]
+    assert [r.translations for r in mixed[1:]] == expected_company
+    assert new_graphs == 0, "a batch shape recompiled the graphs while serving"
+    assert used == 0
+
+
+def test_compile_is_refused_for_the_decoder_only_engine():
+    with pytest.raises(ValueError, match="translator"):
+        GenerationEngine(tiny_llama(), CharTokenizer(), EngineConfig(compile=True), eos_ids={1})
