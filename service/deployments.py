@@ -13,6 +13,7 @@ This file is imported by import path (`service.deployments:build`); metrics live
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from ray import serve
 
@@ -40,6 +41,11 @@ class AttnServe:
             self.backends.generator = ServeBatchGenerator(self.backends.generator, self.config.serve_batch_size,
                                                           self.config.serve_batch_wait_s)
         await self.backends.start()
+        tr = self.backends.translator
+        if tr is not None and tr.engine.config.compile:  # the replica log says whether compile took effect
+            state = (f"decode step and encoder compiled in {tr.engine.compiled.compile_seconds:.1f} s"
+                     if tr.engine.compiled is not None else "torch.compile failed, running eagerly (see stderr)")
+            logging.getLogger("ray.serve").info("translator engine: %s", state)
 
     def __serve_build_asgi_app__(self):
         self.fastapi = create_app(self.backends, self.limits)
