@@ -114,7 +114,7 @@ async def run_ours(args, mode: str, dtype: str) -> dict:
     cfg = EngineConfig(max_slots=args.clients, max_seq_len=args.prompt[1] + args.output[1] + 1, mode=mode,
                        dtype=dtype, threads=args.threads, max_waiting=args.requests + 1,
                        prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
-                       kv_dtype=args.kv_dtype, prefill_max_padding=args.prefill_max_padding)
+                       kv_dtype=args.kv_dtype, prefill_max_padding=args.prefill_max_padding, compile=args.compile)
     engine = GenerationEngine(model, tok, cfg, eos_ids=eos)
     await engine.start()
     jobs = workload(args, model.cfg.vocab_size)
@@ -146,7 +146,10 @@ async def run_ours(args, mode: str, dtype: str) -> dict:
     await asyncio.gather(*(client() for _ in range(args.clients)))
     wall = time.perf_counter() - t0
     await engine.stop()
-    return result(f"attnserve {mode}", dtype, label, wall, out_tokens, len(jobs), ttft, itl)
+    if cfg.compile and engine.compiled is None:
+        raise SystemExit("compiling the decode step failed (see the log above)")
+    name = f"attnserve {mode}" + (f" (compiled, {engine.compiled.compile_seconds:.0f} s)" if cfg.compile else "")
+    return result(name, dtype, label, wall, out_tokens, len(jobs), ttft, itl)
 
 
 def run_peer(args, peer: str, dtype: str) -> dict:
@@ -184,7 +187,7 @@ def child_cmd(args, spec: str, extra: list[str]) -> list[str]:
            "--requests", str(args.requests), "--prompt", *map(str, args.prompt), "--output", *map(str, args.output),
            "--threads", str(args.threads), "--prefill-chunk", str(args.prefill_chunk),
            "--prefill-budget", str(args.prefill_budget), "--seed", str(args.seed), "--kv-dtype", args.kv_dtype,
-           "--prefill-max-padding", str(args.prefill_max_padding)]
+           "--prefill-max-padding", str(args.prefill_max_padding)] + (["--compile"] if args.compile else [])
     return cmd + (["--tiny"] if args.tiny else []) + extra
 
 
@@ -247,6 +250,7 @@ def main() -> None:
                     help="KV cache dtype (EngineConfig.kv_dtype; auto = the weights' dtype)")
     ap.add_argument("--prefill-max-padding", type=float, default=0.25,
                     help="EngineConfig.prefill_max_padding (1e9 = one padded prefill forward per step)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (EngineConfig.compile)")
     ap.add_argument("--tiny", action="store_true", help="tiny random model: validates the script, not a benchmark")
     for internal in ("--run", "--hf-dir", "--ct2-dir", "--label"):  # the child's arguments
         ap.add_argument(internal, help=argparse.SUPPRESS)

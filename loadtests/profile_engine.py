@@ -58,7 +58,7 @@ async def run(args) -> None:
     model, tok, eos, label, _ = load_model(args.dtype, False)
     cfg = EngineConfig(max_slots=args.clients, max_seq_len=args.prompt[1] + args.output[1] + 1, mode="continuous",
                        dtype=args.dtype, threads=args.threads, prefill_chunk=args.prefill_chunk,
-                       prefill_budget=args.prefill_budget)
+                       prefill_budget=args.prefill_budget, compile=args.compile)
     engine = GenerationEngine(model, tok, cfg, eos_ids=eos)
     t = Timers()
     model.forward = t.wrap(lambda tokens, *a, **kw: "decode forward" if tokens.shape[1] == 1 else "prefill forward",
@@ -92,6 +92,8 @@ async def run(args) -> None:
 
     work = workload(args, model.cfg.vocab_size)
     await engine.start()
+    if engine.compiled is not None:  # compiled in start(): the decode step no longer calls model.forward
+        engine.compiled.decode = t.wrap(lambda *a, **kw: "decode forward", engine.compiled.decode)
 
     async def client(queue):
         while queue:
@@ -115,6 +117,8 @@ async def run(args) -> None:
           f"{1000 * wall / max(steps, 1):.1f} ms/step")
     t.report(("prefill forward", "decode forward", "sampling"), "rest of _execute (tensors in, tokens out)",
              steps, wall)
+    if steps <= args.profile_from:  # the profiler window never opened (e.g. --profile-from 100000)
+        return
     print(f"\ntorch.profiler, {args.profile_steps} steps from step {args.profile_from}, top operators by self CPU:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
 
@@ -127,6 +131,7 @@ def main() -> None:
     ap.add_argument("--output", type=int, nargs=2, default=[16, 256])
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (EngineConfig.compile)")
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--prefill-budget", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)

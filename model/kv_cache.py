@@ -84,10 +84,14 @@ class KVCache:
         return views + (self.cross_k[:, :rows, :, :src_length], self.cross_v[:, :rows, :, :src_length],
                         self.src_len[:rows])
 
-    def write_step(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+    def write_step(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   rows: torch.Tensor | None = None) -> None:
         """Store one new key/value per row for every layer: k, v (NL, R, Hkv, D) go to slot r (rows are
-        slots [0, R)) at positions[r] (R,)."""
-        rows = torch.arange(k.shape[1], device=self.k.device)
+        slots [0, R)) at positions[r] (R,); with `rows`, only those rows (their K/V, positions and slots)."""
+        if rows is None:
+            rows = torch.arange(k.shape[1], device=self.k.device)
+        else:
+            k, v, positions = k[:, rows], v[:, rows], positions[rows]
         # advanced indices in dims 1 and 3 -> the indexed shape is (R, NL, Hkv, D)
         self.k[:, rows, :, positions] = k.transpose(0, 1).to(self.k.dtype)
         self.v[:, rows, :, positions] = v.transpose(0, 1).to(self.v.dtype)

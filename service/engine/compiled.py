@@ -1,11 +1,13 @@
-"""`torch.compile` of the translator's per-step work (`EngineConfig.compile`).
+"""`torch.compile` of the engines' per-step work (`EngineConfig.compile`).
 
-In eager mode the small translator's steps are per-op overhead: a decoder step is ~150 ops of a few to
-tens of microseconds each around matmuls of 15 x 256. Inductor fuses the elementwise work (masks,
-softmax, residual + LayerNorm) into generated C++ and, with `freezing`, treats the weights as
-constants. Two pure functions are compiled (`model/seq2seq_step.py`): `decode_step` (one token for
-every running hypothesis) and `encode_cross` (the encoder over newly admitted sources plus every
-decoder layer's cross K/V). Measured numbers are in docs/benchmarks.md.
+In eager mode a decode step pays per-op overhead (the translator: ~150 ops of a few to tens of
+microseconds around matmuls of 15 x 256) and unfused elementwise passes over activations and K/V
+(SmolLM2: masks, softmax, RMSNorm, RoPE, SwiGLU over 30 layers). Inductor fuses the elementwise work into
+generated C++ and, with `freezing`, treats the weights as constants (prepacked oneDNN linears). The
+compiled functions are pure (`model/seq2seq_step.py`, `model/decoder_step.py`): the translator's
+`decode_step` and `encode_cross` (encoder + every decoder layer's cross K/V for newly admitted
+sources), and the decoder-only LM's `decoder_step`. Prompt prefill stays eager (long, few calls).
+Measured numbers are in docs/benchmarks.md.
 
 Every size (rows, prefix length, source length, sources) is marked dynamic, so ONE graph per function
 serves every batch. Dynamo specialises sizes 0 and 1, which would recompile mid-serving, so each size
@@ -24,6 +26,8 @@ import time
 import torch
 import torch._inductor.config
 
+from model.decoder import DecoderLM
+from model.decoder_step import decoder_step
 from model.kv_cache import KVCache
 from model.seq2seq import EncoderDecoder
 from model.seq2seq_step import decode_step, encode_cross
@@ -104,3 +108,48 @@ class CompiledTranslator:
         logits, new_k, new_v = self._decode(tokens_t, positions_t, k, v, ck, cv, src_len.clamp(min=1))
         self.cache.write_step(new_k, new_v, positions_t)
         return logits[:r]  # (R, V)
+
+
+class CompiledDecoder:
+    """Compiled decode step of a decoder-only LM over its slot cache. The rows are slots [0, n); slots
+    that do not decode this step (a prompt still prefilling) run as pad rows whose K/V are not stored."""
+
+    def __init__(self, model: DecoderLM, cache: KVCache):
+        if cache.n_slots < MIN_SIZE or cache.max_len < MIN_SIZE:
+            raise ValueError(f"a compiled decode step needs >= {MIN_SIZE} slots and positions")
+        self.model, self.cache = model, cache
+        self.dev = cache.k.device
+        self._decode = torch.compile(functools.partial(decoder_step, model), dynamic=None)
+        self.compile_seconds: float | None = None
+
+    def warm_up(self) -> float:
+        t0 = time.perf_counter()
+        rows, length = 3, 5  # distinct, so the two dims do not share a symbol
+        with torch.inference_mode(), torch._inductor.config.patch(freezing=True):
+            tokens = torch.zeros(rows, dtype=torch.long, device=self.dev)
+            positions = torch.zeros(rows, dtype=torch.long, device=self.dev)
+            k, v = self.cache.prefix_views(rows, length)
+            _mark_dynamic((tokens, (0,)), (positions, (0,)), (k, (1, 3)), (v, (1, 3)))
+            self._decode(tokens, positions, k, v)
+        self.compile_seconds = time.perf_counter() - t0
+        log.info("compiled the decoder's decode step in %.1f s", self.compile_seconds)
+        return self.compile_seconds
+
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Rows in `slots` (ascending) take `tokens` at `positions` -> logits (len(slots), V); their K/V
+        are written. Other slots below the largest are pad rows (token 0 at position 0, not stored)."""
+        n = max(slots[-1] + 1, MIN_SIZE)
+        all_tokens, all_positions = [0] * n, [0] * n
+        for slot, tok, pos in zip(slots, tokens, positions, strict=True):
+            all_tokens[slot], all_positions[slot] = tok, pos
+        length = min(max(max(positions), MIN_SIZE), self.cache.max_len)
+        tokens_t = torch.tensor(all_tokens, device=self.dev)  # (n,)
+        positions_t = torch.tensor(all_positions, device=self.dev)  # (n,)
+        k, v = self.cache.prefix_views(n, length)
+        logits, new_k, new_v = self._decode(tokens_t, positions_t, k, v)
+        if len(slots) == n:
+            self.cache.write_step(new_k, new_v, positions_t)
+            return logits
+        rows = torch.tensor(slots, device=self.dev)
+        self.cache.write_step(new_k, new_v, positions_t, rows=rows)
+        return logits[rows]  # (len(slots), V)

@@ -12,6 +12,7 @@ detokenization and stop-string matching. Events go to each request's asyncio que
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ import torch
 
 from model.decoder import DecoderLM
 from model.tokenizer import IncrementalDetokenizer
+from service.engine.compiled import CompiledDecoder
 from service.engine.config import EngineConfig
 from service.engine.loop import EngineLoop
 from service.engine.sampling import make_generator, sample_next
@@ -34,6 +36,8 @@ from service.engine.types import (
     SamplingParams,
     Usage,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -71,9 +75,6 @@ class GenerationEngine(EngineLoop):
     def __init__(self, model: DecoderLM, tokenizer, config: EngineConfig, *, eos_ids: set[int],
                  name: str = "smollm2-135m-instruct", sink: MetricsSink | None = None):
         super().__init__(config, name, sink)
-        if config.compile:
-            raise ValueError("EngineConfig.compile is implemented for the translator's decode step only; "
-                             "set compile: false for a decoder-only model")
         if config.max_seq_len > model.cfg.max_seq_len:
             config.max_seq_len = model.cfg.max_seq_len  # a slot can never hold more than the model
         self.model = model.to(device=config.device, dtype=config.torch_dtype).eval()
@@ -83,6 +84,18 @@ class GenerationEngine(EngineLoop):
         self.cache = model.new_cache(config.max_slots, config.max_seq_len, dtype=config.kv_torch_dtype)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
+        self.compiled: CompiledDecoder | None = None
+
+    def _prepare(self) -> None:
+        if not self.config.compile or self.compiled is not None:
+            return
+        try:
+            compiled = CompiledDecoder(self.model, self.cache)
+            compiled.warm_up()
+        except Exception:  # no C++ compiler, an unsupported device...: serve eagerly rather than not at all
+            log.warning("engine %s: torch.compile failed; running eagerly", self.name, exc_info=True)
+            return
+        self.compiled = compiled
 
     @property
     def max_context(self) -> int:
@@ -271,9 +284,12 @@ class GenerationEngine(EngineLoop):
                 logits.append(out[done])
         if plan.decode:
             d = plan.decode
-            tokens = torch.tensor([[s.output[-1]] for s in d], device=dev)  # (D, 1)
-            positions = torch.tensor([[s.n_cached] for s in d], device=dev)  # (D, 1)
-            out = self.model(tokens, positions, self.cache, [s.slot for s in d])[:, -1]  # (D, V)
+            if self.compiled is not None:  # d is sorted by slot
+                out = self.compiled.decode([s.slot for s in d], [s.output[-1] for s in d], [s.n_cached for s in d])
+            else:
+                tokens = torch.tensor([[s.output[-1]] for s in d], device=dev)  # (D, 1)
+                positions = torch.tensor([[s.n_cached] for s in d], device=dev)  # (D, 1)
+                out = self.model(tokens, positions, self.cache, [s.slot for s in d])[:, -1]  # (D, V)
             for s in d:
                 s.n_cached += 1
             logits.append(out)

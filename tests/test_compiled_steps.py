@@ -1,5 +1,5 @@
-"""The compile-friendly translator steps (model/seq2seq_step.py) equal the general path, and the
-engine with `compile=True` (service/engine/compiled.py) translates exactly as eagerly, without
+"""The compile-friendly steps (model/seq2seq_step.py, model/decoder_step.py) equal the general paths,
+and the engines with `compile=True` (service/engine/compiled.py) answer exactly as eagerly, without
 recompiling as batches change shape."""
 
 from __future__ import annotations
@@ -7,17 +7,17 @@ from __future__ import annotations
 import asyncio
 import random
 
-import pytest
 import torch
 from engine_util import CharTokenizer, tiny_llama, tiny_seq2seq
 
+from model.decoder_step import decoder_step
 from model.generate import beam_search, greedy
 from model.seq2seq_step import decode_step, encode_cross
 from model.translation import encode_source
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
 from service.engine.translation import TranslationEngine
-from service.engine.types import TranslateRequest
+from service.engine.types import GenerateRequest, SamplingParams, TranslateRequest
 
 torch.set_num_threads(1)
 TOK = CharTokenizer()
@@ -114,6 +114,62 @@ def test_compiled_engine_translates_as_offline_without_recompiling():
     assert used == 0
 
 
-def test_compile_is_refused_for_the_decoder_only_engine():
-    with pytest.raises(ValueError, match="translator"):
-        GenerationEngine(tiny_llama(), CharTokenizer(), EngineConfig(compile=True), eos_ids={1})
+@torch.inference_mode()
+def test_decoder_step_equals_forward_over_ragged_rows():
+    lm = tiny_llama()
+    general, stepped = lm.new_cache(8, 64), lm.new_cache(8, 64)
+    g = torch.Generator().manual_seed(4)
+    start = torch.tensor([3, 9, 1, 6, 12])  # prompts of different lengths, prefilled by the general path
+    for cache in (general, stepped):
+        for slot, n in enumerate(start.tolist()):
+            lm(torch.randint(4, lm.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(slot)),
+               torch.arange(n)[None], cache, [slot])
+    tokens = torch.randint(4, lm.cfg.vocab_size, (5,), generator=g)
+    for t in range(7):
+        positions = start + t
+        ref = lm(tokens[:, None], positions[:, None], general, list(range(5)))[:, -1]  # (R, V)
+        k, v = stepped.prefix_views(5, int(positions.max()) + 2)  # extra keys are masked
+        logits, new_k, new_v = decoder_step(lm, tokens, positions, k, v)
+        torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+        stepped.write_step(new_k, new_v, positions, rows=torch.tensor([0, 1, 2, 3, 4]))
+        tokens = ref.argmax(-1)
+    for row, pos in enumerate((start + 6).tolist()):
+        torch.testing.assert_close(stepped.v[:, row, :, :pos + 1], general.v[:, row, :, :pos + 1])
+
+
+def test_compiled_generation_engine_matches_eager_alone_and_in_company():
+    from torch._dynamo.utils import counters
+
+    rng = random.Random(11)
+    reqs = [GenerateRequest(prompt_ids=[rng.randrange(5, TOK.vocab_size) for _ in range(rng.randint(1, 30))],
+                            params=SamplingParams(max_new_tokens=rng.randint(1, 25), temperature=rng.choice([0, 1]),
+                                                  seed=rng.randint(0, 99), ignore_eos=True))
+            for _ in range(12)]
+
+    async def collect(engine, req):
+        ids = []
+        async for ev in engine.submit(req):
+            ids += ev.token_ids
+        return ids
+
+    def serve(compile_: bool):
+        async def main():
+            engine = GenerationEngine(tiny_llama(), TOK, EngineConfig(max_slots=8, max_seq_len=128, prefill_chunk=8,
+                                                                      prefill_budget=24, compile=compile_),
+                                      eos_ids={TOK.eos_id})
+            await engine.start()
+            try:
+                assert (engine.compiled is not None) == compile_, "compilation failed (see the log)"
+                graphs = counters["stats"]["unique_graphs"]
+                alone = [await collect(engine, r) for r in reqs[:2]]  # one row: a pad row joins it
+                together = await asyncio.gather(*(collect(engine, r) for r in reqs))  # queued, prefilling
+                return alone, together, counters["stats"]["unique_graphs"] - graphs, engine.slots.n_used
+            finally:
+                await engine.stop()
+        return asyncio.run(main())
+
+    eager, compiled = serve(False), serve(True)
+    assert compiled[0] == eager[0] and compiled[1] == eager[1]
+    assert sum(len(ids) for ids in eager[1]) > 60
+    assert compiled[2] == 0, "a batch shape recompiled the graph while serving"
+    assert compiled[3] == 0
