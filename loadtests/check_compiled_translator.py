@@ -1,0 +1,90 @@
+"""Does `compile: true` change what the translator says? Translate held-out sentences through the
+TranslationEngine eagerly and compiled (same weights, dtype, batching), and compare: how many outputs
+are identical, and sacreBLEU of each against the references (zh output with sacreBLEU's zh tokenizer).
+
+    python -m loadtests.check_compiled_translator --sentences 400 --dtype bfloat16 --beam 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def translate_all(jobs, checkpoint: Path, dtype: str, beam: int, compile_: bool, clients: int):
+    from loadtests.bench_translate import load
+    from service.engine.config import EngineConfig
+    from service.engine.translation import TranslationEngine
+    from service.engine.types import TranslateRequest
+
+    model, tok = load(checkpoint)
+    cfg = EngineConfig(max_slots=clients * beam, max_seq_len=model.cfg.max_tgt_len, dtype=dtype, threads=2,
+                       max_waiting=len(jobs) + 1, compile=compile_)
+    engine = TranslationEngine(model, tok, cfg)
+    await engine.start()
+    if compile_ and engine.compiled is None:
+        raise SystemExit("compiling failed (see the log)")
+    out: list[str | None] = [None] * len(jobs)
+    queue = list(reversed(range(len(jobs))))
+
+    async def client():
+        while queue:
+            i = queue.pop()
+            r = await engine.translate(TranslateRequest([jobs[i]["text"]], target_lang=jobs[i]["tgt"], beam_size=beam))
+            out[i] = r.translations[0]
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    wall = time.perf_counter() - t0
+    await engine.stop()
+    return out, wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default=str(ROOT / "weights" / "attnserve-zh-en"))
+    ap.add_argument("--sentences", type=int, default=400)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--beam", type=int, default=1)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    import sacrebleu
+
+    from loadtests.bench_translate import load, workload
+    from model import paths
+    from service.engine.cpu_runtime import single_threaded_caller
+
+    single_threaded_caller()
+    checkpoint = Path(args.checkpoint)
+    model, tok = load(checkpoint)
+    jobs = workload(SimpleNamespace(requests=args.sentences, seed=args.seed), tok, model.cfg)
+    del model
+    refs = {}
+    for line in (paths.home() / "data" / "translate" / "test.tsv").read_text(encoding="utf-8").splitlines():
+        en, zh = (line.split("\t") + [""])[:2]
+        refs[en], refs[zh] = zh, en
+    runs = {c: asyncio.run(translate_all(jobs, checkpoint, args.dtype, args.beam, c, args.clients))
+            for c in (False, True)}
+    same = sum(a == b for a, b in zip(runs[False][0], runs[True][0], strict=True))
+    print(f"{checkpoint}; {len(jobs)} test sentences (half each direction), {args.dtype}, beam {args.beam}, "
+          f"{args.clients} clients\n")
+    print(f"identical outputs eager vs compiled: {same} / {len(jobs)}\n")
+    print("| engine | zh->en BLEU | en->zh BLEU | wall (s) |")
+    print("|---|---|---|---|")
+    for c, (outs, wall) in runs.items():
+        bleu = {}
+        for tgt, tokenize in (("en", "13a"), ("zh", "zh")):
+            idx = [i for i, j in enumerate(jobs) if j["tgt"] == tgt]
+            bleu[tgt] = sacrebleu.corpus_bleu([outs[i] for i in idx], [[refs[jobs[i]["text"]] for i in idx]],
+                                              tokenize=tokenize).score
+        print(f"| {'compiled' if c else 'eager'} | {bleu['en']:.2f} | {bleu['zh']:.2f} | {wall:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
