@@ -32,8 +32,8 @@ class EngineConfig:
     # a step's prompts go in right-padded forwards whose pad positions stay within this share of their
     # real tokens (length-sorted groups); a huge value = one padded forward for all of them
     prefill_max_padding: float = 0.25
-    # torch.compile the translator's encoder and decode step before serving (service/engine/compiled.py):
-    # ~40 s at start, then 2x faster steps on CPU. Falls back to eager, with a warning, if it fails.
+    # torch.compile the decode step (and the translator's encoder) before serving (service/engine/compiled.py):
+    # 20-65 s at start on 2 cores, then faster steps on CPU. Falls back to eager, with a warning, if it fails.
     compile: bool = False
 
     def __post_init__(self):
