@@ -41,11 +41,12 @@ class AttnServe:
             self.backends.generator = ServeBatchGenerator(self.backends.generator, self.config.serve_batch_size,
                                                           self.config.serve_batch_wait_s)
         await self.backends.start()
-        tr = self.backends.translator
-        if tr is not None and tr.engine.config.compile:  # the replica log says whether compile took effect
-            state = (f"decode step and encoder compiled in {tr.engine.compiled.compile_seconds:.1f} s"
-                     if tr.engine.compiled is not None else "torch.compile failed, running eagerly (see stderr)")
-            logging.getLogger("ray.serve").info("translator engine: %s", state)
+        for name, backend in (("generator", self.backends.generator), ("translator", self.backends.translator)):
+            engine = getattr(backend, "engine", None)  # (a serve_batch wrapper has none: nothing to report)
+            if engine is not None and engine.config.compile:  # the replica log says whether compile took effect
+                state = (f"compiled in {engine.compiled.compile_seconds:.1f} s" if engine.compiled is not None
+                         else "torch.compile failed, running eagerly (see stderr)")
+                logging.getLogger("ray.serve").info("%s engine: %s", name, state)
 
     def __serve_build_asgi_app__(self):
         self.fastapi = create_app(self.backends, self.limits)
