@@ -173,3 +173,21 @@ def test_compiled_generation_engine_matches_eager_alone_and_in_company():
     assert sum(len(ids) for ids in eager[1]) > 60
     assert compiled[2] == 0, "a batch shape recompiled the graph while serving"
     assert compiled[3] == 0
+
+
+def test_a_failed_compile_falls_back_to_eager(monkeypatch, caplog):
+    def broken(self):
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(TranslationEngine, "_compile", broken)
+
+    async def main():
+        engine = TranslationEngine(MODEL, TOK, EngineConfig(max_slots=4, compile=True))
+        await engine.start()
+        try:
+            return engine.compiled, await engine.translate(TranslateRequest(TEXTS[:2], target_lang="zh", beam_size=1))
+        finally:
+            await engine.stop()
+
+    compiled, result = asyncio.run(main())
+    assert compiled is None and result.translations == offline(TEXTS[:2], 1)
+    assert "torch.compile failed; running eagerly" in caplog.text

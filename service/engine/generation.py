@@ -12,7 +12,6 @@ detokenization and stop-string matching. Events go to each request's asyncio que
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -36,8 +35,6 @@ from service.engine.types import (
     SamplingParams,
     Usage,
 )
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -86,16 +83,10 @@ class GenerationEngine(EngineLoop):
         self.running: list[_Seq] = []
         self.compiled: CompiledDecoder | None = None
 
-    def _prepare(self) -> None:
-        if not self.config.compile or self.compiled is not None:
-            return
-        try:
-            compiled = CompiledDecoder(self.model, self.cache)
-            compiled.warm_up()
-        except Exception:  # no C++ compiler, an unsupported device...: serve eagerly rather than not at all
-            log.warning("engine %s: torch.compile failed; running eagerly", self.name, exc_info=True)
-            return
-        self.compiled = compiled
+    def _compile(self) -> CompiledDecoder:
+        compiled = CompiledDecoder(self.model, self.cache)
+        compiled.warm_up()
+        return compiled
 
     @property
     def max_context(self) -> int:

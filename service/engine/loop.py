@@ -37,6 +37,7 @@ class EngineLoop:
         self.steps = 0
         self.last_batch_size = 0
         self.requests_finished = 0
+        self.compiled: Any = None  # the compiled step, once _prepare has built it
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -102,7 +103,18 @@ class EngineLoop:
             self._deliver(result)
 
     def _prepare(self) -> None:
-        """Hook run once on the worker thread before the first step (e.g. compiling the decode step)."""
+        """Run once on the worker thread before the first step: with `compile`, compile the step there
+        (service/engine/compiled.py). A failure is logged and the engine runs eagerly."""
+        if not self.config.compile or self.compiled is not None:
+            return
+        try:
+            self.compiled = self._compile()
+        except Exception:  # no C++ compiler, an unsupported device...: serve eagerly rather than not at all
+            log.warning("engine %s: torch.compile failed; running eagerly", self.name, exc_info=True)
+
+    def _compile(self) -> Any:
+        """Build and warm up the engine's compiled step (returns an object with `compile_seconds`)."""
+        raise NotImplementedError
 
     async def _before_plan(self) -> None:
         """Hook for policies that wait before admitting (static batching)."""

@@ -10,7 +10,6 @@ in request order when all of a request's items are done.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,8 +31,6 @@ from service.engine.types import (
     TranslationResult,
     Usage,
 )
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -79,16 +76,10 @@ class TranslationEngine(EngineLoop):
         self.running: list[_Item] = []
         self.compiled: CompiledTranslator | None = None
 
-    def _prepare(self) -> None:
-        if not self.config.compile or self.compiled is not None:
-            return
-        try:
-            compiled = CompiledTranslator(self.model, self.cache)
-            compiled.warm_up()
-        except Exception:  # no C++ compiler, an unsupported device...: serve eagerly rather than not at all
-            log.warning("engine %s: torch.compile failed; running eagerly", self.name, exc_info=True)
-            return
-        self.compiled = compiled
+    def _compile(self) -> CompiledTranslator:
+        compiled = CompiledTranslator(self.model, self.cache)
+        compiled.warm_up()
+        return compiled
 
     @property
     def max_positions(self) -> int:
