@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
 import torch
 from engine_util import CharTokenizer, tiny_llama, tiny_seq2seq
 
@@ -191,3 +192,33 @@ def test_a_failed_compile_falls_back_to_eager(monkeypatch, caplog):
     compiled, result = asyncio.run(main())
     assert compiled is None and result.translations == offline(TEXTS[:2], 1)
     assert "torch.compile failed; running eagerly" in caplog.text
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("which", ["decoder", "seq2seq"])
+def test_steps_with_a_wider_cache_than_the_weights(which):
+    """kv_dtype float32 under bf16 weights: the steps attend in the cache's dtype, as the general path."""
+    model = (tiny_llama() if which == "decoder" else tiny_seq2seq()).to(torch.bfloat16)
+    general, stepped = model.new_cache(4, 32, dtype=torch.float32), model.new_cache(4, 32, dtype=torch.float32)
+    g = torch.Generator().manual_seed(6)
+    if which == "seq2seq":
+        src, mask = _sources(3, 7)
+        memory = model.encode(src, mask)
+        for cache in (general, stepped):
+            model.set_cross(memory, mask, cache, list(range(3)))
+    tokens = torch.randint(4, model.cfg.vocab_size, (3,), generator=g)
+    for t in range(5):
+        positions = torch.tensor([t, t + 2, t + 1])
+        if which == "decoder":
+            ref = model(tokens[:, None], positions[:, None], general, list(range(3)))[:, -1]
+            k, v = stepped.prefix_views(3, int(positions.max()))
+            logits, new_k, new_v = decoder_step(model, tokens, positions, k, v)
+        else:
+            ref = model.decode(tokens[:, None], positions[:, None], general, list(range(3)))[:, -1]
+            k, v, ck, cv, src_len = stepped.prefix_views(3, int(positions.max()), src.shape[1])
+            logits, new_k, new_v = decode_step(model, tokens, positions, k, v, ck, cv, src_len)
+        assert new_k.dtype == torch.float32
+        stepped.write_step(new_k, new_v, positions)
+        torch.testing.assert_close(logits.float(), ref.float(), atol=0.1, rtol=0.05)
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+        tokens = ref.argmax(-1)
