@@ -33,13 +33,20 @@ def run(args) -> int:
         print(f"attnserve serve: {e}")
         return 2
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+
+    def on_stop_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+
+    on_stop_signals()
     print(f"starting Ray (loopback, object store {args.object_store_mb} MB) ...", flush=True)
     ray_local.start_ray(args.num_cpus, args.object_store_mb * 2**20)
     try:
         print(f"deploying {args.config} (loading models) ...", flush=True)
         ray_local.deploy(config)
+        # Ray's core worker installs its own SIGTERM handler (it logs "SIGTERM received" and aborts the
+        # process), so `attnserve stop` ended a serving terminal with "Aborted": take the signals back
+        on_stop_signals()
         pid_file().parent.mkdir(parents=True, exist_ok=True)
         pid_file().write_text(str(os.getpid()))
         base = f"http://{config['http_options']['host']}:{config['http_options']['port']}"
