@@ -97,3 +97,19 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         scores = scores.masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores.float(), dim=-1).to(v.dtype)
     return (p @ v).view(b, h, 1, d)  # (B, H, 1, D)
+
+
+def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor,
+                     v_new: torch.Tensor, prefix_ok: torch.Tensor) -> torch.Tensor:
+    """One new query per row over its cached prefix plus its own new key, without writing the cache
+    first (the pure decode steps in model/*_step.py). q (R, Hkv, G, D): query heads grouped by K/V head;
+    k, v (R, Hkv, L, D) cached prefix views; k_new, v_new (R, Hkv, 1, D); prefix_ok (R, 1, 1, L) True
+    for the cached keys a row may attend -> (R, Hkv, G, D)."""
+    scale = q.shape[-1] ** -0.5
+    if k.device.type == "cpu" and k.dtype != torch.float32 and not k.is_contiguous():
+        k, v = k.contiguous(), v.contiguous()  # as in _decode_attention: oneDNN's own copy is slower
+    cached = (q @ k.transpose(-1, -2)) * scale  # (R, Hkv, G, L)
+    cached = cached.masked_fill(~prefix_ok, float("-inf"))
+    own = (q * k_new).sum(-1, keepdim=True) * scale  # (R, Hkv, G, 1)
+    p = torch.softmax(torch.cat([cached, own], dim=-1).float(), dim=-1).to(v.dtype)  # (R, Hkv, G, L + 1)
+    return p[..., :-1] @ v + p[..., -1:] * v_new  # (R, Hkv, G, D)

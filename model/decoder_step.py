@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model.attention import prefix_attention
 from model.decoder import DecoderLM
 from model.layers import apply_rope
 
@@ -20,11 +21,9 @@ def decoder_step(model: DecoderLM, tokens: torch.Tensor, positions: torch.Tensor
     """tokens, positions (R,); k, v (NL, R, Hkv, L, D) cached keys/values, of which row r uses the
     first positions[r] (L >= max position) -> logits (R, V), new_k, new_v (NL, R, Hkv, D)."""
     cfg = model.cfg
-    r, length = tokens.shape[0], k.shape[3]
+    r, length = tokens.shape[0], k.shape[3]  # rows, cached prefix length
     h, hkv, d = cfg.n_heads, cfg.kv_heads, cfg.dim_head
-    g = h // hkv  # query heads per K/V head
     dtype, kv_dtype = model.embed.weight.dtype, k.dtype  # attention runs in the cache's dtype
-    scale = d ** -0.5
     x = model.embed(tokens)  # (R, d_model)
     if model.pos_embed is not None:
         x = x + model.pos_embed(positions)
@@ -41,15 +40,8 @@ def decoder_step(model: DecoderLM, tokens: torch.Tensor, positions: torch.Tensor
         if rope is not None:
             q, kn = apply_rope(q, *rope), apply_rope(kn, *rope)
         q, kn, vn = q.to(kv_dtype), kn.to(kv_dtype), vn.to(kv_dtype)
-        qg = q.view(r, hkv, g, d)  # (R, Hkv, G, D): query heads grouped by their K/V head
-        ki, vi = k[i], v[i]
-        if ki.dtype != torch.float32:  # oneDNN's bf16 bmm copies strided K/V itself, slower (model/attention.py)
-            ki, vi = ki.contiguous(), vi.contiguous()
-        cached = (qg @ ki.transpose(-1, -2)) * scale  # (R, Hkv, G, L)
-        cached = cached.masked_fill(~cached_ok, float("-inf"))
-        own = (qg * kn).sum(-1, keepdim=True) * scale  # (R, Hkv, G, 1): the new token's own key
-        p = torch.softmax(torch.cat([cached, own], dim=-1).float(), dim=-1).to(kv_dtype)  # (R, Hkv, G, L + 1)
-        out = p[..., :length] @ vi + p[..., length:] * vn  # (R, Hkv, G, D)
+        qg = q.view(r, hkv, h // hkv, d)  # (R, Hkv, G, D): query heads grouped by their K/V head
+        out = prefix_attention(qg, k[i], v[i], kn, vn, cached_ok)  # (R, Hkv, G, D)
         x = x + a.o_proj(out.reshape(r, h * d).to(dtype))
         x = x + block.mlp(block.mlp_norm(x))
         new_k.append(kn.view(r, hkv, d))

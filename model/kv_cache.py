@@ -71,7 +71,7 @@ class KVCache:
                 layer.index_copy_(0, dst, layer.index_select(0, src))
 
     def prefix_views(self, rows: int, length: int, src_length: int = 0):
-        """Views of slots [0, rows) for `model.seq2seq_step.decode_step`, no copy: k, v (NL, rows, Hkv,
+        """Views of slots [0, rows) for the pure decode steps (model/*_step.py), no copy: k, v (NL, rows, Hkv,
         length, D), and for encoder-decoders cross_k, cross_v (NL, rows, Hkv, src_length, D), src_len (rows,)."""
         if rows > self.n_slots or length > self.max_len:
             raise ValueError(f"views of {rows} slots x {length} positions beyond the cache "
@@ -139,14 +139,6 @@ class CacheContext:
         if isinstance(self.sel, slice):
             return buf[self.sel, :, :n]
         return buf[:, :, :n].index_select(0, self.sel)
-
-    def set_cross(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store cross-attention k, v (B, Hkv, S, D) for these slots."""
-        s = k.shape[2]
-        if s > self.cache.cross_len:
-            raise ValueError(f"source length {s} beyond cache cross_len {self.cache.cross_len}")
-        self.cache.cross_k[layer][self.slots, :, :s] = k.to(self.cache.cross_k.dtype)
-        self.cache.cross_v[layer][self.slots, :, :s] = v.to(self.cache.cross_v.dtype)
 
     def cross(self, layer: int):
         """Cross-attention k, v (B, Hkv, src_length, D) and key-valid mask (B, 1, 1, src_length)."""

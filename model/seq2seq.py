@@ -111,15 +111,16 @@ class EncoderDecoder(nn.Module):
             x = layer(x, attn_mask)
         return self.enc_norm(x)
 
+    def cross_kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer's cross-attention K/V of memory (B, S, d): 2 x (NL, B, H, S, D)."""
+        kv = [layer.cross_attn.project_kv(memory) for layer in self.decoder]  # NL x 2 x (B, H, S, D)
+        return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
+
     def set_cross(self, memory: torch.Tensor, src_mask: torch.Tensor, cache: KVCache,
                   slots: torch.Tensor | list[int]) -> None:
         """Compute every decoder layer's cross K/V for memory (B, S, d) once; keep them in `slots`."""
         slots_t = torch.as_tensor(slots, dtype=torch.long, device=memory.device)
-        ctx = cache.context(slots_t, torch.zeros(len(slots_t), 1, dtype=torch.long, device=memory.device))
-        for i, layer in enumerate(self.decoder):
-            k, v = layer.cross_attn.project_kv(memory)  # (B, H, S, D)
-            ctx.set_cross(i, k, v)
-        cache.src_len[slots_t] = src_mask.sum(-1).to(cache.src_len.dtype)
+        cache.set_cross_all(slots_t, *self.cross_kv(memory), src_mask.sum(-1))
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                slots: torch.Tensor | list[int], output_index: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model.attention import _decode_attention, prefix_attention
 from model.seq2seq import EncoderDecoder, _Residual
 
 
@@ -21,10 +22,6 @@ def _residual(r: _Residual, x: torch.Tensor, fn) -> torch.Tensor:
     if r.norm_first:
         return x + fn(r.norm(x))
     return r.norm(x + fn(x))
-
-
-def _softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.softmax(scores.float(), dim=-1).to(dtype)
 
 
 @torch.no_grad()
@@ -38,7 +35,6 @@ def decode_step(model: EncoderDecoder, tokens: torch.Tensor, positions: torch.Te
     r, length, s = tokens.shape[0], k.shape[3], cross_k.shape[3]
     h, d = cfg.n_heads, cfg.dim_head
     dtype, kv_dtype = model.embed.weight.dtype, k.dtype  # attention runs in the cache's dtype, as in decode
-    scale = d ** -0.5
     x = model.embed(tokens) * model.scale + model.pe[positions].to(dtype)  # (R, d_model)
     keys = torch.arange(length, device=tokens.device)
     self_ok = (keys[None, :] < positions[:, None])[:, None, None, :]  # (R, 1, 1, L): the cached prefix
@@ -51,11 +47,7 @@ def decode_step(model: EncoderDecoder, tokens: torch.Tensor, positions: torch.Te
         def self_attention(y, a=a, i=i):
             qkv = F.linear(y, a.qkv_proj.weight, a.qkv_proj.bias)  # (R, 3 H D)
             q, kn, vn = qkv.view(r, 3, h, 1, d).to(kv_dtype).unbind(1)  # (R, H, 1, D) each
-            cached = (q @ k[i].transpose(-1, -2)) * scale  # (R, H, 1, L)
-            cached = cached.masked_fill(~self_ok, float("-inf"))
-            own = (q * kn).sum(-1, keepdim=True) * scale  # (R, H, 1, 1): the new token's own key
-            p = _softmax(torch.cat([cached, own], dim=-1), kv_dtype)  # (R, H, 1, L + 1)
-            out = p[..., :length] @ v[i] + p[..., length:] * vn  # (R, H, 1, D)
+            out = prefix_attention(q, k[i], v[i], kn, vn, self_ok)  # (R, H, 1, D)
             new_k.append(kn.squeeze(2))
             new_v.append(vn.squeeze(2))
             return a.o_proj(out.reshape(r, h * d).to(dtype))  # (R, d_model)
@@ -64,9 +56,8 @@ def decode_step(model: EncoderDecoder, tokens: torch.Tensor, positions: torch.Te
 
         def cross_attention(y, c=c, i=i):
             q = c.q_proj(y).view(r, h, 1, d).to(kv_dtype)  # (R, H, 1, D)
-            scores = (q @ cross_k[i].transpose(-1, -2)) * scale  # (R, H, 1, S)
-            p = _softmax(scores.masked_fill(~cross_ok, float("-inf")), kv_dtype)
-            return c.o_proj((p @ cross_v[i]).reshape(r, h * d).to(dtype))  # (R, d_model)
+            out = _decode_attention(q, cross_k[i], cross_v[i], cross_ok)  # (R, H, 1, D)
+            return c.o_proj(out.reshape(r, h * d).to(dtype))  # (R, d_model)
 
         x = _residual(layer.r1, x, self_attention)
         x = _residual(layer.r2, x, cross_attention)
@@ -80,6 +71,4 @@ def encode_cross(model: EncoderDecoder, src: torch.Tensor,
                  src_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The encoder plus every decoder layer's cross-attention K/V, in one pure function:
     src, src_mask (N, S) -> cross_k, cross_v (NL, N, H, S, D) for `KVCache.set_cross_all`."""
-    memory = model.encode(src, src_mask)  # (N, S, d_model)
-    kv = [layer.cross_attn.project_kv(memory) for layer in model.decoder]  # NL x 2 x (N, H, S, D)
-    return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])  # (NL, N, H, S, D) x 2
+    return model.cross_kv(model.encode(src, src_mask))  # (NL, N, H, S, D) x 2

@@ -81,7 +81,6 @@ class GenerationEngine(EngineLoop):
         self.cache = model.new_cache(config.max_slots, config.max_seq_len, dtype=config.kv_torch_dtype)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
-        self.compiled: CompiledDecoder | None = None
 
     def _compile(self) -> CompiledDecoder:
         compiled = CompiledDecoder(self.model, self.cache)

@@ -74,7 +74,6 @@ class TranslationEngine(EngineLoop):
         self.cache = model.new_cache(config.max_slots, self.max_tgt, dtype=config.kv_torch_dtype)
         self.waiting: deque[_Item] = deque()
         self.running: list[_Item] = []
-        self.compiled: CompiledTranslator | None = None
 
     def _compile(self) -> CompiledTranslator:
         compiled = CompiledTranslator(self.model, self.cache)
