@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from model.checkpoint import load_checkpoint, load_tokenizer
 from model.training.train_translate import train
@@ -61,10 +62,22 @@ def test_tiny_training_run_drops_loss_and_resumes(tiny_run, tmp_path):
     model = load_checkpoint(tmp_path / "export")
     assert load_tokenizer(tmp_path / "export").vocab_size == model.cfg.vocab_size
 
+    # --avg-last N picks how many kept snapshots the export averages: 1 = the last snapshot as it is
+    from safetensors.torch import load_file
+
+    train(path, run, data_dir=data, export_only=True, export_to=tmp_path / "last1", avg_last=1)
+    exported = json.loads((tmp_path / "last1" / "config.json").read_text())
+    assert exported["training"]["averaged"] == ["step-170.safetensors"]
+    last = load_file(str(run / "snapshots" / "step-170.safetensors"))
+    for name, w in load_checkpoint(tmp_path / "last1").state_dict().items():
+        assert torch.equal(w, last[name].to(torch.bfloat16).float()), name  # shipped in bf16
+    averaged = json.loads((tmp_path / "export2" / "config.json").read_text())["training"]["averaged"]
+    assert averaged == ["step-150.safetensors", "step-170.safetensors"]  # the recipe's avg_last = 2
+    with pytest.raises(ValueError, match="export"):
+        train(path, run, data_dir=data, resume=True, avg_last=1)
+
 
 def test_warm_start_from_a_shipped_checkpoint_continues_its_step_count(tiny_run, tmp_path):
-    import torch
-
     path, cfg, data, run = tiny_run
     train(path, run, data_dir=data, export_to=tmp_path / "export")  # 150 steps, exported (averaged)
     shipped = load_checkpoint(tmp_path / "export")

@@ -1,5 +1,8 @@
 """`attnserve eval translate`: sacreBLEU and chrF on the held-out test split, both directions.
 
+Choices between checkpoints (which snapshots to average, ...) are made on the dev split
+(`--split dev`), so the test split stays a measurement.
+
 English output is scored with sacreBLEU's default 13a tokenizer, Chinese output with its `zh`
 tokenizer. Greedy and beam search; writes a JSON report with a few sample translations.
 """
@@ -15,12 +18,12 @@ from model.translation import Translator
 
 
 def evaluate(checkpoint: str | Path, out: str | Path | None = None, *, beams=(1, 4), limit: int | None = None,
-             batch_size: int = 32) -> dict:
+             batch_size: int = 32, split: str = "test") -> dict:
     import sacrebleu
 
     tr = Translator(checkpoint)
-    pairs = translate_data.read_split("test")[:limit]
-    report = {"checkpoint": str(checkpoint), "test_pairs": len(pairs), "results": {}, "samples": {}}
+    pairs = translate_data.read_split(split)[:limit]
+    report = {"checkpoint": str(checkpoint), "split": split, f"{split}_pairs": len(pairs), "results": {}, "samples": {}}
     for direction, tgt in (("zh2en", "en"), ("en2zh", "zh")):
         srcs = [zh if tgt == "en" else en for en, zh in pairs]
         refs = [en if tgt == "en" else zh for en, zh in pairs]

@@ -182,10 +182,14 @@ def dev_bleu(model, tok, pairs, n: int) -> dict[str, float]:
 def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume: bool = False,
           data_dir: Path | None = None, export_to: str | Path | None = None,
           export_only: bool = False, threads: int | None = None,
-          init_from: str | Path | None = None) -> Path:
+          init_from: str | Path | None = None, avg_last: int | None = None) -> Path:
     cfg = TrainConfig.load(config_path)
     if threads:  # a resource setting, not part of the recipe: e.g. 1 while the cores are shared
         cfg = dataclasses.replace(cfg, threads=threads)
+    if avg_last:  # export only: how many of the kept snapshots to average (at most the config's avg_last are kept)
+        if not export_only:
+            raise ValueError("avg_last overrides the export of --export-only; the recipe's avg_last sets what is kept")
+        cfg = dataclasses.replace(cfg, avg_last=avg_last)
     run = Path(run_dir or paths.home() / "runs" / "translate" / Path(config_path).stem)
     run.mkdir(parents=True, exist_ok=True)
     resuming = (resume or export_only) and (run / "state.json").is_file()

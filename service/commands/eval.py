@@ -1,4 +1,5 @@
-"""attnserve eval translate [--model DIR] [--out docs/translate_eval.json] [--beams 1,4] [--limit N]"""
+"""attnserve eval translate [--model DIR] [--out docs/translate_eval.json] [--beams 1,4] [--limit N]
+[--split test|dev]"""
 
 
 def add_arguments(p):
@@ -6,7 +7,9 @@ def add_arguments(p):
     p.add_argument("--model", help="checkpoint folder (default: the shipped translator)")
     p.add_argument("--out", default="docs/translate_eval.json", help="JSON report path")
     p.add_argument("--beams", default="1,4", help="comma-separated beam sizes (1 = greedy)")
-    p.add_argument("--limit", type=int, help="only the first N test pairs")
+    p.add_argument("--limit", type=int, help="only the first N pairs")
+    p.add_argument("--split", choices=["test", "dev"], default="test",
+                   help="held-out split to score (choose between checkpoints on dev, report test)")
 
 
 def run(args) -> int:
@@ -14,5 +17,5 @@ def run(args) -> int:
     from model.training.eval_translate import evaluate
 
     evaluate(args.model or paths.SHIPPED_WEIGHTS / "attnserve-zh-en", args.out,
-             beams=tuple(int(b) for b in args.beams.split(",")), limit=args.limit)
+             beams=tuple(int(b) for b in args.beams.split(",")), limit=args.limit, split=args.split)
     return 0

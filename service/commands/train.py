@@ -13,6 +13,8 @@ def add_arguments(p):
                    help="start a new run from a shipped checkpoint's weights and vocabulary (e.g. "
                         "weights/attnserve-zh-en), continuing its step count and lr schedule")
     p.add_argument("--export-to", help="export folder (default weights/attnserve-zh-en)")
+    p.add_argument("--avg-last", type=int, metavar="N",
+                   help="export the average of the last N snapshots (default: the config's avg_last)")
 
 
 def run(args) -> int:
@@ -20,5 +22,5 @@ def run(args) -> int:
 
     train(args.config, args.run_dir, resume=args.resume, export_only=args.export_only,
           export_to=args.export_to, threads=args.threads,
-          init_from=args.init_from)
+          init_from=args.init_from, avg_last=args.avg_last)
     return 0
