@@ -96,8 +96,9 @@ async def run(args) -> None:
     print(f"{steps} steps, mean rows {sum(rows) / max(steps, 1):.1f}, {1000 * wall / max(steps, 1):.2f} ms/step")
     t.report(("encoder", "cross K/V into slots", "decoder forward", "advance (argmax / beam)",
               "slot copies (beam, compaction)"), "rest of _execute", steps, wall)
-    print(f"\ntorch.profiler, {args.profile_steps} steps from step {args.profile_from}, top operators by self CPU:")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    if steps > args.profile_from:  # else the profiler window never opened (e.g. --profile-from 100000)
+        print(f"\ntorch.profiler, {args.profile_steps} steps from step {args.profile_from}, top operators by self CPU:")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     if args.json:
         Path(args.json).write_text(json.dumps({"tok_s": out / wall, "steps": steps, "wall": wall}))
 

@@ -227,3 +227,23 @@ def test_multi_sentence_text_is_split_and_reassembled_in_order():
     assert res.translations[0] == "".join(expected)  # zh output: sentences joined without spaces
     assert res.translations[1] == offline(["home"], 4)[0]
     assert res.usage.prompt_tokens == sum(len(encode_source(TOK, t, "zh")) for t in parts + ["home"])
+
+
+def test_beam_reorder_keeps_each_hypothesis_with_its_parents_cache_in_the_fewest_copies():
+    from service.engine.beam import reassign_slots
+
+    rng = random.Random(5)
+    for _ in range(500):
+        k = rng.randint(2, 6)
+        slots = rng.sample(range(40), k)
+        parents = [rng.randrange(k) for _ in range(k)]
+        cache = {s: f"kv of hypothesis {i}" for i, s in enumerate(slots)}  # what each slot holds
+        new, copies = reassign_slots(slots, parents)
+        assert sorted(new) == sorted(slots)  # a permutation of the item's own slots
+        assert len(copies) == k - len(set(parents))  # one copy per child beyond each parent's first
+        before = dict(cache)
+        for src, dst in copies:  # copy_slots gathers every source before writing
+            cache[dst] = before[src]
+        assert [cache[s] for s in new] == [f"kv of hypothesis {p}" for p in parents]
+    # a pure permutation of the hypotheses (ranks swapped) costs no copy at all
+    assert reassign_slots([7, 3, 9], [2, 0, 1]) == ([9, 7, 3], [])

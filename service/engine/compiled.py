@@ -11,10 +11,11 @@ Measured numbers are in docs/benchmarks.md.
 
 Every size (rows, prefix length, source length, sources) is marked dynamic, so ONE graph per function
 serves every batch. Dynamo specialises sizes 0 and 1, which would recompile mid-serving, so each size
-is kept >= 2: a free slot pads the rows (slots >= R are free: the engine compacts), masked positions pad
-the lengths, and a copy of the first source pads a lone source. Compilation happens in `warm_up`,
-before the engine takes requests (~20 s per function on 2 cores; inductor's on-disk cache makes later
-starts faster).
+is kept >= 2: a free slot pads the rows (slots >= R are free: the engine compacts) and masked positions
+pad the lengths. The one exception is a lone source, the commonest encoder call under steady load (one
+request finishes, one is admitted): padding it to two would double the encoder's work, so the encoder
+has a second graph for exactly one source, compiled in `warm_up` too. Compilation happens in `warm_up`,
+before the engine takes requests (~20-30 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -87,11 +88,12 @@ class CompiledTranslator:
             _mark_dynamic((tokens, (0,)), (positions, (0,)), (src_len, (0,)), (k, (1, 3)), (v, (1, 3)),
                           (ck, (1, 3)), (cv, (1, 3)))
             self._decode(tokens, positions, k, v, ck, cv, src_len)
-            sources = torch.full((n_src, src), self.pad_id, dtype=torch.long, device=self.dev)
-            sources[:, 0] = self.model.cfg.eos_id
-            mask = sources != self.pad_id
-            _mark_dynamic((sources, (0, 1)), (mask, (0, 1)))
-            self._encode(sources, mask)
+            for n, dims in ((n_src, (0, 1)), (1, (1,))):  # any number of sources >= 2; a lone source
+                sources = torch.full((n, src), self.pad_id, dtype=torch.long, device=self.dev)
+                sources[:, 0] = self.model.cfg.eos_id
+                mask = sources != self.pad_id
+                _mark_dynamic((sources, dims), (mask, dims))
+                self._encode(sources, mask)
         self.compile_seconds = time.perf_counter() - t0
         log.info("compiled the translator's encoder and decode step in %.1f s", self.compile_seconds)
         return self.compile_seconds
@@ -99,9 +101,7 @@ class CompiledTranslator:
     def encode(self, sources: list[list[int]], copies: list[int], slots: list[int]) -> None:
         """Encode `sources` and store their cross K/V in `slots`: source i fills the next copies[i] slots
         (a beam's hypotheses share their source)."""
-        n = max(len(sources), MIN_SIZE)
-        sources = sources + [sources[0]] * (n - len(sources))  # a lone source is encoded twice
-        width = max(max(len(s) for s in sources), MIN_SIZE)
+        width = max(max(len(s) for s in sources), MIN_SIZE)  # one source or >= 2: both compiled (warm_up)
         src = torch.tensor([s + [self.pad_id] * (width - len(s)) for s in sources], device=self.dev)  # (N, S)
         lengths = torch.tensor([len(s) for s in sources], device=self.dev)  # (N,)
         mask = torch.arange(width, device=self.dev)[None, :] < lengths[:, None]  # (N, S)

@@ -19,7 +19,7 @@ import torch
 from model.generate import max_len_for, pad_batch
 from model.seq2seq import EncoderDecoder
 from model.translation import TAGS, detect_lang, encode_source, join_sentences, other, split_sentences
-from service.engine.beam import BeamState
+from service.engine.beam import BeamState, reassign_slots
 from service.engine.compiled import CompiledTranslator
 from service.engine.config import EngineConfig
 from service.engine.loop import EngineLoop
@@ -264,10 +264,11 @@ class TranslationEngine(EngineLoop):
                 it.beam.push(greedy[it.slots[0]])
                 continue
             parents = it.beam.advance(logits[it.slots])
-            for j, p in enumerate(parents):
-                if p != j:  # reorder hypotheses; identical slots need no copy
-                    src_slots.append(it.slots[p])
-                    dst_slots.append(it.slots[j])
+            if parents:  # hypotheses move between the item's slots: the fewest K/V copies (reassign_slots)
+                it.slots, copies = reassign_slots(it.slots, parents)
+                for src, dst in copies:
+                    src_slots.append(src)
+                    dst_slots.append(dst)
         if dst_slots:  # beams of one source share cross K/V: copy only the positions written so far
             self.cache.copy_slots(src_slots, dst_slots, length=max(pos) + 1, cross=False)
         return [it for it in items if it.beam.done]
