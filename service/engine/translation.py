@@ -258,19 +258,18 @@ class TranslationEngine(EngineLoop):
             logits = self.model.decode(tokens, positions, self.cache, list(range(r)))[:, -1]  # (R, V)
         # (R,) one op for every greedy row; argmax over bf16 is 4.7x slower than a float copy + argmax here
         greedy = logits.float().argmax(-1).tolist() if any(it.beam.k == 1 for it in items) else []
-        src_slots, dst_slots = [], []
+        copies: list[tuple[int, int]] = []  # (src slot, dst slot) K/V copies of this step's beam reorders
         for it in items:
             if it.beam.k == 1:
                 it.beam.push(greedy[it.slots[0]])
                 continue
             parents = it.beam.advance(logits[it.slots])
             if parents:  # hypotheses move between the item's slots: the fewest K/V copies (reassign_slots)
-                it.slots, copies = reassign_slots(it.slots, parents)
-                for src, dst in copies:
-                    src_slots.append(src)
-                    dst_slots.append(dst)
-        if dst_slots:  # beams of one source share cross K/V: copy only the positions written so far
-            self.cache.copy_slots(src_slots, dst_slots, length=max(pos) + 1, cross=False)
+                it.slots, moved = reassign_slots(it.slots, parents)
+                copies += moved
+        if copies:  # beams of one source share cross K/V: copy only the positions written so far
+            src_slots, dst_slots = zip(*copies, strict=True)
+            self.cache.copy_slots(list(src_slots), list(dst_slots), length=max(pos) + 1, cross=False)
         return [it for it in items if it.beam.done]
 
     # --- after a step (event loop) -------------------------------------------------------------
