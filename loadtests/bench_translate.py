@@ -15,6 +15,7 @@ start -> batch end). Output tokens = target tokens without bos/eos. Each run in 
 CTranslate2 divide by len^alpha, so beam outputs may differ slightly; greedy outputs use no penalty.
 
     python -m loadtests.bench_translate --beams 1 4 --peers hf:float32 ct2:float32 ct2:int8
+    python -m loadtests.bench_translate --beams 1 --peers ct2:float32 --compile compiled --repeat 3  # ratio per round
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -194,6 +196,8 @@ def main() -> None:
     ap.add_argument("--peers", nargs="*", default=["hf:float32", "ct2:float32", "ct2:int8"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of every run, alternating which runs first; prints each round's ours/peer ratio")
     ap.add_argument("--tiny", action="store_true", help="random tiny checkpoint: validates the script only")
     for internal in ("--run", "--beam", "--marian-dir", "--ct2-dir", "--workdir", "--workload"):
         ap.add_argument(internal, help=argparse.SUPPRESS)
@@ -231,26 +235,56 @@ def main() -> None:
         del model
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         rows = []
-        for beam in args.beams:
-            for spec, extra in specs.items():
-                cmd = [sys.executable, "-m", "loadtests.bench_translate", "--run", spec, "--beam", str(beam),
-                       "--checkpoint", str(args.checkpoint), "--clients", str(args.clients), "--requests",
-                       str(args.requests), "--threads", str(args.threads), "--workload", str(args.workload), *extra]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-                if proc.returncode != 0:
-                    print(f"# {spec} beam {beam} FAILED:\n{proc.stderr[-3000:]}", file=sys.stderr)
-                    continue
-                rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-                print(f"# {spec} beam {beam}: {rows[-1]['sent_s']:.2f} sentences/s", file=sys.stderr)
+        for rnd in range(args.repeat):
+            order = list(specs.items())
+            if rnd % 2:  # alternate who runs first: a shared host drifts over minutes
+                order.reverse()
+            for beam in args.beams:
+                for spec, extra in order:
+                    cmd = [sys.executable, "-m", "loadtests.bench_translate", "--run", spec, "--beam", str(beam),
+                           "--checkpoint", str(args.checkpoint), "--clients", str(args.clients), "--requests",
+                           str(args.requests), "--threads", str(args.threads), "--workload", str(args.workload),
+                           *extra]
+                    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+                    if proc.returncode != 0:
+                        print(f"# {spec} beam {beam} FAILED:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                        continue
+                    rows.append(json.loads(proc.stdout.strip().splitlines()[-1]) | dict(spec=spec, round=rnd + 1))
+                    print(f"# round {rnd + 1}, {spec} beam {beam}: {rows[-1]['sent_s']:.2f} sentences/s",
+                          file=sys.stderr)
     label = "TINY random checkpoint (validation only)" if args.tiny else str(args.checkpoint)
     print(f"Translator: {label}; {args.clients} clients, {args.requests} sentences (half en->zh, half zh->en), "
           f"threads {args.threads}, seed {args.seed}\n")
-    print("| engine | beam | dtype | sentences/s | output tok/s | latency p50 / p95 (s) | peak RSS (MB) | wall (s) |")
-    print("|---|---|---|---|---|---|---|---|")
+    rounds = args.repeat > 1
+    print(("| round " if rounds else "") + "| engine | beam | dtype | sentences/s | output tok/s "
+          "| latency p50 / p95 (s) | peak RSS (MB) | wall (s) |")
+    print("|---" * (8 + rounds) + "|")
     for r in rows:
-        print(f"| {r['engine']} | {r['beam']} | {r['dtype']} | {r['sent_s']:.2f} | {r['out_tok_s']:.1f} | "
-              f"{r['lat_p50']:.2f} / {r['lat_p95']:.2f} | {r['rss_mb']:.0f} | {r['wall_s']:.1f} |")
+        print((f"| {r['round']} " if rounds else "") + f"| {r['engine']} | {r['beam']} | {r['dtype']} | "
+              f"{r['sent_s']:.2f} | {r['out_tok_s']:.1f} | {r['lat_p50']:.2f} / {r['lat_p95']:.2f} | "
+              f"{r['rss_mb']:.0f} | {r['wall_s']:.1f} |")
+    for line in ratio_lines(rows):
+        print(line)
 
+
+def ratio_lines(rows: list[dict]) -> list[str]:
+    """Ours / each peer in sentences/s, per beam, from runs of the same round only (a shared host drifts):
+    each round's ratio and their median."""
+    out = []
+    for beam in sorted({r["beam"] for r in rows}):
+        at = [r for r in rows if r["beam"] == beam]
+        for ours in sorted({r["spec"] for r in at if r["spec"].startswith("ours:")}):
+            for peer in sorted({r["spec"] for r in at if not r["spec"].startswith("ours:")}):
+                ratios = []
+                for rnd in sorted({r["round"] for r in at}):
+                    a = [r["sent_s"] for r in at if r["round"] == rnd and r["spec"] == ours]
+                    b = [r["sent_s"] for r in at if r["round"] == rnd and r["spec"] == peer]
+                    if a and b:
+                        ratios.append(a[0] / b[0])
+                if ratios:
+                    out.append(f"\nbeam {beam}: {ours} / {peer} = " + " / ".join(f"{x:.2f}x" for x in ratios)
+                               + f" (median {statistics.median(ratios):.2f}x over {len(ratios)} rounds)")
+    return out
 
 if __name__ == "__main__":
     main()
