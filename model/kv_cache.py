@@ -50,25 +50,40 @@ class KVCache:
         return CacheContext(self, slots_t, sel, positions, length, src_length)
 
     def copy_slots(self, src: torch.Tensor | list[int], dst: torch.Tensor | list[int], *,
-                   length: int | None = None, cross: bool = True) -> None:
+                   length: int | list[int] | None = None, cross: bool = True) -> None:
         """Copy whole slots (for beam search: reorder hypotheses). src/dst are equal-length lists.
 
         `length` copies only the first `length` self-attention positions (all a hypothesis has
-        written); `cross=False` skips the cross-attention K/V, for beams of the same source whose
-        cross K/V are already identical.
+        written), one for all copies or one per copy; `cross=False` skips the cross-attention K/V, for
+        beams of the same source whose cross K/V are already identical. Cross K/V are copied up to the
+        source's length (`src_len`): positions past it are masked, never read.
         """
-        src = torch.as_tensor(src, dtype=torch.long, device=self.k.device)
-        dst = torch.as_tensor(dst, dtype=torch.long, device=self.k.device)
-        n = self.max_len if length is None else length
-        bufs = [(self.k, n), (self.v, n)]
-        if self.cross_len and cross:
-            bufs += [(self.cross_k, self.cross_len), (self.cross_v, self.cross_len)]
-            self.src_len[dst] = self.src_len[src]
-        for buf, m in bufs:
+        src_l = [int(s) for s in src]
+        dst_l = [int(d) for d in dst]
+        if not src_l:
+            return
+        n = length if isinstance(length, list) else [self.max_len if length is None else length] * len(src_l)
+        copy_cross = bool(self.cross_len) and cross
+        m = [int(x) for x in self.src_len[src_l].tolist()] if copy_cross else [0] * len(src_l)
+        if copy_cross:
+            self.src_len[dst_l] = self.src_len[src_l]  # the right side is gathered first
+        bufs = [(self.k, n), (self.v, n)] + ([(self.cross_k, m), (self.cross_v, m)] if copy_cross else [])
+        if not set(src_l) & set(dst_l):
+            # no slot is both read and written: one copy_ per slot of the positions it uses, all layers in
+            # one view (2.5-4x faster than gathering every layer's slots at 8-64 copies of ~60 positions)
+            for buf, lengths in bufs:
+                for s, d, k in zip(src_l, dst_l, lengths, strict=True):
+                    if k:
+                        buf[:, d, :, :k].copy_(buf[:, s, :, :k])  # (NL, Hkv, k, D)
+            return
+        src_t = torch.tensor(src_l, dtype=torch.long, device=self.k.device)
+        dst_t = torch.tensor(dst_l, dtype=torch.long, device=self.k.device)
+        for buf, lengths in bufs:
+            k = max(lengths)
             for i in range(buf.shape[0]):  # per layer: ~20% faster than one 5-d advanced index
-                layer = buf[i, :, :, :m]  # (S, Hkv, m, D) view
+                layer = buf[i, :, :, :k]  # (S, Hkv, k, D) view
                 # index_select gathers a copy first, so overlapping src/dst permutations are safe
-                layer.index_copy_(0, dst, layer.index_select(0, src))
+                layer.index_copy_(0, dst_t, layer.index_select(0, src_t))
 
     def prefix_views(self, rows: int, length: int, src_length: int = 0):
         """Views of slots [0, rows) for the pure decode steps (model/*_step.py), no copy: k, v (NL, rows, Hkv,

@@ -145,25 +145,30 @@ def test_copy_slots_duplicates_a_sequence(model):
 
 @pytest.mark.parametrize("src,dst", [([5, 2], [2, 5]),            # swap
                                      ([0, 1, 2], [1, 2, 3]),      # chain: each source is the next's target
-                                     ([3, 3, 1], [0, 1, 3])])     # one source to two targets, one overwritten
-@pytest.mark.parametrize("length", [None, 4])
+                                     ([3, 3, 1], [0, 1, 3]),      # one source to two targets, one overwritten
+                                     ([0, 2], [4, 5])])           # disjoint: copied slot by slot
+@pytest.mark.parametrize("length", [None, 4, [3, 7, 2]])
 def test_copy_slots_reads_every_source_before_writing(src, dst, length):
-    """Beam reorders and compaction copy between overlapping slot sets: each target must get its source's old data."""
+    """Beam reorders and compaction copy between overlapping slot sets: each target must get its source's old
+    data: self-attention K/V up to `length` (one for all, or one per copy), cross K/V up to the source's length."""
     from model.kv_cache import KVCache
 
     torch.manual_seed(0)
     cache = KVCache(2, 6, 2, 8, 4, cross_len=5)
     for buf in (cache.k, cache.v, cache.cross_k, cache.cross_v):
         buf.copy_(torch.randn_like(buf))
-    cache.src_len.copy_(torch.arange(6) + 1)
+    cache.src_len.copy_(torch.tensor([5, 2, 4, 1, 3, 5]))
     before = {n: getattr(cache, n).clone() for n in ("k", "v", "cross_k", "cross_v", "src_len")}
+    if isinstance(length, list):
+        length = length[:len(src)]
     cache.copy_slots(src, dst, length=length)
-    m = 8 if length is None else length
-    for s, d in zip(src, dst, strict=True):
+    lengths = length if isinstance(length, list) else [8 if length is None else length] * len(src)
+    for s, d, m in zip(src, dst, lengths, strict=True):
         for n in ("k", "v"):
             assert torch.equal(getattr(cache, n)[:, d, :, :m], before[n][:, s, :, :m]), (n, s, d)
         for n in ("cross_k", "cross_v"):
-            assert torch.equal(getattr(cache, n)[:, d], before[n][:, s]), (n, s, d)
+            n_src = int(before["src_len"][s])
+            assert torch.equal(getattr(cache, n)[:, d, :, :n_src], before[n][:, s, :, :n_src]), (n, s, d)
         assert cache.src_len[d] == before["src_len"][s]
     untouched = [i for i in range(6) if i not in dst]
     assert torch.equal(cache.k[:, untouched], before["k"][:, untouched])

@@ -248,7 +248,7 @@ class GenerationEngine(EngineLoop):
         dev = self.config.device
         if plan.moves:
             src, dst, n = zip(*plan.moves, strict=True)
-            self.cache.copy_slots(list(src), list(dst), length=max(n))
+            self.cache.copy_slots(list(src), list(dst), length=list(n))
         rows: list[_Seq] = []
         logits = []
         for group in _padding_bounded_groups(plan.prefill, self.config.prefill_max_padding):

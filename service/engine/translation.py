@@ -227,7 +227,7 @@ class TranslationEngine(EngineLoop):
         items = step.items
         if step.moves:  # compaction (see _compact): whole hypotheses, cross K/V included
             src, dst, n = zip(*step.moves, strict=True)
-            self.cache.copy_slots(list(src), list(dst), length=max(n))
+            self.cache.copy_slots(list(src), list(dst), length=list(n))
         new = [it for it in items if not it.encoded]
         if new and self.compiled is not None:
             self.compiled.encode([it.beam.src for it in new], [it.beam.k for it in new],
@@ -258,18 +258,19 @@ class TranslationEngine(EngineLoop):
             logits = self.model.decode(tokens, positions, self.cache, list(range(r)))[:, -1]  # (R, V)
         # (R,) one op for every greedy row; argmax over bf16 is 4.7x slower than a float copy + argmax here
         greedy = logits.float().argmax(-1).tolist() if any(it.beam.k == 1 for it in items) else []
-        copies: list[tuple[int, int]] = []  # (src slot, dst slot) K/V copies of this step's beam reorders
+        copies: list[tuple[int, int, int]] = []  # (src slot, dst slot, positions) K/V copies of beam reorders
         for it in items:
             if it.beam.k == 1:
                 it.beam.push(greedy[it.slots[0]])
                 continue
+            written = it.beam.step + 1  # positions of the item's K/V so far, this step's included
             parents = it.beam.advance(logits[it.slots])
             if parents:  # hypotheses move between the item's slots: the fewest K/V copies (reassign_slots)
                 it.slots, moved = reassign_slots(it.slots, parents)
-                copies += moved
-        if copies:  # beams of one source share cross K/V: copy only the positions written so far
-            src_slots, dst_slots = zip(*copies, strict=True)
-            self.cache.copy_slots(list(src_slots), list(dst_slots), length=max(pos) + 1, cross=False)
+                copies += [(s, d, written) for s, d in moved]
+        if copies:  # beams of one source share cross K/V: copy only the positions each item has written
+            src_slots, dst_slots, lengths = zip(*copies, strict=True)
+            self.cache.copy_slots(list(src_slots), list(dst_slots), length=list(lengths), cross=False)
         return [it for it in items if it.beam.done]
 
     # --- after a step (event loop) -------------------------------------------------------------
