@@ -88,6 +88,9 @@ class EngineLoop:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            # one turn of the event loop first: callers that the last _deliver woke (a finished request's
+            # client sending its next one) submit now and are admitted by this plan, not one step later
+            await asyncio.sleep(0)
             await self._before_plan()
             plan = self._plan()
             if plan is None:
