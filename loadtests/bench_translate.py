@@ -281,9 +281,12 @@ def ratio_lines(rows: list[dict]) -> list[str]:
                     b = [r["sent_s"] for r in at if r["round"] == rnd and r["spec"] == peer]
                     if a and b:
                         ratios.append(a[0] / b[0])
-                if ratios:
-                    out.append(f"\nbeam {beam}: {ours} / {peer} = " + " / ".join(f"{x:.2f}x" for x in ratios)
-                               + f" (median {statistics.median(ratios):.2f}x over {len(ratios)} rounds)")
+                if not ratios:
+                    continue
+                line = f"\nbeam {beam}: {ours} / {peer} = " + " / ".join(f"{x:.2f}x" for x in ratios)
+                if len(ratios) > 1:
+                    line += f" (median {statistics.median(ratios):.2f}x over {len(ratios)} rounds)"
+                out.append(line)
     return out
 
 if __name__ == "__main__":
