@@ -68,21 +68,29 @@ class KVCache:
         if copy_cross:
             self.src_len[dst_l] = self.src_len[src_l]  # the right side is gathered first
         bufs = [(self.k, n), (self.v, n)] + ([(self.cross_k, m), (self.cross_v, m)] if copy_cross else [])
-        if not set(src_l) & set(dst_l):
-            # no slot is both read and written: one copy_ per slot of the positions it uses, all layers in
-            # one view (2.5-4x faster than gathering every layer's slots at 8-64 copies of ~60 positions)
-            for buf, lengths in bufs:
-                for s, d, k in zip(src_l, dst_l, lengths, strict=True):
-                    if k:
-                        buf[:, d, :, :k].copy_(buf[:, s, :, :k])  # (NL, Hkv, k, D)
-            return
-        src_t = torch.tensor(src_l, dtype=torch.long, device=self.k.device)
-        dst_t = torch.tensor(dst_l, dtype=torch.long, device=self.k.device)
+        if set(src_l) & set(dst_l):
+            self._copy_gathered(bufs, src_l, dst_l)
+        else:  # no slot is both read and written (every copy the engines make)
+            self._copy_per_slot(bufs, src_l, dst_l)
+
+    @staticmethod
+    def _copy_per_slot(bufs: list[tuple[torch.Tensor, list[int]]], src: list[int], dst: list[int]) -> None:
+        """One copy_ per slot of the positions it uses, all layers in one view: 2.7-3.8x faster than
+        gathering at 8-64 copies of ~60 positions, 1.2-2.2x at ~24 (loadtests/bench_slot_copies.py).
+        Disjoint src/dst only."""
+        for buf, lengths in bufs:
+            for s, d, k in zip(src, dst, lengths, strict=True):
+                if k:
+                    buf[:, d, :, :k].copy_(buf[:, s, :, :k])  # (NL, Hkv, k, D)
+
+    def _copy_gathered(self, bufs: list[tuple[torch.Tensor, list[int]]], src: list[int], dst: list[int]) -> None:
+        """Gather every source before writing, so overlapping src/dst permutations are safe."""
+        src_t = torch.tensor(src, dtype=torch.long, device=self.k.device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self.k.device)
         for buf, lengths in bufs:
             k = max(lengths)
             for i in range(buf.shape[0]):  # per layer: ~20% faster than one 5-d advanced index
                 layer = buf[i, :, :, :k]  # (S, Hkv, k, D) view
-                # index_select gathers a copy first, so overlapping src/dst permutations are safe
                 layer.index_copy_(0, dst_t, layer.index_select(0, src_t))
 
     def prefix_views(self, rows: int, length: int, src_length: int = 0):
