@@ -64,6 +64,7 @@ async def run(args) -> None:
     model.forward = t.wrap(lambda tokens, *a, **kw: "decode forward" if tokens.shape[1] == 1 else "prefill forward",
                            model.forward)
     gen_mod.sample_next = t.wrap(lambda *a, **kw: "sampling", gen_mod.sample_next)
+    engine.cache.copy_slots = t.wrap(lambda *a, **kw: "slot copies (compaction)", engine.cache.copy_slots)
     engine._execute = t.wrap(lambda *a, **kw: "execute (whole)", engine._execute)
     batch_sizes: list[int] = []
     plan = engine._plan
@@ -115,7 +116,8 @@ async def run(args) -> None:
           f"{len(work)} requests, {out_tokens} output tokens in {wall:.1f} s = {out_tokens / wall:.1f} tok/s")
     print(f"{steps} steps, mean batch {sum(batch_sizes) / max(steps, 1):.1f}, "
           f"{1000 * wall / max(steps, 1):.1f} ms/step")
-    t.report(("prefill forward", "decode forward", "sampling"), "rest of _execute (tensors in, tokens out)",
+    t.report(("prefill forward", "decode forward", "sampling", "slot copies (compaction)"),
+             "rest of _execute (tensors in, tokens out)",
              steps, wall)
     if steps <= args.profile_from:  # the profiler window never opened (e.g. --profile-from 100000)
         return
