@@ -130,6 +130,31 @@ def test_seeded_sampling_independent_of_company():
     assert alone[1] != other[1]
 
 
+def test_a_callers_next_request_joins_the_next_step():
+    """A caller that submits again as soon as its request has ended (a closed-loop client) is admitted by
+    the very next step: the engine loop yields to the event loop before it plans, so the new request does
+    not wait a step with its slot empty while other requests keep the engine busy."""
+    def req(n: int) -> GenerateRequest:
+        return GenerateRequest(prompt_ids=[6, 7, 8, 9], params=SamplingParams(max_new_tokens=n, temperature=0.0,
+                                                                              ignore_eos=True))
+
+    async def main(engine):
+        busy = asyncio.create_task(collect(engine, req(80)))  # keeps every step running
+        gaps, ended = [], None
+        for _ in range(4):
+            first = True
+            async for ev in engine.submit(req(3)):
+                if first and ended is not None:
+                    gaps.append(engine.steps - ended)  # steps from the last request's end to this one's first token
+                first = False
+                if ev.finished:
+                    ended = engine.steps
+        await busy
+        return gaps
+
+    assert run(main) == [1, 1, 1]
+
+
 def test_stop_string_cut_exactly_across_tokens():
     free = run(lambda e: collect(e, TARGET))[0]
     stop = free[10:13]  # three characters = three tokens: matched across token boundaries
