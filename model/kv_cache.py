@@ -64,7 +64,7 @@ class KVCache:
             return
         n = length if isinstance(length, list) else [self.max_len if length is None else length] * len(src_l)
         copy_cross = bool(self.cross_len) and cross
-        m = [int(x) for x in self.src_len[src_l].tolist()] if copy_cross else [0] * len(src_l)
+        m = self.src_len[src_l].tolist() if copy_cross else [0] * len(src_l)
         if copy_cross:
             self.src_len[dst_l] = self.src_len[src_l]  # the right side is gathered first
         bufs = [(self.k, n), (self.v, n)] + ([(self.cross_k, m), (self.cross_v, m)] if copy_cross else [])
