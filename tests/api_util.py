@@ -28,11 +28,9 @@ def generator(**engine_kw) -> GeneratorBackend:
 
 
 def translator(**engine_kw) -> TranslatorBackend | None:
-    try:
-        from service.engine.translation import TranslationEngine
-    except ImportError:
-        return None
     from engine_util import tiny_seq2seq
+
+    from service.engine.translation import TranslationEngine
 
     cfg = EngineConfig(**{"max_slots": 8, "max_seq_len": 64, **engine_kw})
     return TranslatorBackend(TranslationEngine(tiny_seq2seq(), TOK, cfg, sink=EngineMetrics()))

@@ -178,7 +178,7 @@ def test_eos_ends_request():
                 _, ids2, final = await collect(engine, GenerateRequest(p, SamplingParams(max_new_tokens=30,
                                                                                         temperature=0.0)))
                 return ids, ids2, final
-        pytest.skip("no EOS in random continuations")
+        pytest.fail("no greedy continuation of 200 seeded prompts reached EOS: the test lost its case")
     ids, ids2, final = run(main)
     assert final.finish_reason == "stop"
     assert TOK.eos_id not in ids2 and ids2 == ids[: ids.index(TOK.eos_id)]

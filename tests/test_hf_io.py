@@ -8,12 +8,11 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from model.config import TINY_GPT2, TINY_LLAMA
 from model.decoder import DecoderLM
 from model.importers.hf import HFFormatError, export_hf, import_hf
-
-transformers = pytest.importorskip("transformers")
 
 LLAMA_BIAS = dataclasses.replace(TINY_LLAMA, attn_bias=True, mlp_bias=True, tie_embeddings=False)
 

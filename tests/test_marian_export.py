@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 from model.config import TINY_SEQ2SEQ
 from model.generate import greedy, pad_batch
@@ -16,7 +17,6 @@ from model.layers import sinusoidal_table
 from model.seq2seq import EncoderDecoder
 
 torch.set_num_threads(1)
-transformers = pytest.importorskip("transformers")
 
 CFG = TINY_SEQ2SEQ
 MAX_NEW = 16
@@ -116,7 +116,8 @@ def test_transformers_generate_equals_our_greedy(trained, sources, tmp_path):
 
 
 def _ct2_model(model, tmp_path):
-    ctranslate2 = pytest.importorskip("ctranslate2")
+    import ctranslate2
+
     from loadtests.ct2_convert import convert
 
     export_marian(model, None, tmp_path / "hf")

@@ -13,7 +13,7 @@ import pytest
 from live_service import ROOT, live_service
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(600)]
-webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed: scripts/install_browser.sh")
+from selenium import webdriver  # noqa: E402  (a test extra; `make test` installs it)
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -25,7 +25,7 @@ RUNNING = re.compile(r'^attnserve_num_requests_running\{model="smollm2-135m-inst
 @pytest.fixture(scope="module")
 def browser():
     if not (CHROMIUM and DRIVER):
-        pytest.skip("chromium / chromedriver not installed: run scripts/install_browser.sh")
+        pytest.fail("chromium / chromedriver not installed: run scripts/install_browser.sh (`make test` does)")
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1000,900",

