@@ -147,10 +147,11 @@ def test_metrics_move_after_requests():
 
     async def main(c):
         before = (await c.get("/metrics")).text
-        await c.post("/v1/generate", json={"prompt": "hello", "max_tokens": 5, "ignore_eos": True})
+        await c.post("/v1/generate", json={"prompt": "hello", "max_tokens": 7, "ignore_eos": True})
         after = (await c.get("/metrics")).text
-        for name in ("attnserve_generation_tokens_total", "attnserve_prompt_tokens_total"):
-            assert value(after, name) - value(before, name) == 5, name
+        # one token per character: a 5-token prompt and 7 generated tokens, so swapped counters fail
+        for name, n in (("attnserve_prompt_tokens_total", 5), ("attnserve_generation_tokens_total", 7)):
+            assert value(after, name) - value(before, name) == n, name
         for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
                      "request_queue_time_seconds", "iteration_batch_size"):
             assert value(after, f"attnserve_{name}_count") > value(before, f"attnserve_{name}_count"), name

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 
 import torch
 from api_util import backends
@@ -15,8 +17,9 @@ from service.metrics import PROMETHEUS
 torch.set_num_threads(1)
 
 
-async def call(app, body: dict, disconnect_after_chunks: int | None, disconnect_after_s: float | None = None):
-    """Drive the app like a server would; the client goes away after N body chunks (or after a delay)."""
+async def call(app, body: dict, disconnect_after_chunks: int | None, disconnect_on: threading.Event | None = None):
+    """Drive the app like a server would; the client goes away after N body chunks (or once `disconnect_on`
+    is set by the model)."""
     sent: list[dict] = []
     gone = asyncio.Event()
     payload = json.dumps(body).encode()
@@ -31,8 +34,8 @@ async def call(app, body: dict, disconnect_after_chunks: int | None, disconnect_
         if first[0]:
             first[0] = False
             return {"type": "http.request", "body": payload, "more_body": False}
-        if disconnect_after_s is not None:
-            await asyncio.sleep(disconnect_after_s)
+        if disconnect_on is not None:
+            await asyncio.get_running_loop().run_in_executor(None, disconnect_on.wait, 30)
             gone.set()
         await gone.wait()
         return {"type": "http.disconnect"}
@@ -51,13 +54,31 @@ def cancelled() -> float:
     return PROMETHEUS["request_success"].labels(GENERATOR_ID, "cancelled")._value.get()
 
 
-def _run(body, **kw):
+def _gate(engine, after_steps: int = 3) -> threading.Event:
+    """Set once the model has run `after_steps` forward passes; from then on each pass sleeps, so the
+    rest of a 120-token request takes over a second and cannot end before the disconnect is seen."""
+    reached, fast, calls = threading.Event(), engine.model.forward, [0]
+
+    def forward(*args, **kw):
+        calls[0] += 1
+        if calls[0] >= after_steps:
+            reached.set()
+            time.sleep(0.01)
+        return fast(*args, **kw)
+
+    engine.model.forward = forward
+    return reached
+
+
+def _run(body, gated: bool = False, **kw):
     async def main():
         b = backends({"max_slots": 2}, with_translator=False)
         app = create_app(b, static_dir=None)
         await b.start()
         engine = b.generator.engine
         try:
+            if gated:
+                kw["disconnect_on"] = _gate(engine)
             sent = await call(app, body, **kw)
             for _ in range(200):  # the engine frees the slot on its next step
                 if engine.stats().running == 0:
@@ -84,7 +105,7 @@ def test_stream_disconnect_cancels():
 
 def test_non_stream_disconnect_cancels():
     before = cancelled()
-    sent, stats, _ = _run(LONG, disconnect_after_chunks=None, disconnect_after_s=0.01)
+    sent, stats, _ = _run(LONG, gated=True, disconnect_after_chunks=None)
     assert cancelled() == before + 1
     assert not any(m["type"] == "http.response.start" and m["status"] == 200 for m in sent)
     assert stats.running == 0 and stats.slots_used == 0

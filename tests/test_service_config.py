@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from service.config import GENERATOR_ID, TRANSLATOR_ID, ApiLimits, ModelSpec, ServiceConfig
 from service.models import ModelUnavailable, engine_config, load_backends, select_device
@@ -41,11 +42,23 @@ def test_bf16_on_cpu_needs_native_instructions_and_a_measured_speedup():
     assert not decide_bf16(frozenset({"avx2"}), 10.0)  # emulated bf16 is never chosen
 
 
-def test_bf16_speedup_is_measured():
-    from model.cpu_features import bf16_matmul_speedup
+@pytest.mark.parametrize("cost,expected", [({"float32": 3, "bfloat16": 1}, 3.0),
+                                           ({"float32": 1, "bfloat16": 4}, 0.25)])
+def test_bf16_speedup_is_fp32_time_over_bf16_time(monkeypatch, cost, expected):
+    """A fake clock advanced by each matmul's dtype: the ratio is exact and its direction checked."""
+    import torch
 
-    r = bf16_matmul_speedup(m=8, k=64, n=64, repeats=2)
-    assert 0.01 < r < 100.0
+    from model import cpu_features
+
+    clock = [0.0]
+    monkeypatch.setattr(cpu_features.time, "perf_counter", lambda: clock[0])
+
+    def fake_linear(x, w):
+        clock[0] += cost[str(x.dtype).removeprefix("torch.")]
+        return x
+
+    monkeypatch.setattr(torch.nn.functional, "linear", fake_linear)
+    assert cpu_features.bf16_matmul_speedup(m=2, k=4, n=4, repeats=3) == expected
 
 
 def test_cuda_requested_without_gpu_is_clear_error():
@@ -53,12 +66,13 @@ def test_cuda_requested_without_gpu_is_clear_error():
         select_device("cuda", "auto", cuda_available=False, ray_gpu_ids=None)
 
 
-def test_engine_config_on_this_machine_is_cpu():
-    from service.models import cpu_has_native_bf16
+@pytest.mark.parametrize("bf16_faster,dtype", [(True, "bfloat16"), (False, "float32")])
+def test_engine_config_on_a_cpu_follows_the_bf16_decision(monkeypatch, bf16_faster, dtype):
+    from service import models
 
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: bf16_faster)
     cfg = engine_config(ModelSpec(engine={"max_slots": 3}))
-    dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
-    assert (cfg.device, cfg.dtype, cfg.max_slots) == ("cpu", dtype, 3)
+    assert (cfg.device, cfg.dtype, cfg.kv_torch_dtype, cfg.max_slots) == ("cpu", dtype, getattr(torch, dtype), 3)
 
 
 def test_kv_cache_dtype_defaults_to_the_weights_dtype_and_can_be_wider():
