@@ -27,7 +27,7 @@ async def run(args) -> None:
     import torch
 
     from loadtests.bench_translate import load, workload
-    from service.engine.beam import BeamState
+    from model.decoding import BeamState
     from service.engine.config import EngineConfig
     from service.engine.cpu_runtime import single_threaded_caller
     from service.engine.translation import TranslationEngine

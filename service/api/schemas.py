@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from model.translation import DEFAULT_BEAM_SIZE, DEFAULT_LENGTH_PENALTY, DEFAULT_NO_REPEAT_NGRAM
+
 MAX_CHARS = 1_000_000  # hard ceiling on any one string; ApiLimits tightens it
 MAX_TOKENS = 8192  # hard ceiling on max_tokens; the model's context tightens it
 SEED_MAX = 2**63 - 1
@@ -122,9 +124,11 @@ class TranslateBody(Strict):
     text: Text | list[Text] = Field(max_length=MAX_CHARS)
     source_lang: Literal["en", "zh"] | None = None
     target_lang: Literal["en", "zh"] | None = None
-    beam_size: int = Field(4, ge=1, le=64)
+    beam_size: int = Field(DEFAULT_BEAM_SIZE, ge=1, le=64)
     max_length: int | None = Field(None, ge=1, le=4096)
-    length_penalty: float = Field(0.6, ge=0.0, le=2.0)
+    length_penalty: float = Field(DEFAULT_LENGTH_PENALTY, ge=0.0, le=2.0)
+    no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, ge=0, le=16,
+                                 description="forbid repeating any n-gram of this size in an output (0 = off)")
 
     def texts(self) -> list[str]:
         return [self.text] if isinstance(self.text, str) else list(self.text)

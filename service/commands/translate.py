@@ -1,24 +1,40 @@
-"""attnserve translate [--to en|zh] [--beam N] TEXT..."""
+"""attnserve translate [--to en|zh] [--beam N] [--no-repeat-ngram N] TEXT...
+
+Runs the engine behind `/v1/translate` in this process (service/local.py), with the served translator's
+settings from the Serve config: the same text gives the same translation here and over HTTP.
+"""
 
 import sys
 
+from model.translation import DEFAULT_BEAM_SIZE, DEFAULT_NO_REPEAT_NGRAM
+
 
 def add_arguments(p):
-    p.add_argument("text", nargs="*", help="sentences to translate (default: one per line on stdin)")
+    p.add_argument("text", nargs="*", help="texts to translate (default: one per line on stdin)")
     p.add_argument("--to", choices=["en", "zh"], help="target language (default: the other one, detected)")
-    p.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy)")
-    p.add_argument("--model", help="checkpoint folder (default: the shipped translator)")
+    p.add_argument("--beam", type=int, default=DEFAULT_BEAM_SIZE, help="beam size (1 = greedy)")
+    p.add_argument("--no-repeat-ngram", type=int, default=DEFAULT_NO_REPEAT_NGRAM,
+                   help="forbid repeating any n-gram of this size in an output (0 = off)")
+    p.add_argument("--model", help="checkpoint folder (default: the served translator's)")
+    p.add_argument("--config", help="Serve config whose translator settings to use (default: deploy/serve_config.yaml)")
 
 
 def run(args) -> int:
-    from model import paths
-    from model.translation import Translator
+    from service import local
+    from service.engine.types import RequestRejected
+    from service.models import ModelUnavailable
 
     texts = args.text or [line.strip() for line in sys.stdin if line.strip()]
     if not texts:
         print("attnserve translate: no text given", file=sys.stderr)
         return 2
-    tr = Translator(args.model or paths.SHIPPED_WEIGHTS / "attnserve-zh-en")
-    for out in tr.translate(texts, target_lang=args.to, beam_size=args.beam):
+    try:
+        engine = local.load_translator(local.translator_spec(args.model, config=args.config))
+        result = local.translate(engine, texts, target_lang=args.to, beam_size=args.beam,
+                                 no_repeat_ngram=args.no_repeat_ngram)
+    except (ModelUnavailable, RequestRejected, ValueError) as e:
+        print(f"attnserve translate: {e}", file=sys.stderr)
+        return 2
+    for out in result.translations:
         print(out)
     return 0

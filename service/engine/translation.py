@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.generate import max_len_for, pad_batch
+from model.decoding import BeamState, max_len_for
+from model.generate import pad_batch
 from model.seq2seq import EncoderDecoder
 from model.translation import TAGS, detect_lang, encode_source, join_sentences, other, split_sentences
-from service.engine.beam import BeamState, reassign_slots
+from service.engine.beam import reassign_slots
 from service.engine.compiled import CompiledTranslator
 from service.engine.config import EngineConfig
 from service.engine.loop import EngineLoop
@@ -116,7 +117,7 @@ class TranslationEngine(EngineLoop):
                                           f"at most {self.cfg.max_src_len - 2} tokens per sentence")
                 limit = req.max_length or max_len_for(len(src), 1.5, 10, self.max_tgt - 1)
                 beam = BeamState(src, req.beam_size, limit, self.cfg.bos_id, self.cfg.eos_id, self.cfg.pad_id,
-                                 alpha=req.length_penalty)
+                                 alpha=req.length_penalty, no_repeat_ngram=req.no_repeat_ngram)
                 items.append(_Item(job, i, j, beam))
                 job.usage.prompt_tokens += len(src)
         return items
@@ -261,7 +262,7 @@ class TranslationEngine(EngineLoop):
         copies: list[tuple[int, int, int]] = []  # (src slot, dst slot, positions) K/V copies of beam reorders
         for it in items:
             if it.beam.k == 1:
-                it.beam.push(greedy[it.slots[0]])
+                it.beam.push(greedy[it.slots[0]], logits[it.slots[0]])
                 continue
             written = it.beam.step + 1  # positions of the item's K/V so far, this step's included
             parents = it.beam.advance(logits[it.slots])

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from model.translation import DEFAULT_BEAM_SIZE, DEFAULT_LENGTH_PENALTY, DEFAULT_NO_REPEAT_NGRAM
+
 FinishReason = Literal["stop", "length", "cancelled", "timeout", "error"]
 
 
@@ -61,8 +63,9 @@ class GenerateRequest:
 class TranslateRequest:
     texts: list[str]
     target_lang: str | None = None  # "en" | "zh"; None = the other language, detected per text
-    beam_size: int = 4  # 1 = greedy
-    length_penalty: float = 0.6
+    beam_size: int = DEFAULT_BEAM_SIZE  # 1 = greedy
+    length_penalty: float = DEFAULT_LENGTH_PENALTY
+    no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM  # > 0: no n-gram of this size twice in an output
     max_length: int | None = None  # target tokens per text; None = relative to the source
     request_id: str = ""
     deadline_s: float | None = None

@@ -1,0 +1,149 @@
+"""Per-source decoding rules for the encoder-decoder: greedy or beam search, one step at a time.
+
+One source's k hypotheses advance together from the step's logits (2k candidates, EOS or the length
+limit finishes a hypothesis, GNMT length penalty, early stop when no live beam can beat the best
+finished one). The offline loops (model/generate.py) and the serving engine
+(service/engine/translation.py) both step a `BeamState` per source, so they choose the same tokens
+whatever else shares the batch.
+
+`no_repeat_ngram` > 0 forbids a hypothesis to repeat any n-gram of its own output (fairseq's
+`--no-repeat-ngram-size`): the cure for "各国各国各国…" loops of an undertrained model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]
+    score: float  # length-penalised log-probability
+    logprob: float
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    """GNMT length penalty ((5 + len) / 6) ** alpha."""
+    return ((5 + length) / 6) ** alpha
+
+
+def max_len_for(src_len: int, max_len_a: float, max_len_b: int, cap: int) -> int:
+    """Target length limit a * source + b, within [1, cap]."""
+    return max(1, min(cap, int(max_len_a * src_len + max_len_b)))
+
+
+def banned_tokens(seq: list[int], n: int) -> list[int]:
+    """Tokens that would complete an n-gram already in `seq` (empty when n <= 0)."""
+    if n <= 0 or len(seq) < n - 1:
+        return []
+    if n == 1:
+        return list(set(seq))
+    prefix = seq[len(seq) - n + 1:]
+    return [seq[i + n - 1] for i in range(len(seq) - n + 1) if seq[i:i + n - 1] == prefix]
+
+
+@dataclass(eq=False)
+class BeamState:
+    src: list[int]
+    k: int  # beam size (1 = greedy)
+    limit: int  # max target tokens
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    alpha: float = 0.6
+    no_repeat_ngram: int = 0
+    step: int = 0  # target position of the next decoded token
+    seqs: list[list[int]] = field(default_factory=list)  # (k) tokens so far per hypothesis
+    scores: list[float] = field(default_factory=list)  # (k) cumulative log-probs, -inf = dead beam
+    last: list[int] = field(default_factory=list)  # (k) token each hypothesis feeds next
+    finished: list[Hypothesis] = field(default_factory=list)
+    done: bool = False
+
+    def __post_init__(self):
+        self.seqs = [[] for _ in range(self.k)]
+        self.scores = [0.0] + [NEG_INF] * (self.k - 1)
+        self.last = [self.bos_id] * self.k
+
+    def advance(self, logits: torch.Tensor) -> list[int]:
+        """logits (k, V) for this step -> parent index of each of the k new hypotheses (for the slot
+        copy); sets `done` when decoding has ended."""
+        if self.k == 1:
+            return self.push(int(logits[0].argmax()), logits[0])
+        logp = torch.log_softmax(logits.float(), -1)  # (k, V)
+        if self.no_repeat_ngram:
+            for j, seq in enumerate(self.seqs):
+                banned = banned_tokens(seq, self.no_repeat_ngram)
+                if banned:
+                    logp[j, banned] = NEG_INF
+        v = logp.shape[-1]
+        cand = (torch.tensor(self.scores, dtype=logp.dtype)[:, None] + logp).view(-1)  # (k*V,)
+        top_s, top_i = cand.topk(2 * self.k)  # room for k live after removing EOS
+        new_seqs, new_scores, new_last, parents = [], [], [], []
+        for s, idx in zip(top_s.tolist(), top_i.tolist(), strict=True):
+            parent, tok = divmod(idx, v)
+            if s == NEG_INF:
+                break
+            toks = self.seqs[parent]
+            if tok == self.eos_id or self.step >= self.limit:
+                if len(self.finished) < self.k:
+                    self.finished.append(Hypothesis(toks, s / length_penalty(len(toks) + 1, self.alpha), s))
+                continue
+            new_seqs.append(toks + [tok])
+            new_scores.append(s)
+            new_last.append(tok)
+            parents.append(parent)
+            if len(new_seqs) == self.k:
+                break
+        best_live = max(new_scores, default=NEG_INF)
+        best_done = max((h.score for h in self.finished), default=NEG_INF)
+        bound = best_live / length_penalty(self.limit + 1, self.alpha) if self.alpha > 0 else best_live
+        if len(self.finished) >= self.k or not new_seqs or best_done >= bound or self.step >= self.limit:
+            self.done = True
+            return []
+        while len(new_seqs) < self.k:  # pad with dead beams
+            new_seqs.append([])
+            new_scores.append(NEG_INF)
+            new_last.append(self.pad_id)
+            parents.append(0)
+        self.seqs, self.scores, self.last = new_seqs, new_scores, new_last
+        self.step += 1
+        return parents
+
+    def push(self, tok: int, logits: torch.Tensor | None = None) -> list[int]:
+        """Greedy (k == 1) step with the argmax token already chosen (the engine takes the argmax of
+        every greedy row in one op). `logits` (V,) are needed only when the argmax is banned."""
+        out = self.seqs[0]
+        if self.no_repeat_ngram:
+            banned = banned_tokens(out, self.no_repeat_ngram)
+            if tok in banned:
+                row = logits.float().clone()
+                row[banned] = NEG_INF
+                tok = int(row.argmax())
+        if tok == self.eos_id or len(out) >= self.limit:
+            self.done = True
+            return []
+        out.append(tok)
+        self.last = [tok]
+        self.step += 1
+        if len(out) >= self.limit:
+            self.done = True
+        return [0]
+
+    def hypotheses(self) -> list[Hypothesis]:
+        """Finished hypotheses, best first (the best live one if none finished)."""
+        if self.k == 1:
+            return [Hypothesis(self.seqs[0], 0.0, 0.0)]
+        hyps = self.finished or [Hypothesis(self.seqs[0], self.scores[0], self.scores[0])]
+        return sorted(hyps, key=lambda h: h.score, reverse=True)
+
+    def best(self) -> list[int]:
+        """Best target tokens once done."""
+        return self.hypotheses()[0].tokens
+
+    @property
+    def generated(self) -> int:
+        return len(self.best()) if self.done else max(len(s) for s in self.seqs)

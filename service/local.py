@@ -1,0 +1,92 @@
+"""The service's engines in this process, without Ray or HTTP: `attnserve translate` and `attnserve eval
+translate` run the translation engine that `/v1/translate` runs, built from the same Serve config, so
+the command line and the service translate a text the same way (sentence split, tags, decoding
+defaults, join).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from service.config import ModelSpec, ServiceConfig
+from service.engine.types import EngineOverloaded, TranslateRequest, TranslationResult, Usage
+
+
+def serve_config(path: str | Path | None = None) -> ServiceConfig:
+    """The application args of a Serve config file (default: deploy/serve_config.yaml)."""
+    import yaml
+
+    from service.ray_local import DEFAULT_CONFIG
+
+    with open(path or DEFAULT_CONFIG, encoding="utf-8") as f:
+        doc = yaml.safe_load(f)
+    return ServiceConfig.from_dict(doc["applications"][0].get("args") or {})
+
+
+def translator_spec(checkpoint: str | Path | None = None, *, config: str | Path | None = None,
+                    compile: bool = False) -> ModelSpec:
+    """The served translator's spec, optionally with another checkpoint. Compiling is off by default:
+    a one-shot command would spend longer compiling than translating (compiled and eager steps choose
+    the same tokens; tests/test_compiled_steps.py)."""
+    spec = serve_config(config).translator
+    engine = {**spec.engine, "compile": compile}
+    return replace(spec, checkpoint=str(checkpoint) if checkpoint else spec.checkpoint, engine=engine)
+
+
+def load_translator(spec: ModelSpec):
+    """A TranslationEngine for `spec` (not started)."""
+    from service.engine.cpu_runtime import single_threaded_caller
+    from service.models import load_translator as load_backend
+
+    single_threaded_caller()
+    return load_backend(spec).engine
+
+
+async def translate_async(engine, texts: list[str], *, progress: Callable[[int], None] | None = None,
+                          **request) -> TranslationResult:
+    """Translate `texts` through a started engine, one request per text with as many in flight as the
+    engine queues, results in input order. `request`: TranslateRequest fields (target_lang, beam_size,
+    no_repeat_ngram, ...). `progress(n)` is called with the number of texts finished so far."""
+    window = max(1, min(64, engine.config.max_waiting // 4))  # texts in flight; a text may be many sentences
+    results: list[TranslationResult | None] = [None] * len(texts)
+    done = 0
+    sem = asyncio.Semaphore(window)
+
+    async def one(i: int) -> None:
+        nonlocal done
+        async with sem:
+            while True:
+                try:
+                    results[i] = await engine.translate(TranslateRequest(texts=[texts[i]], **request))
+                    break
+                except EngineOverloaded as e:  # long texts filled the queue: wait as an HTTP client would
+                    await asyncio.sleep(e.retry_after or 0.1)
+        done += 1
+        if progress is not None:
+            progress(done)
+
+    await asyncio.gather(*(one(i) for i in range(len(texts))))
+    out = TranslationResult(translations=[], source_langs=[], target_langs=[], usage=Usage())
+    for r in results:
+        out.translations += r.translations
+        out.source_langs += r.source_langs
+        out.target_langs += r.target_langs
+        out.usage.prompt_tokens += r.usage.prompt_tokens
+        out.usage.completion_tokens += r.usage.completion_tokens
+    return out
+
+
+def translate(engine, texts: list[str], *, progress: Callable[[int], None] | None = None,
+              **request) -> TranslationResult:
+    """Start `engine`, translate `texts` (see translate_async), stop it."""
+    async def main() -> TranslationResult:
+        await engine.start()
+        try:
+            return await translate_async(engine, texts, progress=progress, **request)
+        finally:
+            await engine.stop()
+
+    return asyncio.run(main())
