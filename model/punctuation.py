@@ -1,0 +1,192 @@
+"""Width and punctuation conventions for zh<->en text: normalise inputs, fix the punctuation of outputs.
+
+Inputs are normalised without destroying anything: full-width letters and digits become ASCII, odd
+spaces become one space, invisible characters go; Chinese full-width punctuation stays (NFKC would turn
+"，" into ","). Chinese output uses full-width punctuation (，。：；？！“”‘’（）……) next to Chinese text;
+numbers (3.5, 1,000, 12:30), Latin words and abbreviations, URLs and e-mail addresses pass through
+unchanged. English output uses ASCII punctuation. Both functions are deterministic and idempotent, so
+they are applied to the Chinese / English sides of the data as well as to every translation.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+# CJK ideographs (incl. extension A and compatibility), kana, Hangul: text after which a mark is Chinese
+_CJK_CHARS = r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\u3040-\u30ff\uac00-\ud7af"
+_CJK = re.compile(f"[{_CJK_CHARS}]")
+FULLWIDTH_MARKS = "，。：；？！“”‘’（）、《》〈〉「」『』【】〔〕…—"
+_ZH_CONTEXT = re.compile(f"[{_CJK_CHARS}{re.escape(FULLWIDTH_MARKS)}]")
+_TO_FULL = {",": "，", ".": "。", ":": "：", ";": "；", "?": "？", "!": "！"}
+_TO_ASCII = {"，": ",", "。": ".", "：": ":", "；": ";", "？": "?", "！": "!", "（": "(", "）": ")",
+             "“": '"', "”": '"', "‘": "'", "’": "'", "、": ",", "……": "...", "…": "..."}
+# spans whose characters are never touched: URLs, e-mail addresses
+_URL_CHAR = r"[^\s\u3000-\u303f\uff00-\uffef" + _CJK_CHARS + "]"
+_PROTECTED = re.compile(r"(?:https?://|www\.)" + _URL_CHAR + r"*?(?=[.,:;!?)\]'\"]*(?:\s|$|[^\x00-\x7f]))"
+                        r"|[\w.+-]+@[\w-]+(?:\.[\w-]+)+", re.IGNORECASE)
+_ABBREV = re.compile(r"(?:\b(?i:Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|No|Nos|Inc|Ltd|Co|Corp|vs|etc|e\.g|i\.e|cf|Cap)"
+                     r"|(?<![A-Za-z])[A-Z])$")
+# "1." / "b." / "III." opening a numbered item keeps its point; "二." becomes "二、"
+_LIST_NUMBER = re.compile(r"\s*[(（]?(?:\d{1,3}|[A-Za-z]|[IVXivx]{1,5})")
+_ZH_LIST_NUMBER = re.compile(r"\s*[一二三四五六七八九十]{1,3}")
+_ELLIPSIS = re.compile(r"\.{3,}|…+")
+_SPACE = re.compile(r"\s+")
+_INVISIBLE = re.compile(r"[\u200b-\u200d\u2060\ufeff\u00ad]")
+
+
+def normalise_input(text: str) -> str:
+    """NFC, full-width letters/digits and ideographic space to ASCII, no invisible characters, single spaces.
+    Unlike NFKC, punctuation (，。“” …) keeps its form."""
+    text = unicodedata.normalize("NFC", text)
+    text = "".join(chr(ord(c) - 0xFEE0) if ("０" <= c <= "９" or "Ａ" <= c <= "Ｚ" or "ａ" <= c <= "ｚ") else c
+                   for c in text)
+    text = _INVISIBLE.sub("", text)
+    return _SPACE.sub(" ", text).strip()  # \s covers U+3000 and no-break spaces
+
+
+def _is_zh(c: str | None) -> bool:
+    return c is not None and bool(_ZH_CONTEXT.match(c))
+
+
+def _zh_around(text: str, a: int, b: int) -> bool:
+    """Is the nearest non-space character before a or from b on Chinese?"""
+    left, right = text[:a].rstrip(), text[b:].lstrip()
+    return _is_zh(left[-1] if left else None) or _is_zh(right[0] if right else None)
+
+
+def _neighbour(chars: list[str], i: int, step: int) -> str | None:
+    """The nearest non-space character before (step -1) or after (step +1) position i."""
+    j = i + step
+    while 0 <= j < len(chars) and chars[j].isspace():
+        j += step
+    return chars[j] if 0 <= j < len(chars) else None
+
+
+def to_chinese_punctuation(text: str) -> str:
+    """ASCII punctuation in Chinese context -> full-width; spaces around full-width marks dropped."""
+    if not _CJK.search(text):
+        return text
+    text = _ELLIPSIS.sub(lambda m: "……" if _zh_around(m.string, m.start(), m.end()) else m.group(), text)
+    chars = list(text)
+    n = len(chars)
+    protected = [False] * n
+    for m in _PROTECTED.finditer(text):
+        protected[m.start():m.end()] = [True] * (m.end() - m.start())
+
+    # parentheses: a matched pair changes together
+    stack: list[int] = []
+    pairs: list[tuple[int, int | None]] = []
+    for i, c in enumerate(chars):
+        if protected[i]:
+            continue
+        if c == "(":
+            stack.append(i)
+        elif c == ")":
+            pairs.append((stack.pop(), i) if stack else (i, None))
+    pairs += [(i, None) for i in stack]
+    for a, b in pairs:
+        if b is None:
+            if _is_zh(_neighbour(chars, a, -1)) or _is_zh(_neighbour(chars, a, 1)):
+                chars[a] = "（" if chars[a] == "(" else "）"
+            continue
+        inner = "".join(chars[a + 1:b])
+        if _is_zh(_neighbour(chars, a, -1)) or _is_zh(_neighbour(chars, b, 1)) or _CJK.search(inner):
+            chars[a], chars[b] = "（", "）"
+
+    # double quotes: paired in order of appearance
+    quotes = [i for i, c in enumerate(chars) if c == '"' and not protected[i]]
+    for k in range(0, len(quotes), 2):
+        a = quotes[k]
+        b = quotes[k + 1] if k + 1 < len(quotes) else None
+        if b is None:
+            if _is_zh(_neighbour(chars, a, 1)):
+                chars[a] = "“"
+            elif _is_zh(_neighbour(chars, a, -1)):
+                chars[a] = "”"
+            continue
+        inner = "".join(chars[a + 1:b])
+        if _CJK.search(inner) or _is_zh(_neighbour(chars, a, -1)) or _is_zh(_neighbour(chars, b, 1)):
+            chars[a], chars[b] = "“", "”"
+
+    # single quotes used as quotation marks (never an apostrophe between letters)
+    open_single = False
+    for i, c in enumerate(chars):
+        if c != "'" or protected[i]:
+            continue
+        prev, nxt = chars[i - 1] if i else "", chars[i + 1] if i + 1 < n else ""
+        if prev.isalnum() and nxt.isalnum() and not (_is_zh(prev) or _is_zh(nxt)):
+            continue
+        if not open_single and not (prev.isascii() and prev.isalnum()) and _is_zh(_neighbour(chars, i, 1)):
+            chars[i], open_single = "‘", True
+        elif open_single:
+            chars[i], open_single = "’", False
+
+    # , . : ; ? !
+    for i, c in enumerate(chars):
+        if c not in _TO_FULL or protected[i]:
+            continue
+        prev, nxt = chars[i - 1] if i else "", chars[i + 1] if i + 1 < n else ""
+        if prev.isdigit() and nxt.isdigit():
+            continue  # 3.5, 1,000, 12:30
+        if c == "." and prev.isascii() and prev.isalnum() and nxt.isascii() and nxt.isalnum():
+            continue  # v1.2, U.S, example.com
+        left, right = _neighbour(chars, i, -1), _neighbour(chars, i, 1)
+        if c == "." and right is not None:
+            before = "".join(chars[:i])
+            if _ZH_LIST_NUMBER.fullmatch(before):
+                chars[i] = "、"
+                continue
+            if not _is_zh(left) and (_ABBREV.search(before.rstrip()) or _LIST_NUMBER.fullmatch(before)):
+                continue  # Mr. / Inc. / J. K. before a name; "1." numbering an item
+        if _is_zh(left) or _is_zh(right) or (right is None and c in ".?!" and left is not None):
+            chars[i] = _TO_FULL[c]
+
+    out = "".join(chars)
+    return re.sub(rf"\s*([{re.escape(FULLWIDTH_MARKS)}])\s*", r"\1", out)
+
+
+def to_english_punctuation(text: str) -> str:
+    """Full-width punctuation -> ASCII, with English spacing after , . : ; ? ! and around ( )."""
+    if not re.search(f"[{re.escape(FULLWIDTH_MARKS)}]", text):
+        return text
+    text = text.replace("……", "...")
+    out: list[str] = []
+    for i, c in enumerate(text):
+        a = _TO_ASCII.get(c)
+        if a is None:
+            out.append(c)
+            continue
+        nxt = text[i + 1] if i + 1 < len(text) else ""
+        if a in ",.:;?!":
+            while out and out[-1] == " ":
+                out.pop()
+            out.append(a + (" " if nxt and not nxt.isspace() and nxt not in ",.:;?!)\"'”’）" else ""))
+        elif a == "(":
+            out.append((" " if out and not out[-1].isspace() and out[-1] not in "([" else "") + a)
+        elif a == ")":
+            out.append(a + (" " if nxt.isalnum() else ""))
+        else:
+            out.append(a)
+    return _SPACE.sub(" ", "".join(out)).strip()
+
+
+def postprocess(text: str, lang: str) -> str:
+    """A translation's punctuation for its target language ('zh' or 'en')."""
+    return to_chinese_punctuation(text) if lang == "zh" else to_english_punctuation(text)
+
+
+def punctuation_counts(text: str) -> tuple[int, int]:
+    """(full-width marks, ASCII marks next to Chinese text) among , . : ; ? ! ( ) " in a Chinese text: the
+    share of full-width punctuation in Chinese outputs is sum(first) / sum(first + second)."""
+    full = sum(text.count(c) for c in "，。：；？！“”（）")
+    ascii_ = 0
+    chars = list(text)
+    for i, c in enumerate(chars):
+        if c in ',.:;?!()"':
+            prev, nxt = chars[i - 1] if i else "", chars[i + 1] if i + 1 < len(chars) else ""
+            if prev.isdigit() and nxt.isdigit():
+                continue
+            if _CJK.match(_neighbour(chars, i, -1) or "") or _CJK.match(_neighbour(chars, i, 1) or ""):
+                ascii_ += 1
+    return full, ascii_

@@ -1,0 +1,89 @@
+"""Punctuation of translations (full-width in Chinese, ASCII in English) and non-destructive input
+normalisation: expectations written out by hand, not derived from the code."""
+
+import pytest
+
+from model.punctuation import (
+    normalise_input,
+    postprocess,
+    punctuation_counts,
+    to_chinese_punctuation,
+    to_english_punctuation,
+)
+
+ZH_CASES = [
+    ("我们,他们.", "我们，他们。"),
+    ("你好 , 世界 !", "你好，世界！"),
+    ("他问:为什么?", "他问：为什么？"),
+    ("第一;第二.", "第一；第二。"),
+    ("他买了 iPad.", "他买了 iPad。"),  # sentence end after a Latin word
+    ("价格是3.5元,共1,000个.", "价格是3.5元，共1,000个。"),  # numbers untouched
+    ("会议在12:30开始.", "会议在12:30开始。"),
+    ("第1.2条规定", "第1.2条规定"),
+    ("他说:\"你好\"", "他说：“你好”"),
+    ("他说'好的'", "他说‘好的’"),
+    ("香港金融管理局(金管局)及证监会(SFC)", "香港金融管理局（金管局）及证监会（SFC）"),
+    ("(笑声)", "（笑声）"),
+    ("他等了...然后走了", "他等了……然后走了"),
+    ("请访问 https://example.com/a,b.html,谢谢!", "请访问 https://example.com/a,b.html，谢谢！"),  # URL kept
+    ("邮件 a.b@c.com,谢谢", "邮件 a.b@c.com，谢谢"),
+    ("他说 Hello, world 然后走了", "他说 Hello, world 然后走了"),  # a Latin phrase keeps its comma
+    ("Mr. 史密斯来了.", "Mr. 史密斯来了。"),  # abbreviation before a name
+    ("他的 U.S. 公司", "他的 U.S. 公司"),
+    ("It's 他的", "It's 他的"),  # apostrophe
+    ("版本 v1.2 发布了", "版本 v1.2 发布了"),
+    ("代码 HK-123/A:B 有效", "代码 HK-123/A:B 有效"),
+    ("已经是全角，不变。", "已经是全角，不变。"),
+    ("二. 事实上,国家豁免", "二、事实上，国家豁免"),  # a Chinese numeral numbering an item
+    ("b. 在任何期间", "b. 在任何期间"),
+    ("III. 就本章而言", "III. 就本章而言"),
+    ("LEHMAN BROTHERS HOLDINGS INC. 综合财务报表", "LEHMAN BROTHERS HOLDINGS INC. 综合财务报表"),
+    ("no Chinese here, keep it.", "no Chinese here, keep it."),
+]
+
+
+@pytest.mark.parametrize("text,expected", ZH_CASES)
+def test_chinese_output_gets_fullwidth_punctuation(text, expected):
+    assert to_chinese_punctuation(text) == expected
+    assert to_chinese_punctuation(expected) == expected  # idempotent
+
+
+EN_CASES = [
+    ("Hello，world。", "Hello, world."),
+    ("It’s “good”（really）！", "It's \"good\" (really)!"),
+    ("wait……what？", "wait...what?"),
+    ("apples、pears and plums；", "apples, pears and plums;"),
+    ("3.5 and 1,000, unchanged.", "3.5 and 1,000, unchanged."),
+]
+
+
+@pytest.mark.parametrize("text,expected", EN_CASES)
+def test_english_output_gets_ascii_punctuation(text, expected):
+    assert to_english_punctuation(text) == expected
+    assert to_english_punctuation(expected) == expected
+
+
+def test_postprocess_picks_the_target_language():
+    assert postprocess("我们,他们.", "zh") == "我们，他们。"
+    assert postprocess("we，they。", "en") == "we, they."
+    assert postprocess("we, they.", "zh") == "we, they."  # no Chinese: nothing to convert
+
+
+def test_punctuation_counts():
+    assert punctuation_counts("我们，他们。") == (2, 0)
+    assert punctuation_counts("我们,他们.") == (0, 2)
+    assert punctuation_counts("价格3.5元") == (0, 0)  # a decimal point is not a punctuation mark
+    outputs = ["我们,他们.", "价格是3.5元,共1,000个.", "他说:\"你好\"", "(笑声)", "他买了 iPad."]
+    before = [punctuation_counts(t) for t in outputs]
+    after = [punctuation_counts(to_chinese_punctuation(t)) for t in outputs]
+    assert sum(f for f, _ in before) == 0
+    assert sum(a for _, a in after) == 0 and sum(f for f, _ in after) == 10
+
+
+def test_normalise_input_folds_width_of_letters_and_digits_only():
+    assert normalise_input("ＡＢＣ１２３ｘｙｚ") == "ABC123xyz"
+    kept = "你好，世界。“引号”（括号）！？：；"  # NFKC would fold these
+    assert normalise_input(kept) == kept
+    assert normalise_input("a\u3000b\u00a0c \t d\u200be\ufeff") == "a b c de"
+    assert normalise_input("…") == "…"
+    assert normalise_input("e\u0301") == "é"  # NFC composes
