@@ -18,15 +18,20 @@ import logging
 from ray import serve
 
 from service.api.app import create_app
-from service.config import ApiLimits, ServiceConfig
+from service.api.backends import Backends
+from service.config import GENERATOR_ID, TRANSLATOR_ID, ApiLimits, ServiceConfig
+from service.startup import Startup
+
+log = logging.getLogger("ray.serve")
 
 
 @serve.deployment(name="AttnServe", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
 @serve.ingress()
 class AttnServe:
     async def __init__(self, config: dict | None = None):
+        """Returns at once: the models load behind `/readyz` (service/startup.py), so Serve routes to this
+        replica from the start and requests get a fast 503 + Retry-After until it is ready."""
         from service import metrics
-        from service.models import load_backends
         from service.ray_metrics import RayRecorder
 
         metrics.install(RayRecorder())  # ray.serve.metrics: GET /metrics combines every replica's series
@@ -34,22 +39,45 @@ class AttnServe:
         self.config = ServiceConfig.from_dict(config)
         self.limits = self.config.limits
         self.fastapi = None
-        self.backends = await asyncio.to_thread(load_backends, self.config, metrics.EngineMetrics())
-        if self.config.batching == "serve_batch" and self.backends.generator is not None:
-            from service.serve_batching import ServeBatchGenerator
+        self.startup = Startup()
+        self.backends = Backends()  # filled in place by _load: the app holds this object
+        self._loading = asyncio.get_running_loop().create_task(self._load(metrics.EngineMetrics()))
 
-            self.backends.generator = ServeBatchGenerator(self.backends.generator, self.config.serve_batch_size,
-                                                          self.config.serve_batch_wait_s)
-        await self.backends.start()
-        for name, backend in (("generator", self.backends.generator), ("translator", self.backends.translator)):
-            engine = getattr(backend, "engine", None)  # (a serve_batch wrapper has none: nothing to report)
-            if engine is not None and engine.config.compile:  # the replica log says whether compile took effect
-                state = (f"compiled in {engine.compiled.compile_seconds:.1f} s" if engine.compiled is not None
-                         else "torch.compile failed, running eagerly (see stderr)")
-                logging.getLogger("ray.serve").info("%s engine: %s", name, state)
+    async def _load(self, sink) -> None:
+        from service.models import load_backends
+
+        try:
+            loaded = await asyncio.to_thread(load_backends, self.config, sink, startup=self.startup)
+            if self.config.batching == "serve_batch" and loaded.generator is not None:
+                from service.serve_batching import ServeBatchGenerator
+
+                loaded.generator = ServeBatchGenerator(loaded.generator, self.config.serve_batch_size,
+                                                       self.config.serve_batch_wait_s)
+            self.backends.unavailable.update(loaded.unavailable)
+            for model_id, attr in ((GENERATOR_ID, "generator"), (TRANSLATOR_ID, "translator")):
+                backend = getattr(loaded, attr)
+                if backend is None:
+                    continue
+                engine = getattr(backend, "engine", None)  # (a serve_batch wrapper has none)
+                compiling = engine is not None and engine.config.compile
+                self.startup.set(f"{'compiling' if compiling else 'starting'} the {attr} engine", model_id,
+                                 "compiling the decode step (torch.compile)" if compiling else "starting")
+                await backend.start()
+                state = "ready"
+                if compiling:
+                    state = (f"ready (compiled in {engine.compiled.compile_seconds:.1f} s)"
+                             if engine.compiled is not None else "ready (torch.compile failed: running eagerly)")
+                self.startup.model(model_id, state)
+                log.info("%s engine: %s", attr, state)
+                setattr(self.backends, attr, backend)
+            self.startup.done()
+            log.info("attnserve replica ready in %.1f s", self.startup.elapsed_s)
+        except Exception as e:  # reported on /readyz; check_health then has Serve restart the replica
+            self.startup.fail(f"{type(e).__name__}: {e}")
+            log.exception("attnserve replica failed to start")
 
     def __serve_build_asgi_app__(self):
-        self.fastapi = create_app(self.backends, self.limits)
+        self.fastapi = create_app(self.backends, self.limits, startup=self.startup)
         return self.fastapi
 
     def reconfigure(self, user_config: dict | None) -> None:
@@ -62,8 +90,13 @@ class AttnServe:
             self.fastapi.state.limits = self.limits
 
     def check_health(self) -> None:
+        """Healthy while loading (that is start-up, not failure); unhealthy if start-up failed or a
+        started engine stopped."""
+        if self.startup.error:
+            raise RuntimeError(f"start-up failed: {self.startup.error}")
         gen = self.backends.generator
-        if gen is not None and not gen.engine.started:
+        engine = getattr(gen, "engine", None)
+        if self.startup.ready and engine is not None and not engine.started:
             raise RuntimeError("generator engine is not running")
 
 

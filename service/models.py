@@ -7,6 +7,7 @@ A model that cannot be loaded is reported (Backends.unavailable) instead of fail
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from model.paths import REPO_ROOT
@@ -102,8 +103,9 @@ def load_translator(spec: ModelSpec, sink=None) -> TranslatorBackend:
     return TranslatorBackend(engine, name=TRANSLATOR_ID)
 
 
-def load_backends(cfg: ServiceConfig, sink=None, log=print) -> Backends:
-    """Every enabled model that loads; the others with the reason they did not."""
+def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Backends:
+    """Every enabled model that loads; the others with the reason they did not. `startup`
+    (service/startup.py) hears each model's phase: loading, loaded (MB, MB/s), unavailable."""
     from model.checkpoint import CheckpointError
     from service.engine.cpu_runtime import single_threaded_caller
 
@@ -114,9 +116,20 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print) -> Backends:
         if not spec.enabled:
             backends.unavailable[name] = "disabled in the service config"
             continue
+        if startup is not None:
+            startup.set(f"loading the {attr} weights", name, "loading weights")
+        t0 = time.perf_counter()
         try:
-            setattr(backends, attr, loader(spec, sink))
+            backend = loader(spec, sink)
         except (ModelUnavailable, CheckpointError, FileNotFoundError, OSError, ImportError, ValueError) as e:
             backends.unavailable[name] = str(e)
             log(f"attnserve: {name} not served: {e}")
+            if startup is not None:
+                startup.model(name, f"unavailable: {e}")
+            continue
+        setattr(backends, attr, backend)
+        if startup is not None:
+            seconds = max(time.perf_counter() - t0, 1e-6)
+            mb = sum(p.numel() * p.element_size() for p in backend.engine.model.parameters()) / 2**20
+            startup.model(name, f"weights loaded: {mb:.0f} MB in {seconds:.1f} s ({mb / seconds:.0f} MB/s)")
     return backends

@@ -56,14 +56,17 @@ def read_config(path: str | Path, host: str | None = None, port: int | None = No
     return config
 
 
-def start_ray(num_cpus: int | None = None, object_store_bytes: int = OBJECT_STORE_BYTES) -> None:
+def start_ray(num_cpus: int | None = None, object_store_bytes: int = OBJECT_STORE_BYTES,
+              log_to_driver: bool = True) -> None:
+    """`log_to_driver`: stream the workers' logs (Serve's per-request access lines among them) to this
+    process's console; they always go to Ray's log files."""
     loopback_env()
     import ray
 
     if ray.is_initialized():
         return
     ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=num_cpus,
-             object_store_memory=object_store_bytes, namespace="serve", log_to_driver=True,
+             object_store_memory=object_store_bytes, namespace="serve", log_to_driver=log_to_driver,
              runtime_env={"env_vars": {k: os.environ[k] for k in ("PYTHONPATH", *LOOPBACK_ENV, *SERVE_TUNING_ENV)}},
              _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS})
 

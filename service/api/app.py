@@ -14,17 +14,20 @@ from service import metrics
 from service.api import errors, native, openai_routes
 from service.api.auth import ApiKeyAuth, KeySet
 from service.api.backends import Backends
-from service.api.middleware import BodyLimit, CountResponses, ReceiveErrorsAsDisconnect
+from service.api.middleware import BodyLimit, CountResponses, ReceiveErrorsAsDisconnect, StartupGate
 from service.api.streaming import ClientDisconnected
 from service.config import ApiLimits
+from service.startup import Startup, ready_startup
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 
 
 def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_dir: Path | None = STATIC_DIR,
-               manage_engines: bool = False, api_keys: list[str] | None = None) -> FastAPI:
+               manage_engines: bool = False, api_keys: list[str] | None = None,
+               startup: Startup | None = None) -> FastAPI:
     """`manage_engines`: start/stop the engines in the app's lifespan (plain uvicorn); under Ray Serve
-    and in tests the owner starts them. `api_keys`: None = from ATTNSERVE_API_KEYS(_FILE); [] = off."""
+    and in tests the owner starts them. `api_keys`: None = from ATTNSERVE_API_KEYS(_FILE); [] = off.
+    `startup`: the replica's start-up state while it loads models (None = already loaded)."""
     lifespan = None
     if manage_engines:
         from contextlib import asynccontextmanager
@@ -38,6 +41,7 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
     app = FastAPI(title="attnserve", version="0.1.0", lifespan=lifespan,
                   description="From-scratch Transformers behind Ray Serve: native and OpenAI-compatible API.")
     app.state.backends = backends
+    app.state.startup = startup or ready_startup()
     app.state.limits = limits or ApiLimits()
     app.state.created = int(time.time())
     app.state.api_keys = KeySet.from_env() if api_keys is None else (KeySet(api_keys) if api_keys else None)
@@ -55,9 +59,17 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
 
     @app.get("/readyz", tags=["ops"])
     async def readyz():
+        """200 once the models are loaded and the generator serves; until then 503 with the start-up
+        phase, its elapsed time and each model's state."""
         b: Backends = app.state.backends
-        body = {"ready": b.generator is not None, "models": b.ids(), "unavailable": b.unavailable}
-        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+        body = app.state.startup.snapshot()
+        body["ready"] = body["ready"] and b.generator is not None
+        if app.state.startup.ready:
+            body["models"] = {**{n: body["models"].get(n, "ready") for n in b.ids()},
+                              **{n: f"unavailable: {why}" for n, why in b.unavailable.items()}}
+        body["unavailable"] = b.unavailable
+        return JSONResponse(body, status_code=200 if body["ready"] else 503,
+                            headers=None if body["ready"] else {"Retry-After": "5"})
 
     @app.get("/metrics", tags=["ops"])
     async def prometheus():
@@ -74,6 +86,9 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
                 return errors.error_response(404, "playground page not installed")
             return FileResponse(index)
 
+    app.add_middleware(StartupGate, startup=lambda: app.state.startup,
+                       open_paths=("/healthz", "/readyz", "/metrics", "/", "/docs", "/openapi.json"),
+                       open_prefixes=("/static/",))
     app.add_middleware(ApiKeyAuth, keys=lambda: app.state.api_keys)  # inside CountResponses: 401s are counted
     app.add_middleware(CountResponses)
     app.add_middleware(BodyLimit, limit=lambda: app.state.limits.max_body_bytes)

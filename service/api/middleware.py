@@ -1,5 +1,5 @@
-"""Pure-ASGI middleware: a request body size limit (413), HTTP response counting for Prometheus, and
-a transport whose `receive` fails read as a client disconnect."""
+"""Pure-ASGI middleware: a request body size limit (413), HTTP response counting for Prometheus, a
+transport whose `receive` fails read as a client disconnect, and a fast 503 while the replica starts."""
 
 from __future__ import annotations
 
@@ -94,3 +94,30 @@ class ReceiveErrorsAsDisconnect:
                 return {"type": "http.disconnect"}
 
         await self.app(scope, safe_receive, send)
+
+
+class StartupGate:
+    """While `startup()` is not ready, answer every path outside `open_paths` with 503, Retry-After and
+    the start-up state, at once (a request would otherwise wait for models that are still loading)."""
+
+    def __init__(self, app, startup, open_paths: tuple[str, ...], open_prefixes: tuple[str, ...] = ()):
+        self.app, self.startup = app, startup
+        self.open_paths, self.open_prefixes = set(open_paths), open_prefixes
+
+    async def __call__(self, scope, receive, send):
+        state = self.startup()
+        path = scope.get("path", "")
+        if (scope["type"] != "http" or state.ready or path in self.open_paths
+                or path.startswith(self.open_prefixes)):
+            return await self.app(scope, receive, send)
+        from service.startup import RETRY_AFTER_S
+
+        snap = state.snapshot()
+        why = f"failed to start: {snap['error']}" if state.error else f"{snap['phase']} ({snap['elapsed_s']} s)"
+        body = error_body(503, f"the service is not ready: {why}; retry after {RETRY_AFTER_S} s")
+        body["startup"] = snap
+        data = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                                (b"retry-after", str(RETRY_AFTER_S).encode())]})
+        await send({"type": "http.response.body", "body": data})

@@ -1,11 +1,13 @@
 """`attnserve serve`: start Ray and Serve locally in the foreground (loopback), deploy the Serve
-config, print the URLs, and shut both down cleanly on Ctrl-C / SIGTERM."""
+config, report each start-up phase (from the replica's `/readyz`) until it is ready, print the URLs,
+and shut both down cleanly on Ctrl-C / SIGTERM."""
 
 from __future__ import annotations
 
 import os
 import signal
 import threading
+import time
 
 from model.paths import home
 
@@ -22,6 +24,35 @@ def add_arguments(p) -> None:
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="Serve config (Ray Serve's YAML format)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule (default: all)")
     p.add_argument("--object-store-mb", type=int, default=OBJECT_STORE_BYTES // 2**20)
+    p.add_argument("--access-log", action="store_true",
+                   help="print the replicas' logs (one access line per request) here; by default they go "
+                        "to Ray's log files only")
+
+
+def watch_startup(url: str, stop: threading.Event, t0: float, say=print, poll_s: float = 0.5) -> bool:
+    """Poll `url`/readyz, printing each new phase and model state with the elapsed time, until it answers
+    200 (True) or `stop` is set (False)."""
+    import httpx
+
+    seen: dict[str, str] = {}
+    while not stop.is_set():
+        try:
+            r = httpx.get(url + "/readyz", timeout=5)
+            body = r.json()
+        except (httpx.HTTPError, ValueError):
+            body, r = {"phase": "waiting for the HTTP proxy"}, None
+        lines = {"phase": body.get("phase", "?"), **{f"  {m}": s for m, s in (body.get("models") or {}).items()}}
+        if body.get("error"):
+            lines["error"] = f"start-up failed: {body['error']} (Serve restarts the replica)"
+        for key, text in lines.items():
+            if seen.get(key) != text:
+                seen[key] = text
+                label = "" if key in ("phase", "error") else f"{key.strip()}: "
+                say(f"[{time.monotonic() - t0:6.1f} s] {'  ' if label else ''}{label}{text}", flush=True)
+        if r is not None and r.status_code == 200:
+            return True
+        stop.wait(poll_s)
+    return False
 
 
 def run(args) -> int:
@@ -39,10 +70,11 @@ def run(args) -> int:
             signal.signal(sig, lambda *_: stop.set())
 
     on_stop_signals()
-    print(f"starting Ray (loopback, object store {args.object_store_mb} MB) ...", flush=True)
-    ray_local.start_ray(args.num_cpus, args.object_store_mb * 2**20)
+    t0 = time.monotonic()
+    print(f"[{0.0:6.1f} s] starting Ray (loopback, object store {args.object_store_mb} MB) ...", flush=True)
+    ray_local.start_ray(args.num_cpus, args.object_store_mb * 2**20, log_to_driver=args.access_log)
     try:
-        print(f"deploying {args.config} (loading models) ...", flush=True)
+        print(f"[{time.monotonic() - t0:6.1f} s] deploying {args.config} ...", flush=True)
         ray_local.deploy(config)
         # Ray's core worker installs its own SIGTERM handler (it logs "SIGTERM received" and aborts the
         # process), so `attnserve stop` ended a serving terminal with "Aborted": take the signals back
@@ -50,9 +82,12 @@ def run(args) -> int:
         pid_file().parent.mkdir(parents=True, exist_ok=True)
         pid_file().write_text(str(os.getpid()))
         base = f"http://{config['http_options']['host']}:{config['http_options']['port']}"
-        print(f"attnserve is up\n  API      {base}/v1  (OpenAI-compatible; native /v1/generate, /v1/translate)\n"
+        if not watch_startup(base, stop, t0):
+            print("shutting down Serve and Ray ...", flush=True)
+            return 0
+        print(f"  API      {base}/v1  (OpenAI-compatible; native /v1/generate, /v1/translate)\n"
               f"  docs     {base}/docs\n  metrics  {base}/metrics\n  page     {base}/\n"
-              "Ctrl-C to stop.", flush=True)
+              f"Ctrl-C to stop.\nattnserve ready in {time.monotonic() - t0:.0f} s", flush=True)
         while not stop.wait(1.0):
             pass
         print("shutting down Serve and Ray ...", flush=True)

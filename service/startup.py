@@ -1,0 +1,65 @@
+"""Start-up state of a replica: which phase it is in, how long it has taken, and each model's state.
+
+The replica's constructor returns at once and loads the models behind it (weights, then the engines'
+compile and warm-up), so Serve routes requests to it from the first second: `/healthz` answers 200,
+`/readyz` 503 with this state, and every model route a fast 503 with Retry-After instead of a request
+that waits minutes in a queue. `attnserve serve` polls `/readyz` and prints each phase.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+RETRY_AFTER_S = 5  # what a client is told to wait while the replica starts
+
+
+@dataclass
+class Startup:
+    phase: str = "starting"
+    models: dict[str, str] = field(default_factory=dict)  # model id -> state
+    ready: bool = False
+    error: str | None = None
+    t0: float = field(default_factory=time.monotonic)
+    ready_s: float | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def set(self, phase: str, model: str | None = None, state: str | None = None) -> None:
+        """Enter `phase`; with `model`, also record that model's state (default: the phase)."""
+        with self._lock:
+            self.phase = phase
+            if model is not None:
+                self.models[model] = state or phase
+
+    def model(self, model: str, state: str) -> None:
+        with self._lock:
+            self.models[model] = state
+
+    def done(self) -> None:
+        with self._lock:
+            self.ready, self.phase = True, "ready"
+            self.ready_s = time.monotonic() - self.t0
+
+    def fail(self, error: str) -> None:
+        with self._lock:
+            self.error, self.phase = error, "failed"
+
+    @property
+    def elapsed_s(self) -> float:
+        return self.ready_s if self.ready_s is not None else time.monotonic() - self.t0
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            body = {"ready": self.ready, "phase": self.phase, "elapsed_s": round(self.elapsed_s, 1),
+                    "models": dict(self.models)}
+            if self.error:
+                body["error"] = self.error
+            return body
+
+
+def ready_startup() -> Startup:
+    """A Startup already done (apps built around engines that are loaded, e.g. in tests or uvicorn)."""
+    s = Startup()
+    s.done()
+    return s

@@ -1,0 +1,98 @@
+"""Start-up that tells its phases: `attnserve serve` (a subprocess with its own Ray instance) on tiny
+checkpoints whose generator compiles its decode step, as the default config does. While the replica
+loads, `/readyz` shows at least two distinct phases and model routes answer 503 + Retry-After within
+two seconds; once ready they answer 200, and the console's start-up ends with "ready in N s"."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import yaml
+from serve_fixture import _free_port, service_args, tiny_checkpoints
+
+from model.paths import REPO_ROOT
+from service.startup import RETRY_AFTER_S, Startup
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def test_startup_state_snapshot():
+    s = Startup()
+    assert s.snapshot()["phase"] == "starting" and not s.snapshot()["ready"]
+    s.set("loading the generator weights", "m", "loading weights")
+    s.model("m", "weights loaded: 1 MB")
+    snap = s.snapshot()
+    assert snap["phase"] == "loading the generator weights" and snap["models"] == {"m": "weights loaded: 1 MB"}
+    s.done()
+    assert s.snapshot()["ready"] and s.snapshot()["phase"] == "ready"
+    failed = Startup()
+    failed.fail("ValueError: x")
+    assert failed.snapshot()["error"] == "ValueError: x" and failed.snapshot()["phase"] == "failed"
+
+
+def test_serve_reports_phases_and_answers_503_until_ready(tmp_path):
+    gen, tr = tiny_checkpoints(tmp_path)
+    args = service_args(gen, tr)
+    args["generator"]["engine"]["compile"] = True  # a start-up long enough to watch, as the default config
+    port = _free_port()
+    config = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
+              "applications": [{"name": "attnserve", "route_prefix": "/", "import_path": "service.deployments:build",
+                                "args": args, "deployments": [{"name": "AttnServe",
+                                                               "ray_actor_options": {"num_cpus": 0.5}}]}]}
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    env = dict(os.environ, RAY_ADDRESS="local", PYTHONUNBUFFERED="1")
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--config", str(cfg), "--port",
+                                 str(port), "--num-cpus", "2", "--object-store-mb", "128"],
+                                cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    phases, early = [], []
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"not ready after 300 s; phases {phases}"
+            try:
+                r = httpx.get(url + "/readyz", timeout=5)
+                body = r.json()
+            except (httpx.HTTPError, ValueError):  # the proxy is not up, or has no route to the app yet
+                time.sleep(0.2)
+                continue
+            if r.status_code == 200:
+                break
+            if body.get("phase") and (not phases or phases[-1] != body["phase"]):
+                phases.append(body["phase"])
+            assert r.status_code == 503 and r.headers["retry-after"] and "elapsed_s" in body, body
+            t = time.monotonic()
+            g = httpx.post(url + "/v1/generate", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+            if g.status_code != 200:  # (the replica may become ready between the two calls)
+                early.append((g.status_code, time.monotonic() - t, g.headers.get("retry-after"), g.json()))
+            time.sleep(0.2)
+        assert len(set(phases)) >= 2, phases
+        assert early, "no request was sent while the replica was loading"
+        for status, seconds, retry_after, body in early:
+            assert status == 503 and seconds < 2.0 and retry_after == str(RETRY_AFTER_S), (status, seconds, body)
+            assert "not ready" in body["error"]["message"] and body["startup"]["phase"]
+        r = httpx.post(url + "/v1/generate", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 30
+        while "ready in" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    text = log.read_text()
+    startup_lines = text[: text.index("ready in")].splitlines() + [text[text.index("ready in"):].splitlines()[0]]
+    assert startup_lines[-1].startswith("ready in") or "attnserve ready in" in startup_lines[-1], text[-2000:]
+    assert "compiling" in text and "weights loaded" in text, text[-3000:]
