@@ -72,15 +72,17 @@ class Translator:
     def translate(self, texts: list[str], target_lang: str | None = None, beam_size: int = 4,
                   batch_size: int = 32) -> list[str]:
         from model.generate import beam_search, greedy
+        from model.punctuation import postprocess
 
         out: list[str] = []
         cap = self.model.cfg.max_src_len
         for i in range(0, len(texts), batch_size):
             chunk = texts[i: i + batch_size]
-            srcs = [encode_source(self.tok, t, target_lang or other(detect_lang(t)), cap) for t in chunk]
+            langs = [target_lang or other(detect_lang(t)) for t in chunk]
+            srcs = [encode_source(self.tok, t, lang, cap) for t, lang in zip(chunk, langs)]
             if beam_size <= 1:
                 hyps = greedy(self.model, srcs)
             else:
                 hyps = [h[0].tokens for h in beam_search(self.model, srcs, beam_size=beam_size)]
-            out.extend(self.tok.decode(h) for h in hyps)
+            out.extend(postprocess(self.tok.decode(h), lang) for h, lang in zip(hyps, langs))
         return out

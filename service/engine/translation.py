@@ -18,6 +18,7 @@ import torch
 
 from model.decoding import BeamState, max_len_for
 from model.generate import pad_batch
+from model.punctuation import postprocess
 from model.seq2seq import EncoderDecoder
 from model.translation import TAGS, detect_lang, encode_source, join_sentences, other, split_sentences
 from service.engine.beam import reassign_slots
@@ -282,7 +283,7 @@ class TranslationEngine(EngineLoop):
             self._release(it)
             job = it.job
             tokens = it.beam.best()
-            job.outputs[it.index][it.part] = self.tokenizer.decode(tokens)
+            job.outputs[it.index][it.part] = postprocess(self.tokenizer.decode(tokens), job.target_langs[it.index])
             job.usage.completion_tokens += len(tokens)
             job.left -= 1
             if job.left == 0 and not job.future.done():
