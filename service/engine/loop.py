@@ -22,6 +22,7 @@ from service.engine.stats import EngineStats, MetricsSink, NullSink
 from service.engine.types import EngineStopped
 
 log = logging.getLogger(__name__)
+IDLE_REPORT_S = 2.0  # an idle engine re-reports its gauges this often
 
 
 class EngineLoop:
@@ -84,9 +85,14 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         while not self._stopping:
             if not self._has_work():
-                self.sink.on_step(self.name, 0, 0.0, 0, 0)  # idle: gauges back to 0 before sleeping
+                # idle: gauges at 0, re-reported while idle so every scrape finds them (Ray's metrics
+                # agent stops exporting a worker that has reported nothing for a while)
+                self.sink.on_step(self.name, 0, 0.0, 0, 0)
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), IDLE_REPORT_S)
+                except TimeoutError:
+                    pass
                 continue
             # one turn of the event loop first: callers that the last _deliver woke (a finished request's
             # client sending its next one) submit now and are admitted by this plan, not one step later
