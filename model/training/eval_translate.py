@@ -1,7 +1,8 @@
-"""`attnserve eval translate`: sacreBLEU and chrF on the held-out test split, both directions.
+"""`attnserve eval translate`: sacreBLEU and chrF on a held-out split, both directions.
 
-Choices between checkpoints (which snapshots to average, ...) are made on the dev split
-(`--split dev`), so the test split stays a measurement.
+Splits: `test` (HK, the published figures) and `ted_test`; choices between checkpoints (which
+snapshots to average, ...) are made on `dev` (HK) or `ted_dev`, so the test splits stay a measurement.
+Chinese outputs also report the share of their punctuation marks that is full-width.
 
 English output is scored with sacreBLEU's default 13a tokenizer, Chinese output with its `zh`
 tokenizer. Greedy and beam search; writes a JSON report with a few sample translations.
@@ -13,16 +14,17 @@ import json
 import time
 from pathlib import Path
 
+from model.punctuation import punctuation_counts
 from model.training import translate_data
 from model.translation import Translator
 
 
 def evaluate(checkpoint: str | Path, out: str | Path | None = None, *, beams=(1, 4), limit: int | None = None,
-             batch_size: int = 32, split: str = "test") -> dict:
+             batch_size: int = 32, split: str = "test", data_dir: Path | None = None) -> dict:
     import sacrebleu
 
     tr = Translator(checkpoint)
-    pairs = translate_data.read_split(split)[:limit]
+    pairs = translate_data.read_split(split, data_dir)[:limit]
     report = {"checkpoint": str(checkpoint), "split": split, f"{split}_pairs": len(pairs), "results": {}, "samples": {}}
     for direction, tgt in (("zh2en", "en"), ("en2zh", "zh")):
         srcs = [zh if tgt == "en" else en for en, zh in pairs]
@@ -37,7 +39,12 @@ def evaluate(checkpoint: str | Path, out: str | Path | None = None, *, beams=(1,
             key = f"{direction}_beam{beam}"
             report["results"][key] = {"bleu": round(bleu.score, 2), "chrf": round(chrf.score, 2),
                                       "signature": str(bleu.format(signature=True).split(" = ")[0]),
-                                      "seconds": round(secs, 1), "sentences_per_s": round(len(srcs) / secs, 2)}
+                                      "seconds": round(secs, 1),
+                                      "sentences_per_s": round(len(srcs) / max(secs, 1e-6), 2)}
+            if tgt == "zh":
+                marks = [punctuation_counts(h) for h in hyps]
+                full, half = sum(f for f, _ in marks), sum(a for _, a in marks)
+                report["results"][key]["fullwidth_punct_share"] = round(full / max(full + half, 1), 4)
             print(f"{key:14s} BLEU {bleu.score:6.2f}  chrF {chrf.score:6.2f}  ({secs:.0f} s)", flush=True)
             if beam == max(beams):
                 report["samples"][direction] = [{"source": s, "reference": r, "output": h}

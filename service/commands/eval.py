@@ -1,5 +1,5 @@
 """attnserve eval translate [--model DIR] [--out docs/translate_eval.json] [--beams 1,4] [--limit N]
-[--split test|dev]"""
+[--split test|dev|ted_test|ted_dev] [--data DIR]"""
 
 
 def add_arguments(p):
@@ -8,14 +8,18 @@ def add_arguments(p):
     p.add_argument("--out", default="docs/translate_eval.json", help="JSON report path")
     p.add_argument("--beams", default="1,4", help="comma-separated beam sizes (1 = greedy)")
     p.add_argument("--limit", type=int, help="only the first N pairs")
-    p.add_argument("--split", choices=["test", "dev"], default="test",
-                   help="held-out split to score (choose between checkpoints on dev, report test)")
+    p.add_argument("--split", choices=["test", "dev", "ted_test", "ted_dev"], default="test",
+                   help="held-out split to score (choose between checkpoints on dev / ted_dev, report the tests)")
+    p.add_argument("--data", help="data folder (default $ATTNSERVE_HOME/data/translate)")
 
 
 def run(args) -> int:
+    from pathlib import Path
+
     from model import paths
     from model.training.eval_translate import evaluate
 
     evaluate(args.model or paths.SHIPPED_WEIGHTS / "attnserve-zh-en", args.out,
-             beams=tuple(int(b) for b in args.beams.split(",")), limit=args.limit, split=args.split)
+             beams=tuple(int(b) for b in args.beams.split(",")), limit=args.limit, split=args.split,
+             data_dir=Path(args.data) if args.data else None)
     return 0

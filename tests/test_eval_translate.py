@@ -1,0 +1,93 @@
+"""`attnserve eval translate` on a 10-line fixture: its BLEU / chrF against sacreBLEU computed here, for a
+stand-in translator with known outputs and for the shipped translator."""
+
+import json
+
+import pytest
+import sacrebleu
+
+from model import paths
+from model.translation import Translator
+from service import cli
+
+PAIRS = [
+    ("The Fund may invest in money market instruments.", "本基金可投资于货币市场工具。"),
+    ("Investors should read the offering document carefully.", "投资者应仔细阅读销售文件。"),
+    ("The Court of Appeal dismissed the appeal.", "上诉法庭驳回上诉。"),
+    ("The Financial Secretary announced the budget today.", "财政司司长今天公布财政预算案。"),
+    ("The value of the investment may go down as well as up.", "投资价值可升亦可跌。"),
+    ("The Commission will publish its annual report in June.", "证监会将于六月发表年报。"),
+    ("Past performance is not indicative of future results.", "过往表现并不代表将来的表现。"),
+    ("The applicant was ordered to pay the costs.", "申请人被命令支付讼费。"),
+    ("The Ordinance came into operation on 1 April 2019.", "该条例于2019年4月1日开始实施。"),
+    ("Please contact your financial adviser if in doubt.", "如有疑问，请联络阁下的财务顾问。"),
+]
+
+
+@pytest.fixture
+def data(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    for split in ("test", "ted_test"):
+        (d / f"{split}.tsv").write_text("".join(f"{en}\t{zh}\n" for en, zh in PAIRS), encoding="utf-8")
+    return d
+
+
+def _fake_en(en: str) -> str:
+    return " ".join(en.split()[:-2]) + " results."  # last two words wrong
+
+
+def _fake_zh(zh: str) -> str:
+    return zh[:-3] + "的,。"  # two characters wrong, one ASCII comma
+
+
+class FakeTranslator:
+    """Outputs known in advance: a degraded reference per source."""
+
+    def __init__(self, checkpoint, dtype=None):
+        self.by_source = {zh: _fake_en(en) for en, zh in PAIRS} | {en: _fake_zh(zh) for en, zh in PAIRS}
+
+    def translate(self, texts, target_lang=None, beam_size=4, batch_size=32):
+        return [self.by_source[t] for t in texts]
+
+
+def test_eval_bleu_matches_sacrebleu(data, tmp_path, monkeypatch):
+    import model.training.eval_translate as ev
+
+    monkeypatch.setattr(ev, "Translator", FakeTranslator)
+    out = tmp_path / "report.json"
+    assert cli.main(["eval", "translate", "--model", "stand-in", "--data", str(data), "--split", "ted_test",
+                     "--beams", "1,4", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["split"] == "ted_test" and report["ted_test_pairs"] == 10
+    en_hyps, zh_hyps = [_fake_en(en) for en, _ in PAIRS], [_fake_zh(zh) for _, zh in PAIRS]
+    en_refs, zh_refs = [en for en, _ in PAIRS], [zh for _, zh in PAIRS]
+    zh2en = sacrebleu.corpus_bleu(en_hyps, [en_refs], tokenize="13a").score
+    en2zh = sacrebleu.corpus_bleu(zh_hyps, [zh_refs], tokenize="zh").score
+    assert 10 < zh2en < 90 and 10 < en2zh < 90 and abs(zh2en - en2zh) > 1  # distinct, neither trivial
+    for beam in (1, 4):
+        r = report["results"]
+        assert r[f"zh2en_beam{beam}"]["bleu"] == round(zh2en, 2)
+        assert r[f"en2zh_beam{beam}"]["bleu"] == round(en2zh, 2)
+        assert r[f"en2zh_beam{beam}"]["chrf"] == round(sacrebleu.corpus_chrf(zh_hyps, [zh_refs]).score, 2)
+        # 10 "。" and the "，" of the last sentence against 10 ","
+        assert r[f"en2zh_beam{beam}"]["fullwidth_punct_share"] == round(11 / 21, 4)
+        assert "fullwidth_punct_share" not in r[f"zh2en_beam{beam}"]
+    assert report["samples"]["en2zh"][0] == {"source": PAIRS[0][0], "reference": PAIRS[0][1], "output": zh_hyps[0]}
+
+
+def test_eval_of_the_shipped_translator_matches_sacrebleu(data, tmp_path):
+    """The real path: the shipped checkpoint, greedy, the HK split name."""
+    out = tmp_path / "report.json"
+    model = paths.SHIPPED_WEIGHTS / "attnserve-zh-en"
+    assert cli.main(["eval", "translate", "--model", str(model), "--data", str(data), "--beams", "1",
+                     "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    tr = Translator(model)
+    zh_hyps = tr.translate([en for en, _ in PAIRS], target_lang="zh", beam_size=1)
+    en_hyps = tr.translate([zh for _, zh in PAIRS], target_lang="en", beam_size=1)
+    en2zh = sacrebleu.corpus_bleu(zh_hyps, [[zh for _, zh in PAIRS]], tokenize="zh").score
+    zh2en = sacrebleu.corpus_bleu(en_hyps, [[en for en, _ in PAIRS]], tokenize="13a").score
+    assert report["results"]["en2zh_beam1"]["bleu"] == round(en2zh, 2) > 5
+    assert report["results"]["zh2en_beam1"]["bleu"] == round(zh2en, 2) > 5
+    assert report["results"]["en2zh_beam1"]["fullwidth_punct_share"] >= 0.99  # Chinese output punctuation
