@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from model.config import SMOLLM2_135M
+from model.config import SMOLLM2_135M, TINY_LLAMA
 from model.decoder import DecoderLM
 
 
@@ -50,18 +50,24 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-recompute-above", type=int, default=16,
                     help="skip full recomputation for batches larger than this (it is quadratic)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a tiny random Llama, 4 new tokens, batch 1, fp32: validates the script, not a benchmark")
     args = ap.parse_args(argv)
+    cfg = SMOLLM2_135M
+    if args.tiny:
+        cfg, args.new_tokens, args.prompt, args.batches, args.dtypes = TINY_LLAMA, 4, 4, "1", "float32"
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"# decode tokens/s, SmolLM2-135M shape (random weights), prompt {args.prompt}, "
+    shape = "TINY random Llama (validation only)" if args.tiny else "SmolLM2-135M shape (random weights)"
+    print(f"# decode tokens/s, {shape}, prompt {args.prompt}, "
           f"{args.new_tokens} new tokens, greedy, {args.threads} threads, torch {torch.__version__}, "
           f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}")
     print("| dtype | batch | cache tok/s | recompute tok/s | speed-up |")
     print("|---|---|---|---|---|")
     for dt in args.dtypes.split(","):
-        model = DecoderLM(SMOLLM2_135M).eval().to(getattr(torch, dt))
+        model = DecoderLM(cfg).eval().to(getattr(torch, dt))
         for b in (int(x) for x in args.batches.split(",")):
-            prompt = torch.randint(0, SMOLLM2_135M.vocab_size, (b, args.prompt))
+            prompt = torch.randint(0, cfg.vocab_size, (b, args.prompt))
             decode_cached(model, prompt[:, :4], 4)  # warm-up
             tc = decode_cached(model, prompt, args.new_tokens)
             cached = b * args.new_tokens / tc

@@ -40,7 +40,11 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=2048, help="the cache's positions per slot (view stride)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--tiny", action="store_true", help="a tiny shape and 3 iterations: validates the script only")
     args = ap.parse_args()
+    if args.tiny:
+        args.rows, args.positions, args.kv_heads, args.heads, args.head_dim, args.max_len, args.iters = \
+            2, 16, 2, 4, 16, 32, 3
     torch.set_num_threads(args.threads)
     b, n, d = args.rows, args.positions, args.head_dim
     cache = torch.randn(2, b, args.kv_heads, args.max_len, d)  # (K/V, S, Hkv, max_len, D)

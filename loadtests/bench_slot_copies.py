@@ -43,7 +43,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--tiny", action="store_true", help="a tiny cache, few copies and iterations: validates the script")
     args = ap.parse_args()
+    if args.tiny:
+        args.copies, args.positions, args.layers, args.slots, args.heads, args.head_dim = [2, 4], [6], 2, 16, 2, 8
+        args.max_len, args.src_len, args.iters = 16, 4, 3
     torch.set_num_threads(args.threads)
     cache = KVCache(args.layers, args.slots, args.heads, args.max_len, args.head_dim, cross_len=args.max_len,
                     dtype=getattr(torch, args.dtype))

@@ -9,6 +9,7 @@ forward with a KV cache) for fp32 and bf16. Not a test: numbers depend on the ma
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 
 import torch
@@ -66,27 +67,46 @@ def bench_hf(model, ids: list[int], new: int, reps: int) -> tuple[float, float]:
     return n / min(prefill), new / decode
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=2, help="prefill repetitions (best is reported)")
-    ap.add_argument("--no-transformers", action="store_true")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+class _ByteTok:  # --tiny: token ids are the prompt's bytes
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
 
+
+def tiny_models(with_hf: bool, workdir: str):
+    """--tiny: a random tiny Llama (bench_engine's TINY shape) and, with `with_hf`, the same weights loaded by
+    transformers from an export to the Hugging Face layout in `workdir`."""
+    from loadtests.bench_engine import TINY
+    from model.config import DecoderConfig
+    from model.decoder import DecoderLM
+
+    torch.manual_seed(0)
+    ours = DecoderLM(DecoderConfig(**TINY)).eval()
+    hf = None
+    if with_hf:
+        import transformers
+
+        from model.importers.hf import export_hf
+
+        export_hf(ours, workdir, dtype=torch.float32)
+        hf = transformers.LlamaForCausalLM.from_pretrained(workdir, dtype=torch.float32).eval()
+    return ours, _ByteTok(), hf
+
+
+def smollm2_models(with_hf: bool):
     from model.importers.smollm2 import gguf_path, load_smollm2
 
     ours, tok = load_smollm2("float32")
-    ids = make_prompt(tok, args.prompt_tokens)
     hf = None
-    if not args.no_transformers:
+    if with_hf:
         import transformers
 
         g = gguf_path()
         hf = transformers.AutoModelForCausalLM.from_pretrained(g.parent, gguf_file=g.name, dtype=torch.float32).eval()
-    print(f"SmolLM2-135M-Instruct, prompt {len(ids)} tokens, {args.new_tokens} new tokens greedy, batch 1, "
+    return ours, tok, hf
+
+
+def report(args, name: str, ids: list[int], ours, hf) -> None:
+    print(f"{name}, prompt {len(ids)} tokens, {args.new_tokens} new tokens greedy, batch 1, "
           f"torch {torch.__version__}, {args.threads} threads")
     print(f"{'engine':<14}{'dtype':<10}{'prefill tok/s':>15}{'decode tok/s':>15}")
     for dtype in (torch.float32, torch.bfloat16):
@@ -95,6 +115,29 @@ def main() -> None:
             model.to(dtype)
             p, d = fn(model, ids, args.new_tokens, args.reps)
             print(f"{name:<14}{str(dtype).removeprefix('torch.'):<10}{p:>15.1f}{d:>15.1f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2, help="prefill repetitions (best is reported)")
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a tiny random Llama, 16 prompt and 8 new tokens: validates the script, not a benchmark")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory(prefix="attnserve-bench-smollm2-") as tmp:
+        if args.tiny:
+            args.prompt_tokens, args.new_tokens, args.reps = 16, 8, 1
+            ours, tok, hf = tiny_models(not args.no_transformers, tmp)
+        else:
+            ours, tok, hf = smollm2_models(not args.no_transformers)
+        ids = make_prompt(tok, args.prompt_tokens)
+        name = "TINY random Llama (validation only)" if args.tiny else "SmolLM2-135M-Instruct"
+        report(args, name, ids, ours, hf)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -53,7 +55,19 @@ def main() -> None:
     ap.add_argument("--beam", type=int, default=1)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true",
+                    help="a random tiny translator (sentences still from the test split): validates the script only")
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="attnserve-check-compiled-") as tmp:
+        if args.tiny:
+            sys.path.insert(0, str(ROOT / "tests"))
+            from serve_fixture import tiny_checkpoints
+
+            args.checkpoint = tiny_checkpoints(Path(tmp))[1]
+        check(args)
+
+
+def check(args) -> None:
     import sacrebleu
 
     from loadtests.bench_translate import load, workload

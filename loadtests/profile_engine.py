@@ -55,7 +55,7 @@ async def run(args) -> None:
     from service.engine.types import GenerateRequest, SamplingParams
 
     single_threaded_caller()  # the engine runs args.threads on its own thread
-    model, tok, eos, label, _ = load_model(args.dtype, False)
+    model, tok, eos, label, _ = load_model(args.dtype, args.tiny)
     cfg = EngineConfig(max_slots=args.clients, max_seq_len=args.prompt[1] + args.output[1] + 1, mode="continuous",
                        dtype=args.dtype, threads=args.threads, prefill_chunk=args.prefill_chunk,
                        prefill_budget=args.prefill_budget, compile=args.compile)
@@ -140,9 +140,8 @@ def main() -> None:
     ap.add_argument("--profile-from", type=int, default=50, help="first profiled step")
     ap.add_argument("--profile-steps", type=int, default=40)
     ap.add_argument("--top", type=int, default=20)
-    args = ap.parse_args()
-    args.tiny = False
-    asyncio.run(run(args))
+    ap.add_argument("--tiny", action="store_true", help="tiny random model: validates the script, not a profile")
+    asyncio.run(run(ap.parse_args()))
 
 
 if __name__ == "__main__":
