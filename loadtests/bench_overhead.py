@@ -14,7 +14,8 @@ for exactly --max-tokens greedy tokens. Output tok/s = completion tokens / wall 
     python -m loadtests.bench_overhead --tiny --clients 2 --requests 4 --max-tokens 8   # validation only
 
 Refuses to start when another Ray instance is running on this machine (it would share the cores, and
-a stray `ray.init` must never attach to someone else's cluster).
+a stray `ray.init` must never attach to someone else's cluster); ATTNSERVE_ALLOW_OTHER_RAY=1 starts a
+separate one beside it instead (validation runs).
 """
 
 from __future__ import annotations
@@ -206,11 +207,14 @@ def main() -> int:
     if args.phase == "engine":
         print(json.dumps(asyncio.run(engine_phase(args))))
         return 0
-    from loadtests.reliability.tiny_service import other_ray_running
+    from loadtests.reliability.tiny_service import ALLOW_OTHER_RAY, allow_other_ray, other_ray_running
 
     if other_ray_running():
-        print("another Ray instance is running on this machine; stop it first (not touching it)", file=sys.stderr)
-        return 2
+        if not allow_other_ray():
+            print(f"another Ray instance is running on this machine; stop it first (not touching it), or set "
+                  f"{ALLOW_OTHER_RAY}=1 to start a separate one beside it (sharing the cores)", file=sys.stderr)
+            return 2
+        os.environ["RAY_ADDRESS"] = "local"  # `attnserve serve` starts a new Ray instance, never joins the other
     with tempfile.TemporaryDirectory(prefix="attnserve-overhead-") as tmp:
         if args.tiny:
             args.config = str(tiny_config(Path(args.config), Path(tmp)))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtests.reliability.tiny_service import TinyServiceConfig, report, scrape, tiny_service
+from loadtests.reliability.tiny_service import TinyServiceConfig, ray_logs_dir, report, scrape, tiny_service
 
 LONG = {"prompt": "tell me a long story", "max_tokens": 100, "ignore_eos": True, "temperature": 0.8}
 GOOD = {"prompt": "hello", "max_tokens": 16, "ignore_eos": True, "temperature": 0}
@@ -26,7 +26,7 @@ GOOD = {"prompt": "hello", "max_tokens": 16, "ignore_eos": True, "temperature": 
 def tracebacks() -> int:
     """Tracebacks in this Ray session's worker and Serve logs (a crash in a replica prints one)."""
     n = 0
-    for path in glob.glob("/tmp/ray/session_latest/logs/**/*", recursive=True):
+    for path in glob.glob(f"{glob.escape(str(ray_logs_dir()))}/**/*", recursive=True):
         if path.endswith((".log", ".out", ".err")):
             try:
                 with open(path, errors="replace") as f:

@@ -35,6 +35,20 @@ def replica_states() -> dict:
     return {str(k): v for k, v in app.deployments["AttnServe"].replica_states.items()}
 
 
+async def replicas_up(states: dict, timeout_s: float = 30.0) -> list[int]:
+    """The replicas' PIDs once there is one process per replica the controller counts (titles are set a
+    moment after a process starts)."""
+    want = sum(states.values())
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pids = replica_pids()
+        if pids and len(pids) == want:
+            return pids
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"found replica processes {pids}, expected {want} ({states})")
+        await asyncio.sleep(0.5)
+
+
 async def client(c: httpx.AsyncClient, stop: asyncio.Event, records: list) -> None:
     while not stop.is_set():
         t0 = time.monotonic()
@@ -53,7 +67,7 @@ async def run(url: str, users: int, kill_at_s: float, duration_s: float) -> dict
         tasks = [asyncio.create_task(client(c, stop, records)) for _ in range(users)]
         t0 = time.monotonic()
         await asyncio.sleep(kill_at_s)
-        victims = replica_pids()
+        victims = await replicas_up(await asyncio.to_thread(replica_states))
         victim = victims[0]
         t_kill = time.monotonic()
         os.kill(victim, signal.SIGKILL)

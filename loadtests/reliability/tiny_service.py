@@ -3,7 +3,10 @@ for the reliability scripts; plus the probes they share (replica PIDs, RSS, Prom
 
 Tiny models keep the scripts light on a shared 2-core machine: what is measured is the service's
 behaviour (shedding, cancellation, restarts), not model speed. It refuses to run when another Ray
-instance is up on this machine, so it never attaches to (and shuts down) someone else's cluster.
+instance is up on this machine, so it never attaches to (and shuts down) someone else's cluster; with
+ATTNSERVE_ALLOW_OTHER_RAY=1 it starts a separate local instance beside it instead (RAY_ADDRESS=local: never
+attaches), e.g. in the test suite, whose own Serve instance is up. The probes below only see processes of
+this process's own Ray instance (its descendants), never another instance's replicas.
 """
 
 from __future__ import annotations
@@ -43,6 +46,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+ALLOW_OTHER_RAY = "ATTNSERVE_ALLOW_OTHER_RAY"
+
+
+def allow_other_ray() -> bool:
+    return os.environ.get(ALLOW_OTHER_RAY) == "1"
+
+
 def other_ray_running() -> bool:
     me = os.getpid()
     for p in psutil.process_iter(["name", "cmdline"]):
@@ -72,7 +82,10 @@ def serve_config(cfg: TinyServiceConfig, gen_dir: Path, tr_dir: Path, port: int)
 def tiny_service(cfg: TinyServiceConfig, deploy_timeout_s: float = 240.0):
     """Start Ray + Serve with the tiny app; yield its base URL; shut everything down on exit."""
     if other_ray_running():
-        raise SystemExit("another Ray instance is running on this machine; not touching it")
+        if not allow_other_ray():
+            raise SystemExit(f"another Ray instance is running on this machine; not touching it ({ALLOW_OTHER_RAY}=1 "
+                             "starts a separate one beside it)")
+        os.environ["RAY_ADDRESS"] = "local"  # ray.init starts a new instance, never joins the other one
     from serve_fixture import tiny_checkpoints
 
     from service import ray_local
@@ -95,13 +108,21 @@ def tiny_service(cfg: TinyServiceConfig, deploy_timeout_s: float = 240.0):
             ray_local.shutdown()
 
 
+def own_processes() -> list[psutil.Process]:
+    """This process's descendants: `tiny_service` starts Ray in this process, so its GCS, raylet and every
+    worker (replicas too, restarted ones included) are among them; another Ray instance's processes are not."""
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process().children(recursive=True)
+    return []
+
+
 def replica_pids() -> list[int]:
-    """PIDs of the live AttnServe replicas (Ray titles them `ray::ServeReplica:<app>:AttnServe`;
+    """PIDs of this Ray instance's live AttnServe replicas (Ray titles them `ray::ServeReplica:<app>:AttnServe`;
     the state API would need the dashboard, which `ray_local` leaves off)."""
     out = []
-    for p in psutil.process_iter(["cmdline"]):
+    for p in own_processes():
         with contextlib.suppress(psutil.Error):
-            line = " ".join(p.info["cmdline"] or [])
+            line = " ".join(p.cmdline())
             if line.startswith("ray::ServeReplica") and "AttnServe" in line:
                 out.append(p.pid)
     return out
@@ -110,12 +131,22 @@ def replica_pids() -> list[int]:
 def serve_pids() -> list[int]:
     """Every Ray process of this session (replicas, proxy, controller, raylet, GCS)."""
     out = []
-    for p in psutil.process_iter(["name", "cmdline"]):
+    for p in own_processes():
         with contextlib.suppress(psutil.Error):
-            line = " ".join(p.info["cmdline"] or [])[:300]
-            if p.info["name"] in ("raylet", "gcs_server") or line.startswith("ray::") or "ray/_private" in line:
+            line = " ".join(p.cmdline())[:300]
+            if p.name() in ("raylet", "gcs_server") or line.startswith("ray::") or "ray/_private" in line:
                 out.append(p.pid)
     return out
+
+
+def ray_logs_dir() -> Path:
+    """This process's Ray session logs (/tmp/ray/session_latest is the newest session on the machine, which
+    may be another instance's)."""
+    import ray
+
+    if ray.is_initialized():
+        return Path(ray._private.worker._global_node.get_logs_dir_path())
+    return Path(tempfile.gettempdir()) / "ray" / "session_latest" / "logs"
 
 
 def rss_mb(pids: list[int]) -> float:
