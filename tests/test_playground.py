@@ -84,6 +84,20 @@ def test_chat_streams_stop_cancels_translate_and_errors(browser, url):
     assert final.startswith(partial) and len(final) > len(partial) and "Paris" in final
     stats = drv.find_element(By.ID, "chat-stats")
     assert "TTFT" in stats.text and "tok/s" in stats.text and float(stats.get_attribute("data-ttft-ms")) > 0
+    # the answer's own figures: TTFT, tok/s and tokens used (prompt + completion from the service's usage)
+    per_answer = drv.find_elements(By.CSS_SELECTOR, ".msg-stats")[-1]
+    completion = int(per_answer.get_attribute("data-tokens"))
+    prompt_tokens = int(per_answer.get_attribute("data-prompt-tokens"))
+    assert 0 < completion <= 48 and prompt_tokens > 5
+    assert int(per_answer.get_attribute("data-total-tokens")) == prompt_tokens + completion
+    assert float(per_answer.get_attribute("data-tok-per-s")) > 0
+    assert "TTFT" in per_answer.text and "tok/s" in per_answer.text and f"= {prompt_tokens + completion} tokens" \
+        in per_answer.text
+    # the live engine panel, read from /metrics and refreshed: the generator idle after its answer
+    updated = drv.find_element(By.ID, "engine-panel").get_attribute("data-updated")
+    wait.until(lambda d: d.find_element(By.ID, "engine-panel").get_attribute("data-updated") != updated)
+    row = drv.find_element(By.CSS_SELECTOR, '.engine-row[data-model="smollm2-135m-instruct"]')
+    assert row.get_attribute("data-running") == "0" and "KV cache" in row.text
     drv.save_screenshot(str(ARTIFACTS / "playground-chat.png"))
 
     # Stop mid-stream: the page marks the answer stopped and the engine frees the request.
@@ -92,6 +106,9 @@ def test_chat_streams_stop_cancels_translate_and_errors(browser, url):
     _set(drv, "chat-input", "Write a long story about a dragon who learns to bake bread.")
     drv.find_element(By.ID, "chat-send").click()
     wait.until(lambda d: len(_answer(d).text) > 20)
+    # the panel sees the stream running in the engine within a refresh
+    wait.until(lambda d: d.find_element(By.CSS_SELECTOR, '.engine-row[data-model="smollm2-135m-instruct"]')
+               .get_attribute("data-running") == "1")
     cancelled = _metric(url, CANCELLED)
     assert _running(url) >= 1  # the stream is live in the engine
     drv.find_element(By.ID, "chat-stop").click()

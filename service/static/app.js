@@ -183,24 +183,84 @@ async function sendChat(event) {
     } else if (!stopped) {
       out.remove();
     }
-    showStats(t0, tFirst, tEnd, usage ? usage.completion_tokens : chunks, finish || (stopped ? "stopped" : null));
+    const line = showStats(t0, tFirst, tEnd, usage, usage ? usage.completion_tokens : chunks,
+                           finish || (stopped ? "stopped" : null));
+    if (line && out.isConnected) {
+      const stats = document.createElement("div");
+      stats.className = "msg-stats";
+      stats.textContent = line;
+      Object.assign(stats.dataset, $("chat-stats").dataset);
+      out.after(stats);
+    }
   }
 }
 
-function showStats(t0, tFirst, tEnd, tokens, finish) {
+// The figures of one answer: time to first token, decode rate, tokens used (the service's usage when
+// it sent one). Returns the line shown, or null when no token came.
+function showStats(t0, tFirst, tEnd, usage, tokens, finish) {
   if (tFirst === null) {
     $("chat-stats").textContent = "No tokens received.";
-    return;
+    return null;
   }
   const ttft = tFirst - t0;
   const rate = tokens > 1 && tEnd > tFirst ? ((tokens - 1) * 1000) / (tEnd - tFirst) : null;
-  const parts = [`TTFT ${ttft.toFixed(0)} ms`, `${tokens} tokens`];
+  const parts = [`TTFT ${ttft.toFixed(0)} ms`];
   if (rate !== null) parts.push(`${rate.toFixed(1)} tok/s`);
+  parts.push(usage ? `${usage.prompt_tokens} + ${usage.completion_tokens} = ${usage.total_tokens} tokens`
+                   : `${tokens} tokens`);
   if (finish) parts.push(`finish: ${finish}`);
-  $("chat-stats").textContent = "Last answer: " + parts.join(" · ");
-  $("chat-stats").dataset.ttftMs = ttft.toFixed(1);
-  $("chat-stats").dataset.tokens = String(tokens);
+  const line = parts.join(" · ");
+  $("chat-stats").textContent = "Last answer: " + line;
+  const data = $("chat-stats").dataset;
+  data.ttftMs = ttft.toFixed(1);
+  data.tokens = String(tokens);
+  data.tokPerS = rate === null ? "" : rate.toFixed(2);
+  data.promptTokens = usage ? String(usage.prompt_tokens) : "";
+  data.totalTokens = usage ? String(usage.total_tokens) : "";
+  return line;
 }
+
+// ---- live engine panel: running / waiting requests and KV cache use, read from /metrics ----------
+
+const ENGINE_REFRESH_MS = 3000;
+
+function gauge(text, name, model) {
+  const m = text.match(new RegExp(`^attnserve_${name}\\{model="${model}"\\} (\\S+)$`, "m"));
+  return m ? Number(m[1]) : null;
+}
+
+async function refreshEngine() {
+  const panel = $("engine-panel");
+  let text;
+  try {
+    const resp = await fetch("/metrics");
+    if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+    text = await resp.text();
+  } catch (err) {
+    panel.textContent = `Engine figures unavailable (${err.message || err}).`;
+    return;
+  }
+  const rows = [];
+  for (const model of engine.models) {
+    const running = gauge(text, "num_requests_running", model);
+    const waiting = gauge(text, "num_requests_waiting", model);
+    const kv = gauge(text, "kv_cache_usage_ratio", model);
+    if (running === null && waiting === null && kv === null) continue;
+    rows.push({ model, running: running ?? 0, waiting: waiting ?? 0, kv: kv ?? 0 });
+  }
+  panel.replaceChildren(...rows.map((r) => {
+    const el = document.createElement("div");
+    el.className = "engine-row";
+    Object.assign(el.dataset, { model: r.model, running: String(r.running), waiting: String(r.waiting),
+                                kv: String(r.kv) });
+    el.textContent = `${r.model}: ${r.running} running · ${r.waiting} waiting · KV cache ${(100 * r.kv).toFixed(1)} %`;
+    return el;
+  }));
+  if (!rows.length) panel.textContent = "No engine figures yet.";
+  panel.dataset.updated = String(Date.now());
+}
+
+const engine = { models: [CHAT_MODEL, "attnserve-zh-en"] };
 
 function stopChat() {
   if (chat.controller) chat.controller.abort();
@@ -287,6 +347,7 @@ async function loadModels() {
     const resp = await fetch("/v1/models", { headers: apiHeaders() });
     if (!resp.ok) throw new Error(await apiError(resp));
     const ids = (await resp.json()).data.map((m) => m.id);
+    if (ids.length) engine.models = ids;
     $("models").textContent = ids.length ? `models: ${ids.join(", ")}` : "no models loaded";
   } catch (err) {
     $("models").textContent = "models: unknown";
@@ -305,4 +366,5 @@ $("chat-stop").addEventListener("click", stopChat);
 $("chat-clear").addEventListener("click", clearChat);
 $("tr-go").addEventListener("click", translate);
 $("tr-copy").addEventListener("click", copyTranslation);
-loadModels();
+loadModels().then(refreshEngine);
+setInterval(refreshEngine, ENGINE_REFRESH_MS);
