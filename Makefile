@@ -40,9 +40,8 @@ loadtest: install
 
 # attnserve vs llama.cpp's llama-server on the same GGUF. Not CI: the build takes ~8 min of both cores.
 loadtest-compare: install
-	PY=$(PY) bash loadtests/build_llama_server.sh
-	bash loadtests/setup_llama_cpp_python.sh
-	$(PY) -m loadtests.compare_llamacpp --users 1,4,16,64 --py-users 16,64 --duration 60s
+	BIN=$$(PY=$(PY) bash loadtests/build_llama_server.sh) && PY=$(PY) bash loadtests/setup_llama_cpp_python.sh >/dev/null \
+	  && $(PY) -m loadtests.compare_llamacpp --llama-server "$$BIN" --users 1,4,16,64 --py-users 16,64 --duration 40s
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -5,10 +5,12 @@ sweep.csv, one set of plots.
     make loadtest-compare            # builds llama-server once (~8 min, both cores), then runs this
     python -m loadtests.compare_llamacpp --users 1,4,16,64 --py-users 16,64 --duration 60s [--attnserve URL]
 
-attnserve must already be running (`make serve`). The peers are started here, one at a time, on free
-loopback ports: `llama-server -t 2 -tb 2 -np 16 -c 4096 --cont-batching` (each slot gets 256 tokens of
-context), then `python -m llama_cpp.server` (n_threads 2, --interrupt_requests False; it serialises
-requests, so it gets the shorter --py-users list). Every target gets the OpenAI chat endpoint, greedy, the
+attnserve must already be running (`make serve`). llama-server is started here on a free loopback port
+(`llama-server -t 2 -tb 2 -np 16 -c 4096 --cont-batching`, each slot gets 256 tokens of context) and
+the two are measured point by point, alternating which goes first, so each stream count compares runs
+taken minutes apart; the end prints one table per stream count with both servers and their ratio. Then
+`python -m llama_cpp.server` (n_threads 2, --interrupt_requests False; it serialises requests, so it gets
+the shorter --py-users list). Every target gets the OpenAI chat endpoint, greedy, the
 same prompts and max_tokens; answers may end at EOS at different lengths (Q4_1 kernels vs fp32), so
 compare output tokens/s rather than requests/s. Not part of CI."""
 
@@ -29,7 +31,6 @@ from loadtests.plots import plot_sweep
 from loadtests.summary import Summary, format_table
 
 HOME = Path(os.environ.get("ATTNSERVE_HOME", Path.home() / ".cache" / "attnserve"))
-LLAMA_SERVER = HOME / "llama.cpp" / "build" / "bin" / "llama-server"
 LLAMA_CPP_PYTHON = HOME / "llama.cpp" / "py-venv" / "bin" / "python"  # made by setup_llama_cpp_python.sh
 GGUF = HOME / "downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -42,6 +43,29 @@ def find_gguf() -> Path:
     if not hits:
         raise SystemExit(f"no SmolLM2 GGUF under {HOME}: run `attnserve weights fetch smollm2` first")
     return hits[0]
+
+
+def format_ratios(rows: list[tuple[str, Summary]], ours: str, peer: str) -> str:
+    """Per stream count: both servers' output tok/s, TTFT p50/p95, ITL p50, and ours / peer tok/s."""
+    by = {(label, s.users): s for label, s in rows}
+    counts = sorted({s.users for label, s in rows if label in (ours, peer)})
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{1000 * x:.0f}"
+
+    head = (f"{'streams':>7}  {ours + ' tok/s':>16}  {peer + ' tok/s':>18}  {'ratio':>5}  "
+            f"{'TTFT p50/p95 ms (ours | peer)':>31}  {'ITL p50 ms (ours | peer)':>24}")
+    lines = [head, "-" * len(head)]
+    for u in counts:
+        a, b = by.get((ours, u)), by.get((peer, u))
+        if a is None or b is None:
+            continue
+        ratio = f"{a.output_tok_per_s / b.output_tok_per_s:.2f}" if b.output_tok_per_s else "-"
+        ttft = f"{ms(a.ttft_p50_s)}/{ms(a.ttft_p95_s)} | {ms(b.ttft_p50_s)}/{ms(b.ttft_p95_s)}"
+        itl = f"{ms(a.itl_p50_s)} | {ms(b.itl_p50_s)}"
+        lines.append(f"{u:>7}  {a.output_tok_per_s:>16.1f}  {b.output_tok_per_s:>18.1f}  {ratio:>5}  {ttft:>31}  "
+                     f"{itl:>24}")
+    return "\n".join(lines)
 
 
 def _free_port() -> int:
@@ -90,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", default="60s")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--parallel", type=int, default=16, help="llama-server slots (-np)")
-    p.add_argument("--llama-server", default=str(LLAMA_SERVER))
+    p.add_argument("--llama-server", required=True,
+                   help="the llama-server binary (loadtests/build_llama_server.sh prints this host's)")
     p.add_argument("--llama-cpp-python", default=str(LLAMA_CPP_PYTHON), help="python of its venv")
     p.add_argument("--results-dir", default=str(cli.REPO / "results"))
     a = p.parse_args(argv)
@@ -121,19 +146,25 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((label, cli.run_once(ns, u, duration_s, out / f"{label}-users-{u}")))
             print(format_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
 
-    sweep("attnserve", a.attnserve.rstrip("/"), users)
-    peers = [("llama-server", lambda: start_llama_server(binary, gguf, a.parallel, out / "llama-server.log"), users)]
-    if py_users:
-        peers.append(("llama-cpp-python", lambda: start_llama_cpp_python(python, gguf, out / "llama-cpp-python.log"),
-                      py_users))
-    for label, start, user_list in peers:  # one peer at a time: each gets both cores
-        proc, url = start()
+    proc, llama_url = start_llama_server(binary, gguf, a.parallel, out / "llama-server.log")
+    try:  # alternate who goes first at each point (an idle server takes next to no CPU)
+        for i, u in enumerate(users):
+            targets = [("attnserve", a.attnserve.rstrip("/")), ("llama-server", llama_url)]
+            for label, host in targets if i % 2 == 0 else targets[::-1]:
+                sweep(label, host, [u])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    if py_users:  # serialises requests: measured alone, after the others
+        proc, url = start_llama_cpp_python(python, gguf, out / "llama-cpp-python.log")
         try:
-            sweep(label, url, user_list)
+            sweep("llama-cpp-python", url, py_users)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
     print(format_table(rows))
+    print()
+    print(format_ratios(rows, "attnserve", "llama-server"))
     cli.write_summaries(out / "sweep.csv", rows)
     plot_sweep(out / "sweep.csv", title=f"{a.scenario}: attnserve, llama-server -np {a.parallel}, llama-cpp-python")
     print(f"results: {out}", file=sys.stderr)

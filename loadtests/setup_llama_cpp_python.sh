@@ -11,7 +11,8 @@ PYTHON="${PYTHON:-python3}"
 SRC="$DEST/src/llama_cpp_python-$VERSION"
 VENV="$DEST/py-venv"
 [ -d "$SRC/llama_cpp" ] || { echo "run loadtests/build_llama_server.sh first ($SRC missing)" >&2; exit 2; }
-ls "$DEST/build/bin/"libllama.so* >/dev/null 2>&1 || { echo "libllama.so not built: run build_llama_server.sh" >&2; exit 2; }
+BIN_DIR="$(dirname "$(bash "$(dirname "$0")/build_llama_server.sh")")"  # this host's build (no-op when built)
+ls "$BIN_DIR/"libllama.so* >/dev/null 2>&1 || { echo "libllama.so not built: run build_llama_server.sh" >&2; exit 2; }
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q "uvicorn>=0.22" "fastapi>=0.100" "pydantic-settings>=2.0.1" \
@@ -20,7 +21,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PKG="$DEST/py/llama_cpp"
 rm -rf "$PKG"; mkdir -p "$DEST/py"; cp -r "$SRC/llama_cpp" "$PKG"; mkdir -p "$PKG/lib"
-for f in "$DEST/build/bin/"lib*.so*; do ln -sf "$f" "$PKG/lib/"; done
+for f in "$BIN_DIR/"lib*.so*; do ln -sf "$f" "$PKG/lib/"; done
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 echo "$DEST/py" > "$SITE/llama_cpp_src.pth"
 "$VENV/bin/python" -c "import llama_cpp, llama_cpp.server.app; print('llama_cpp', llama_cpp.__version__)" >&2
