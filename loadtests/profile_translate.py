@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -117,7 +119,16 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=40)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", help=argparse.SUPPRESS)
-    asyncio.run(run(ap.parse_args()))
+    ap.add_argument("--tiny", action="store_true",
+                    help="a random tiny translator (sentences still from the test split): validates the script only")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="attnserve-profile-tr-") as tmp:
+        if args.tiny:
+            sys.path.insert(0, str(ROOT / "tests"))
+            from serve_fixture import tiny_checkpoints
+
+            args.checkpoint = str(tiny_checkpoints(Path(tmp))[1])
+        asyncio.run(run(args))
 
 
 if __name__ == "__main__":
