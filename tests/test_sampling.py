@@ -1,8 +1,8 @@
-"""sample_next: greedy, top-k/top-p filtering, repetition penalty, per-request generators."""
+"""sample_next: greedy, top-k/top-p filtering, penalties, logit bias, per-request generators."""
 
 import torch
 
-from service.engine.sampling import make_generator, sample_next
+from service.engine.sampling import apply_logit_bias, apply_output_penalties, make_generator, sample_next
 from service.engine.types import SamplingParams
 
 torch.set_num_threads(1)
@@ -80,3 +80,27 @@ def test_zero_probability_tokens_never_sampled():
     x[:, 7] = 0.0
     gens = [make_generator(i) for i in range(3)]
     assert sample_next(x, [SamplingParams(temperature=1.0)] * 3, gens, [[]] * 3) == [7, 7, 7]
+
+
+def test_presence_and_frequency_penalties_count_the_output_only():
+    x = torch.zeros(2, 6)
+    p = [SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25), SamplingParams(temperature=0.0)]
+    apply_output_penalties(x, p, [[1, 1, 3], [1, 1, 3]])
+    assert x[0].tolist() == [0.0, -1.0, 0.0, -0.75, 0.0, 0.0]  # 2 x 0.25 + 0.5; 1 x 0.25 + 0.5
+    assert x[1].tolist() == [0.0] * 6  # no penalty set: untouched
+    y = torch.tensor([[1.0, 1.2, 0.0]])
+    # negative penalties encourage repeats; the prompt is not counted (only the outputs passed)
+    assert sample_next(y.clone(), [SamplingParams(temperature=0.0, presence_penalty=-1.0)], [None], [[]], [[0]]) == [0]
+    assert sample_next(y.clone(), [SamplingParams(temperature=0.0, frequency_penalty=2.0)], [None], [[]], [[]]) == [1]
+
+
+def test_logit_bias_adds_to_the_listed_tokens_only():
+    x = torch.zeros(2, 5)
+    apply_logit_bias(x, [SamplingParams(logit_bias={1: 3.0, 4: -100.0}), SamplingParams()])
+    assert x.tolist() == [[0.0, 3.0, 0.0, 0.0, -100.0], [0.0] * 5]
+    y = torch.tensor([[5.0, 0.0, 1.0]])
+    assert sample_next(y.clone(), [SamplingParams(temperature=0.0, logit_bias={0: -100.0})], [None], [[]]) == [2]
+    g = make_generator(0)
+    banned = {sample_next(torch.zeros(1, 4), [SamplingParams(logit_bias={2: -100.0})], [g], [[]])[0]
+              for _ in range(200)}
+    assert banned == {0, 1, 3}

@@ -1,12 +1,15 @@
 """Per-request token sampling over a batch of logits.
 
-Every step is tensor work over (B, V): repetition penalty by gather/scatter of the tokens seen,
-temperature, top-k and top-p by one sort of the rows that need it, and inverse-CDF sampling with
-ONE uniform number per row drawn from that request's own generator. A row's result depends only
-on its logits and its generator, so a seeded request gives the same text whatever the batch company.
+Every step is tensor work over (B, V): logit bias, then repetition, presence and frequency
+penalties by gather/scatter of the tokens seen (only the rows that set them), temperature, top-k
+and top-p by one sort of the rows that need it, and inverse-CDF sampling with ONE uniform number
+per row drawn from that request's own generator. A row's result depends only on its logits and its
+generator, so a seeded request gives the same text whatever the batch company.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
@@ -32,6 +35,36 @@ def apply_repetition_penalty(logits: torch.Tensor, params: list[SamplingParams],
     logits[r, c] = torch.where(x > 0, x / pen, x * pen)
 
 
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """OpenAI's logit_bias in place: each listed token's logit plus its bias (-100 all but bans it)."""
+    rows, cols, bias = [], [], []
+    for i, p in enumerate(params):
+        for tok, b in p.logit_bias.items():
+            rows.append(i)
+            cols.append(tok)
+            bias.append(b)
+    if rows:
+        dev = logits.device
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                          torch.tensor(bias, device=dev, dtype=logits.dtype), accumulate=True)
+
+
+def apply_output_penalties(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> None:
+    """OpenAI's presence and frequency penalties in place, over the tokens generated so far:
+    logit - count * frequency_penalty - (count > 0) * presence_penalty."""
+    rows, cols, pens = [], [], []
+    for i, (p, out) in enumerate(zip(params, outputs, strict=True)):
+        if (p.presence_penalty or p.frequency_penalty) and out:
+            for tok, n in Counter(out).items():
+                rows.append(i)
+                cols.append(tok)
+                pens.append(n * p.frequency_penalty + p.presence_penalty)
+    if rows:
+        dev = logits.device
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                          -torch.tensor(pens, device=dev, dtype=logits.dtype), accumulate=True)
+
+
 def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (-inf) sorted (N, V) logits beyond each row's top_k (0 = off) and top_p nucleus."""
     n, v = sorted_logits.shape
@@ -45,14 +78,20 @@ def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torc
 
 
 def sample_next(logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None], histories: list[list[int]]) -> list[int]:
+                generators: list[torch.Generator | None], histories: list[list[int]],
+                outputs: list[list[int]] | None = None) -> list[int]:
     """logits (B, V) float32 -> one token id per row. temperature 0 = greedy (argmax).
+    `histories`: prompt + output per row, for the repetition penalty; `outputs`: the output so far,
+    for the presence and frequency penalties (rows without them may pass []).
 
-    `logits` may be modified in place (repetition penalty)."""
+    `logits` may be modified in place (bias and penalties)."""
     b = logits.shape[0]
     if b == 0:
         return []
+    apply_logit_bias(logits, params)
     apply_repetition_penalty(logits, params, histories)
+    if outputs is not None:
+        apply_output_penalties(logits, params, outputs)
     out = logits.argmax(-1)  # (B,) greedy for every row; sampled rows overwritten below
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if not rows:

@@ -49,6 +49,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings: matched across tokens, never emitted
     seed: int | None = None  # per-request generator: same seed -> same text whatever the batch
     ignore_eos: bool = False  # for benchmarks
+    presence_penalty: float = 0.0  # OpenAI's: minus this from every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the output
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # log-probabilities of the model's own distribution (before penalties, bias and temperature):
+    # None = not computed; k >= 0 = each sampled token's and the k most likely alternatives
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (scoring)
 
 
 @dataclass
@@ -57,6 +64,7 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
     deadline_s: float | None = None  # per-request time limit; ends with finish_reason "timeout"
+    n: int = 1  # choices: one prefill, its K/V copied to n slots; choice i samples with seed + i
 
 
 @dataclass
@@ -82,17 +90,38 @@ class Usage:
 
 
 @dataclass
+class TokenLogprob:
+    """A token's log-probability and the `top` most likely tokens at its position, best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob)
+
+
+@dataclass
 class GenerationEvent:
-    """One streamed delta; the last event has `finish_reason` set and the final usage."""
+    """One streamed delta of choice `index`; a choice's last event has `finish_reason` set and that
+    choice's usage. With n > 1 choices the events of all choices share one stream, which ends with the
+    finishing event that has `more` False."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     usage: Usage = field(default_factory=Usage)
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, the first None
+    cumulative_logprob: float | None = None  # finishing event: sum over every sampled token (eos too)
+    more: bool = False  # on a finishing event: other choices of the request are still running
+
+    @property
+    def choice_finished(self) -> bool:
+        return self.finish_reason is not None
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """The stream's last event."""
+        return self.finish_reason is not None and not self.more
 
 
 @dataclass
