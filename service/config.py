@@ -41,6 +41,7 @@ class ApiLimits:
     max_stop_chars: int = 64
     max_beam_size: int = 8
     max_translate_length: int = 512
+    max_n: int = 8  # choices (n, best_of) per completion request: each holds a KV slot while it runs
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -11,7 +11,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from service import metrics
-from service.api import errors, native, openai_routes
+from service.api import errors, native, openai_routes, vllm_compat
 from service.api.auth import ApiKeyAuth, KeySet
 from service.api.backends import Backends
 from service.api.middleware import BodyLimit, CountResponses, ReceiveErrorsAsDisconnect, StartupGate
@@ -48,6 +48,7 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
     errors.install(app)
     app.include_router(native.router)
     app.include_router(openai_routes.router)
+    app.include_router(vllm_compat.router)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, __: ClientDisconnected):

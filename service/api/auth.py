@@ -20,7 +20,8 @@ from service.api.errors import error_body
 
 ENV_KEYS = "ATTNSERVE_API_KEYS"
 ENV_KEYS_FILE = "ATTNSERVE_API_KEYS_FILE"
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/"})  # "/" = the playground page
+# "/" = the playground page; /health and /version are open in vLLM too (probes)
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/", "/health", "/version"})
 OPEN_PREFIXES = ("/static/",)  # the playground's assets
 REALM = 'Bearer realm="attnserve"'
 

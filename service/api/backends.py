@@ -22,16 +22,29 @@ class GeneratorBackend:
     def max_context(self) -> int:
         return self.engine.max_context
 
+    @property
+    def max_choices(self) -> int:
+        """Most choices (n) one request can have: each holds a KV slot."""
+        return self.engine.max_choices
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model scores: [0, vocab_size)."""
+        return self.engine.vocab_size
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
     def encode_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         if not self.chat_template:
             raise ApiError(400, f"model {self.name} has no chat template; send 'prompt' instead", "messages")
         from model.chat import ChatTemplateError, render_chat
 
         try:
-            return self.tokenizer.encode(render_chat(self.chat_template, messages))
+            return self.tokenizer.encode(render_chat(self.chat_template, messages, add_generation_prompt))
         except ChatTemplateError as e:
             raise ApiError(400, f"messages: {e}", "messages") from None
 

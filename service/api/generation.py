@@ -1,4 +1,5 @@
-"""Turning a validated body into an engine request: limits, tokenization, "max_tokens fits"."""
+"""Turning a validated body into an engine request: limits, tokenization, "max_tokens fits",
+logit_bias ids, the number of choices."""
 
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ def check_prompt(text: str, limits: ApiLimits, param: str) -> None:
         raise ApiError(400, f"{param} is {len(text)} characters; the limit is {limits.max_prompt_chars}", param)
 
 
-def encode_messages(gen: GeneratorBackend, messages: list[ChatMessage], limits: ApiLimits) -> list[int]:
+def encode_messages(gen: GeneratorBackend, messages: list[ChatMessage], limits: ApiLimits,
+                    add_generation_prompt: bool = True) -> list[int]:
     if len(messages) > limits.max_messages:
         raise ApiError(400, f"messages has {len(messages)} entries; the limit is {limits.max_messages}", "messages")
     plain = [{"role": m.role, "content": m.text()} for m in messages]
     check_prompt("".join(m["content"] for m in plain), limits, "messages")
-    return gen.encode_chat(plain)
+    return gen.encode_chat(plain, add_generation_prompt)
 
 
 def check_stop(stop: list[str], limits: ApiLimits) -> None:
@@ -36,13 +38,37 @@ def check_stop(stop: list[str], limits: ApiLimits) -> None:
             raise ApiError(400, f"each stop string must have 1..{limits.max_stop_chars} characters", "stop")
 
 
+def check_choices(gen: GeneratorBackend, n: int, limits: ApiLimits, param: str) -> None:
+    """n (or best_of) choices: within ApiLimits.max_n and the engine's slots, or a 400 naming the field."""
+    most = min(limits.max_n, gen.max_choices)
+    if n > most:
+        why = (f"the limit is {limits.max_n}" if limits.max_n <= gen.max_choices
+               else f"model {gen.name} runs at most {gen.max_choices} sequences at once")
+        raise ApiError(400, f"{param}={n}: {why}; use {param} <= {most}", param)
+
+
+def logit_bias_ids(gen: GeneratorBackend, bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's {"token id": bias} -> {id: bias}, or a 400 naming logit_bias and the bad key."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        tid = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= tid < gen.vocab_size:
+            raise ApiError(400, f"logit_bias: key {key!r} is not a token id of model {gen.name} "
+                                f"(a decimal integer in [0, {gen.vocab_size}))", "logit_bias")
+        out[tid] = value
+    return out
+
+
 def build_request(gen: GeneratorBackend, body: Sampling, prompt_ids: list[int], *, prompt_param: str,
                   max_tokens: int | None, default_max_tokens: int, limits: ApiLimits, top_k: int = 0,
-                  repetition_penalty: float = 1.0, ignore_eos: bool = False,
-                  request_id: str = "") -> GenerateRequest:
+                  repetition_penalty: float = 1.0, ignore_eos: bool = False, request_id: str = "",
+                  n: int = 1, logprobs: int | None = None, prompt_logprobs: int | None = None,
+                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                  logit_bias: dict[str, float] | None = None) -> GenerateRequest:
     """An engine request whose prompt + output fits the model's context, or a 400 naming the field."""
     stop = body.stop_list()
     check_stop(stop, limits)
+    bias = logit_bias_ids(gen, logit_bias)
     if not prompt_ids:
         raise ApiError(400, f"{prompt_param} is empty", prompt_param)
     room = gen.max_context - len(prompt_ids)
@@ -55,10 +81,13 @@ def build_request(gen: GeneratorBackend, body: Sampling, prompt_ids: list[int], 
     params = SamplingParams(
         max_new_tokens=max_tokens if max_tokens is not None else min(default_max_tokens, room),
         temperature=body.temperature, top_k=top_k, top_p=body.top_p, repetition_penalty=repetition_penalty,
-        stop=stop, seed=body.seed, ignore_eos=ignore_eos)
-    return GenerateRequest(prompt_ids=prompt_ids, params=params, request_id=request_id)
+        stop=stop, seed=body.seed, ignore_eos=ignore_eos, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, logit_bias=bias, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs)
+    return GenerateRequest(prompt_ids=prompt_ids, params=params, request_id=request_id, n=n)
 
 
 def usage_dict(usage) -> dict:
+    """OpenAI's usage object from an engine Usage."""
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}

@@ -1,5 +1,5 @@
-"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions (SSE, stream_options.include_usage),
-/v1/models. The official `openai` client works against these unchanged."""
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions (SSE, stream_options.include_usage,
+n choices, logprobs, echo, best_of), /v1/models. The official `openai` client works against these unchanged."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from service.api.choices import UsageTotal, best, gather
 from service.api.errors import ApiError
-from service.api.generation import build_request, check_prompt, encode_messages, new_id, usage_dict
+from service.api.generation import build_request, check_choices, check_prompt, encode_messages, new_id
+from service.api.logprob_format import CompletionLogprobs, TokenTexts, chat_content, merge, output_pairs, prompt_pairs
 from service.api.schemas import ChatCompletionBody, CompletionBody
 from service.api.streaming import collect, sse_stream, unless_disconnected
+from service.api.unsupported import refuse_unsupported
 
 router = APIRouter(tags=["openai"])
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -27,12 +30,12 @@ async def models(request: Request):
 
 
 def _stream(events, rid: str, model: str, include_usage: bool, chunk, obj: str) -> StreamingResponse:
-    """`chunk(ev)` -> the choice dicts of one event; usage goes in one last chunk when asked for."""
-    final: list = []
+    """`chunk(ev)` -> the choice dicts of one event; usage (every choice's) goes in one last chunk when
+    asked for."""
+    usage = UsageTotal()
 
     def render(ev) -> list[dict]:
-        if ev.finish_reason is not None:
-            final.append(ev.usage)
+        usage.add(ev)
         out = []
         for choice in chunk(ev):
             c = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
@@ -42,12 +45,31 @@ def _stream(events, rid: str, model: str, include_usage: bool, chunk, obj: str) 
         return out
 
     def tail() -> list[dict]:
-        if not include_usage or not final:
+        if not include_usage or not usage.finished:
             return []
         return [{"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
-                 "usage": usage_dict(final[-1])}]
+                 "usage": usage.as_dict()}]
 
     return StreamingResponse(sse_stream(events, render, tail), media_type="text/event-stream")
+
+
+def _penalties(body) -> dict:
+    return {"presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+            "logit_bias": body.logit_bias}
+
+
+def _completion_choices(body: CompletionBody, gen, limits) -> tuple[int, int]:
+    """(n, best_of) checked: best_of >= n, best_of > n not streamed, both within the limits."""
+    n = body.n
+    best_of = body.best_of if body.best_of is not None else n
+    if best_of < n:
+        raise ApiError(400, f"best_of={best_of} must be >= n={n}", "best_of")
+    if best_of > n and body.stream:
+        raise ApiError(400, "best_of > n cannot be streamed (the best candidates are known only at the end); "
+                            "set best_of = n or stream false", "best_of")
+    check_choices(gen, n, limits, "n")
+    check_choices(gen, best_of, limits, "best_of")
+    return n, best_of
 
 
 @router.post("/v1/completions")
@@ -57,24 +79,56 @@ async def completions(body: CompletionBody, request: Request):
     request.state.model = gen.name
     prompt = body.prompt_text()
     check_prompt(prompt, limits, "prompt")
+    n, best_of = _completion_choices(body, gen, limits)
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError(400, "max_tokens=0 generates nothing: it only scores the prompt, with echo true "
+                            "(and logprobs for the scores)", "max_tokens")
+    want_lp = body.logprobs is not None
+    # best_of ranks candidates by their logprobs: tracked even when not returned
+    track = body.logprobs if want_lp else (0 if best_of > n else None)
+    score_prompt = body.logprobs if body.echo and want_lp else (0 if body.max_tokens == 0 else None)
+    ids = gen.encode_prompt(prompt)
     rid = new_id("cmpl")
-    req = build_request(gen, body, gen.encode_prompt(prompt), prompt_param="prompt", max_tokens=body.max_tokens,
+    req = build_request(gen, body, ids, prompt_param="prompt", max_tokens=body.max_tokens,
                         default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, limits=limits,
-                        ignore_eos=body.ignore_eos, request_id=rid)
+                        ignore_eos=body.ignore_eos, request_id=rid, **_penalties(body), n=best_of, logprobs=track,
+                        prompt_logprobs=score_prompt)
     events = gen.submit(req)
+    texts = TokenTexts(gen.decode)
+    echo = prompt if body.echo else ""
     if body.stream:
+        offsets: dict[int, CompletionLogprobs] = {}
+
         def chunk(ev) -> list[dict]:
-            if not ev.text and ev.finish_reason is None:
+            text, pairs = ev.text, []
+            first = ev.index not in offsets
+            state = offsets.setdefault(ev.index, CompletionLogprobs(texts))
+            if first:
+                text = echo + text
+                if want_lp and body.echo and ev.prompt_logprobs is not None:
+                    pairs += prompt_pairs(ids, ev.prompt_logprobs)
+            if want_lp:
+                pairs += output_pairs(ev.logprobs or [])
+            if not text and not pairs and ev.finish_reason is None:
                 return []
-            return [{"index": 0, "text": ev.text, "logprobs": None, "finish_reason": ev.finish_reason}]
+            return [{"index": ev.index, "text": text, "logprobs": state.render(pairs) if pairs else None,
+                     "finish_reason": ev.finish_reason}]
 
         include = bool(body.stream_options and body.stream_options.include_usage)
         return _stream(events, rid, gen.name, include, chunk, "text_completion")
-    done = await unless_disconnected(request, collect(events))
+    choices, usage = gather(await unless_disconnected(request, collect(events)))
+    if best_of > n:
+        choices = best(choices, n)
+    out = []
+    for c in choices:
+        lp = None
+        if want_lp:
+            state = CompletionLogprobs(texts)
+            parts = [state.render(prompt_pairs(ids, c.prompt_logprobs))] if body.echo else []
+            lp = merge(parts + [state.render(output_pairs(c.logprobs))])
+        out.append({"index": c.index, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason})
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": gen.name,
-            "choices": [{"index": 0, "text": "".join(e.text for e in done), "logprobs": None,
-                         "finish_reason": done[-1].finish_reason}],
-            "usage": usage_dict(done[-1].usage)}
+            "choices": out, "usage": usage.as_dict()}
 
 
 @router.post("/v1/chat/completions")
@@ -82,38 +136,46 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
     backends, limits = request.app.state.backends, request.app.state.limits
     gen = backends.need_generator(body.model)
     request.state.model = gen.name
+    refuse_unsupported(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    check_choices(gen, body.n, limits, "n")
     rid = new_id("chatcmpl")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     ids = encode_messages(gen, body.messages, limits)
+    track = (body.top_logprobs or 0) if body.logprobs else None
     try:
         req = build_request(gen, body, ids, prompt_param="messages", max_tokens=max_tokens,
                             default_max_tokens=CHAT_DEFAULT_MAX_TOKENS, limits=limits,
-                        ignore_eos=body.ignore_eos, request_id=rid)
+                            ignore_eos=body.ignore_eos, request_id=rid, **_penalties(body), n=body.n, logprobs=track)
     except ApiError as e:  # name the field the client actually sent
         if e.param == "max_tokens":
             e.param, e.message = param, e.message.replace("max_tokens", param)
         raise
     events = gen.submit(req)
+    texts = TokenTexts(gen.decode)
     if body.stream:
-        first = [True]
+        started: set[int] = set()
 
         def chunk(ev) -> list[dict]:
-            out = []
-            if first[0]:
-                first[0] = False
-                out.append({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            i, out = ev.index, []
+            if i not in started:
+                started.add(i)
+                out.append({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})
-            if ev.text:
-                out.append({"index": 0, "delta": {"content": ev.text}, "logprobs": None, "finish_reason": None})
+            if ev.text or (body.logprobs and ev.logprobs):
+                lp = {"content": chat_content(texts, ev.logprobs or [])} if body.logprobs else None
+                out.append({"index": i, "delta": {"content": ev.text}, "logprobs": lp, "finish_reason": None})
             if ev.finish_reason is not None:
-                out.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason})
+                out.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason})
             return out
 
         include = bool(body.stream_options and body.stream_options.include_usage)
         return _stream(events, rid, gen.name, include, chunk, "chat.completion.chunk")
-    done = await unless_disconnected(request, collect(events))
+    choices, usage = gather(await unless_disconnected(request, collect(events)))
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": gen.name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(e.text for e in done)},
-                         "logprobs": None, "finish_reason": done[-1].finish_reason}],
-            "usage": usage_dict(done[-1].usage)}
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": {"content": chat_content(texts, c.logprobs)} if body.logprobs else None,
+                         "finish_reason": c.finish_reason} for c in choices],
+            "usage": usage.as_dict()}

@@ -6,7 +6,7 @@ Static bounds live here; configurable ones (`ApiLimits`: prompt length, list len
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -15,6 +15,10 @@ from model.translation import DEFAULT_BEAM_SIZE, DEFAULT_LENGTH_PENALTY, DEFAULT
 MAX_CHARS = 1_000_000  # hard ceiling on any one string; ApiLimits tightens it
 MAX_TOKENS = 8192  # hard ceiling on max_tokens; the model's context tightens it
 SEED_MAX = 2**63 - 1
+N_MAX = 128  # hard ceiling on n / best_of; ApiLimits.max_n tightens it
+LOGIT_BIAS_MAX = 300  # entries in logit_bias, as OpenAI allows
+COMPLETION_LOGPROBS_MAX = 5  # alternatives per token on /v1/completions, as OpenAI allows
+CHAT_TOP_LOGPROBS_MAX = 20  # alternatives per token on /v1/chat/completions, as OpenAI allows
 
 
 def _valid_unicode(s: str) -> str:
@@ -89,7 +93,12 @@ class StreamOptions(Strict):
 
 
 class OpenAIBase(Sampling):
-    n: int = Field(1, ge=1, le=1)  # one choice per request
+    n: int = Field(1, ge=1, le=N_MAX)  # choices from one prefill; ApiLimits.max_n tightens it
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # token id (a decimal string, as JSON keys are) -> bias added to its logit; ids are checked by the route
+    logit_bias: dict[Annotated[str, Field(max_length=16)], Annotated[float, Field(ge=-100.0, le=100.0)]] | None = \
+        Field(None, max_length=LOGIT_BIAS_MAX)
     stream_options: StreamOptions | None = None
     user: Text | None = Field(None, max_length=256)
     ignore_eos: bool = False  # extension, as in vLLM: fixed-length outputs for benchmarks
@@ -99,6 +108,10 @@ class CompletionBody(OpenAIBase):
     """POST /v1/completions (OpenAI legacy completions)."""
 
     prompt: Text | list[Text] = Field(max_length=MAX_CHARS)
+    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)  # 0 with echo: score the prompt only
+    echo: bool = False  # the prompt before the completion (with its token logprobs when `logprobs` is set)
+    logprobs: int | None = Field(None, ge=0, le=COMPLETION_LOGPROBS_MAX)
+    best_of: int | None = Field(None, ge=1, le=N_MAX)  # candidates generated; the n most likely returned
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionBody:
@@ -115,6 +128,38 @@ class ChatCompletionBody(OpenAIBase):
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=CHAT_TOP_LOGPROBS_MAX)
+    # declared so that the route can refuse them with a reason (service/api/unsupported.py)
+    tools: list[Any] | None = Field(None, max_length=128)
+    tool_choice: Any = None
+    functions: list[Any] | None = Field(None, max_length=128)
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class TokenizeBody(Strict):
+    """POST /tokenize (vLLM's shape): a raw `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: Text | None = Field(None, max_length=128)
+    prompt: Text | None = Field(None, max_length=MAX_CHARS)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024)
+    add_generation_prompt: bool = True  # messages only: end with the assistant's turn opening
+    return_token_strs: bool = False  # also each token's text
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeBody(Strict):
+    """POST /detokenize (vLLM's shape)."""
+
+    model: Text | None = Field(None, max_length=128)
+    tokens: list[int] = Field(max_length=MAX_TOKENS * 16)
 
 
 class TranslateBody(Strict):

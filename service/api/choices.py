@@ -1,0 +1,74 @@
+"""A request's engine events, one stream for all its choices, gathered per choice; usage counted as
+OpenAI does (the prompt once, the completion tokens of every choice generated, best_of candidates
+included); best_of's pick of the n most likely candidates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from service.engine.types import GenerationEvent, TokenLogprob
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str | None = None
+    completion_tokens: int = 0  # every sampled token, an end-of-sequence token included
+    cumulative_logprob: float | None = None
+
+    def add(self, ev: GenerationEvent) -> None:
+        self.text += ev.text
+        self.token_ids += ev.token_ids
+        self.logprobs += ev.logprobs or []
+        if ev.prompt_logprobs is not None:
+            self.prompt_logprobs = ev.prompt_logprobs
+        if ev.choice_finished:
+            self.finish_reason = ev.finish_reason
+            self.completion_tokens = ev.usage.completion_tokens
+            self.cumulative_logprob = ev.cumulative_logprob
+
+    @property
+    def mean_logprob(self) -> float:
+        """OpenAI ranks best_of candidates by log probability per token."""
+        return (self.cumulative_logprob or 0.0) / max(1, self.completion_tokens)
+
+
+class UsageTotal:
+    """Usage over a request's choices, from their finishing events."""
+
+    def __init__(self):
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.finished = 0
+
+    def add(self, ev: GenerationEvent) -> None:
+        if ev.choice_finished:
+            self.prompt_tokens = ev.usage.prompt_tokens
+            self.completion_tokens += ev.usage.completion_tokens
+            self.finished += 1
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def gather(events: list[GenerationEvent]) -> tuple[list[Choice], UsageTotal]:
+    """Choices in index order, and the request's usage."""
+    choices: dict[int, Choice] = {}
+    usage = UsageTotal()
+    for ev in events:
+        choices.setdefault(ev.index, Choice(ev.index)).add(ev)
+        usage.add(ev)
+    return [choices[i] for i in sorted(choices)], usage
+
+
+def best(choices: list[Choice], n: int) -> list[Choice]:
+    """The n candidates with the highest log probability per token, best first, re-indexed 0..n-1."""
+    top = sorted(choices, key=lambda c: -c.mean_logprob)[:n]
+    for i, c in enumerate(top):
+        c.index = i
+    return top

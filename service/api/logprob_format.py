@@ -1,0 +1,78 @@
+"""The engine's token log-probabilities in OpenAI's two response shapes.
+
+Completions: `{tokens, token_logprobs, top_logprobs, text_offset}` (parallel lists; a prompt's first
+token has no logprob: None), `top_logprobs` maps token text to logprob and includes the chosen token,
+as vLLM returns it. Chat: `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
+A token's text is the tokenizer's decoding of that one token (a byte-level token holding part of a UTF-8
+character decodes to U+FFFD, as in vLLM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from service.engine.types import TokenLogprob
+
+
+class TokenTexts:
+    """Token id -> its text, decoded once per request."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode, self.seen = decode, {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.seen.get(token_id)
+        if text is None:
+            text = self.seen[token_id] = self.decode([token_id])
+        return text
+
+
+class CompletionLogprobs:
+    """Accumulates one choice's completions-shape logprobs; `text_offset` counts characters of the
+    choice's text from its start (the echoed prompt included)."""
+
+    def __init__(self, texts: TokenTexts, offset: int = 0):
+        self.texts, self.offset = texts, offset
+
+    def render(self, pairs: list[tuple[int, TokenLogprob | None]]) -> dict:
+        """pairs: (token id, its logprob entry or None) -> the lists for these tokens."""
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, entry in pairs:
+            text = self.texts(tid)
+            out["tokens"].append(text)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+            if entry is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(entry.logprob)
+            top = {self.texts(t): lp for t, lp in entry.top}
+            top.setdefault(text, entry.logprob)
+            out["top_logprobs"].append(top)
+        return out
+
+
+def prompt_pairs(prompt_ids: list[int], entries: list[TokenLogprob | None]) -> list[tuple[int, TokenLogprob | None]]:
+    return list(zip(prompt_ids, entries, strict=True))
+
+
+def output_pairs(entries: list[TokenLogprob]) -> list[tuple[int, TokenLogprob | None]]:
+    return [(e.token_id, e) for e in entries]
+
+
+def merge(parts: list[dict]) -> dict:
+    """Concatenate completions-shape logprob dicts."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for p in parts:
+        for key in out:
+            out[key].extend(p[key])
+    return out
+
+
+def chat_content(texts: TokenTexts, entries: list[TokenLogprob]) -> list[dict]:
+    def one(tid: int, lp: float) -> dict:
+        text = texts(tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
