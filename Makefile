@@ -34,7 +34,7 @@ bench: install
 bench-engine: install
 	$(PY) -m loadtests.bench_engine
 
-# A short load test against the running service (`make serve` first); see docs/benchmarks.md.
+# A short load test against the running service (`make serve` first); see docs/performance.md.
 loadtest: install
 	$(VENV)/bin/attnserve loadtest --scenario chat-stream --users 4 --duration 30s
 

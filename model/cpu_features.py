@@ -1,11 +1,8 @@
 """Whether bf16 is worth it on this CPU: decided by measuring, not by the name of the CPU.
 
-Measured with torch 2.13 on the hosts of this project (2 cores each, docs/benchmarks.md):
-- Intel with AMX (amx_bf16, amx_tile): bf16 GEMM 370-730 GFLOP/s vs fp32 ~200 -> bf16 faster;
-- Intel with AVX512-BF16 but no AMX: bf16 GEMM ~160 GFLOP/s vs fp32 ~220 -> fp32 faster;
-- AMD EPYC with AVX512-BF16, no AMX: bf16 GEMM ~890 GFLOP/s vs fp32 ~205 -> bf16 faster.
-The same flag (avx512_bf16) means "slower" on one host and "4x faster" on another, so "auto" times a
-decode-sized matmul in both dtypes once per process (~0.1 s) and picks bf16 when it is clearly faster.
+The same flag (avx512_bf16) means "several times faster than fp32" on one host and "slower" on another
+(docs/performance.md lists the hosts), so "auto" times a decode-sized matmul in both dtypes once per
+process and picks bf16 when it is clearly faster.
 """
 
 from __future__ import annotations

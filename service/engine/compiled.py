@@ -7,7 +7,7 @@ generated C++ and, with `freezing`, treats the weights as constants (prepacked o
 compiled functions are pure (`model/seq2seq_step.py`, `model/decoder_step.py`): the translator's
 `decode_step` and `encode_cross` (encoder + every decoder layer's cross K/V for newly admitted
 sources), and the decoder-only LM's `decoder_step`. Prompt prefill stays eager (long, few calls).
-Measured numbers are in docs/benchmarks.md.
+Measured numbers are in docs/performance.md and docs/decisions.md.
 
 Every size (rows, prefix length, source length, sources) is marked dynamic, so ONE graph per function
 serves every batch. Dynamo specialises sizes 0 and 1, which would recompile mid-serving, so each size

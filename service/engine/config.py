@@ -23,7 +23,7 @@ class EngineConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # KV cache dtype; "auto" = the weights' dtype. float32 under bf16 weights lets CPU batched matmuls read
     # the strided slot prefixes without a copy (a decode step alone: 185 -> 79 ms at 38 rows x 500
-    # positions), but end to end it measured no faster on SmolLM2 and doubles the cache (docs/benchmarks.md).
+    # positions), but end to end it measured no faster on SmolLM2 and doubles the cache (docs/decisions.md).
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     threads: int | None = None  # torch threads of the engine thread; None = torch default (the cores it sees)
     default_deadline_s: float | None = None  # per-request time limit when the request has none
