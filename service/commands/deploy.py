@@ -3,6 +3,9 @@ and wait until its applications are RUNNING."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 
 def add_arguments(p) -> None:
     from service.ray_local import DEFAULT_CONFIG
@@ -12,14 +15,34 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", type=float, default=600.0)
 
 
+def token_auth_if_available() -> None:
+    """Ray enables token auth for a client only when it finds the cluster itself (address "auto"), not for an
+    explicit --address: a cluster of `attnserve cluster up` (token auth) then refused the connection. Send the
+    token whenever this user has one (a cluster without auth accepts it too); an explicit RAY_AUTH_MODE wins."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") \
+            or (Path.home() / ".ray" / "auth_token").is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def run(args) -> int:
     from service import ray_local
 
+    try:
+        config = ray_local.read_config(args.config)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"attnserve deploy: {e}")
+        return 2
     ray_local.loopback_env()
+    token_auth_if_available()
     import ray
 
-    config = ray_local.read_config(args.config)
-    ray.init(address=args.address, namespace="serve")
+    try:
+        ray.init(address=args.address, namespace="serve")
+    except ConnectionError as e:
+        print(f"attnserve deploy: no Ray cluster to deploy to at {args.address} ({e})")
+        return 1
     try:
         ray_local.deploy(config, args.timeout)
     except (RuntimeError, TimeoutError) as e:
