@@ -18,9 +18,15 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    import sys
+
     from model.training.train_translate import train
 
-    train(args.config, args.run_dir, resume=args.resume, export_only=args.export_only,
-          export_to=args.export_to, threads=args.threads,
-          init_from=args.init_from, avg_last=args.avg_last)
+    try:
+        train(args.config, args.run_dir, resume=args.resume, export_only=args.export_only,
+              export_to=args.export_to, threads=args.threads,
+              init_from=args.init_from, avg_last=args.avg_last)
+    except (FileExistsError, FileNotFoundError, ValueError) as e:  # their messages say what to do
+        print(f"attnserve train: {e}", file=sys.stderr)
+        return 2
     return 0

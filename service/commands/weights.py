@@ -30,7 +30,12 @@ def run(args) -> int:
     import torch
 
     from model.checkpoint import load_checkpoint, load_tokenizer
-    from model.importers.smollm2 import ensure_smollm2
+    from model.importers.smollm2 import DTYPES, ensure_smollm2
+
+    if args.dtype not in DTYPES:  # float16 is for export-marian only
+        print(f"attnserve weights fetch: --dtype {args.dtype} is not available for smollm2; choose one of "
+              f"{', '.join(DTYPES)}")
+        return 2
 
     t0 = time.perf_counter()
     d = ensure_smollm2(args.dtype)
