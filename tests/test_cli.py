@@ -1,0 +1,524 @@
+"""`attnserve` subcommands end to end through `service.cli.main`, on tiny models and small inputs.
+
+- generate / weights fetch: a tiny stand-in for the converted SmolLM2 checkpoint (a random Llama with a
+  byte-level BPE vocabulary and a chat template) sits where `ensure_smollm2` looks for it under
+  $ATTNSERVE_HOME, so the real load path runs without a download; the streamed text is checked against
+  greedy decoding by full recomputation (no KV cache).
+- translate: the shipped translator (weights/attnserve-zh-en) and a just-trained tiny one.
+- train translate: a tiny recipe for a few steps on a digits corpus under $ATTNSERVE_HOME/data/translate.
+- serve / stop: `attnserve serve` in a subprocess on random tiny checkpoints (Ray on 127.0.0.1), a
+  request, then `attnserve stop` (marker `ray`); stop's other paths on plain processes.
+- deploy: config errors here; a real deploy to an `attnserve cluster up` cluster (marker `cluster`).
+- cluster: the `ray start` command lines and failure handling without starting Ray; down with nothing up.
+- loadtest sweep: Locust (in its own process) against the live tiny service.
+Commands that set Ray variables in os.environ or torch settings run under fixtures that restore them.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from unittest import mock
+
+import httpx
+import pytest
+import torch
+import yaml
+from live_service import free_port, live_service
+
+from service.cli import COMMANDS, main
+
+ROOT = Path(__file__).resolve().parent.parent
+CJK = re.compile(r"[\u4e00-\u9fff]")
+CHAT = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture
+def restore_env():
+    """Commands such as deploy and cluster set Ray's variables in os.environ: keep them out of later tests."""
+    with mock.patch.dict(os.environ):
+        yield
+
+
+@pytest.fixture
+def restore_torch():
+    """translate goes single-threaded in the calling thread; train sets its thread count and signal handlers."""
+    threads = torch.get_num_threads()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    torch.set_num_threads(threads)
+    for s, h in handlers.items():
+        signal.signal(s, h)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    h = tmp_path / "home"
+    monkeypatch.setenv("ATTNSERVE_HOME", str(h))
+    return h
+
+
+def _bg(cmd: list[str], **kw) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
+    env.update(kw.pop("env", {}))
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, **kw)
+
+
+# --- dispatch ------------------------------------------------------------------------------------
+
+def test_help_lists_every_subcommand_and_unknown_ones_are_refused(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in COMMANDS)
+    assert main(["--help"]) == 0
+    assert main(["frobnicate"]) == 2
+
+
+# --- generate and weights fetch on a SmolLM2 stand-in -----------------------------------------------
+
+def smollm2_standin() -> Path:
+    """A tiny random Llama + byte-level BPE tokenizer saved where `ensure_smollm2` finds the converted
+    SmolLM2 (float32) under the current $ATTNSERVE_HOME: 96 one-byte tokens (newline, printable ASCII)
+    plus <|im_start|> and <|im_end|> (the stop token)."""
+    from engine_util import _sharpen
+
+    from model.bpe_tokenizer import CONTROL, BPETokenizer
+    from model.checkpoint import save_checkpoint
+    from model.config import TINY_LLAMA, DecoderConfig
+    from model.decoder import DecoderLM
+    from model.importers.smollm2 import checkpoint_dir
+
+    tokens = [chr(b) for b in [10, *range(32, 127)]] + ["<|im_start|>", "<|im_end|>"]
+    tok = BPETokenizer.from_gguf_metadata({"model": "gpt2", "tokens": tokens, "merges": [],
+                                           "token_type": [1] * 96 + [CONTROL] * 2,
+                                           "eos_token_id": len(tokens) - 1}, chat_template=CHAT)
+    cfg = DecoderConfig(**{**TINY_LLAMA.to_dict(), "vocab_size": len(tokens), "d_model": 64, "d_ff": 256,
+                           "eos_id": len(tokens) - 1})
+    torch.manual_seed(1)
+    return save_checkpoint(_sharpen(DecoderLM(cfg), 20.0), checkpoint_dir("float32"), tokenizer=tok)
+
+
+@pytest.fixture
+def standin(home):
+    return smollm2_standin()
+
+
+def greedy_by_recompute(d: Path, prompt: str, n: int) -> tuple[list[int], list[int]]:
+    """(prompt ids, new ids up to and including the first stop id): the whole sequence through the model at
+    every step, argmax of the last position."""
+    from model.checkpoint import load_checkpoint, load_tokenizer
+
+    model, tok = load_checkpoint(d).eval(), load_tokenizer(d)
+    ids = tok.encode(prompt)
+    seq, new = list(ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(torch.tensor([seq]))[0, -1].argmax())
+            new.append(nxt)
+            seq.append(nxt)
+            if nxt in tok.stop_ids():
+                break
+    return ids, new
+
+
+STATS = re.compile(r"\[prompt (\d+) tokens in [\d.]+ s; (\d+) new tokens in [\d.]+ s = [\d.]+ tok/s\]")
+
+
+def test_generate_streams_the_greedy_continuation(standin, capsys):
+    from model.checkpoint import load_tokenizer
+
+    assert main(["generate", "--max-tokens", "12", "Once upon a time"]) == 0
+    out, err = capsys.readouterr()
+    tok = load_tokenizer(standin)
+    ids, new = greedy_by_recompute(standin, "Once upon a time", 12)
+    text = tok.decode([i for i in new if i not in tok.stop_ids()])
+    assert text.strip()  # the stand-in says something before any stop token
+    assert out == text + "\n"
+    assert "[loaded smollm2-135m-instruct float32 in" in err
+    m = STATS.search(err)
+    assert m and int(m[1]) == len(ids) and int(m[2]) == len(new)
+
+
+def test_generate_chat_wraps_the_prompt_in_the_template_and_reads_stdin(standin, capsys, monkeypatch):
+    import jinja2
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi there"))
+    assert main(["generate", "--chat", "--system", "Be brief.", "--max-tokens", "10"]) == 0
+    out, err = capsys.readouterr()
+    rendered = jinja2.Template(CHAT).render(messages=[{"role": "system", "content": "Be brief."},
+                                                      {"role": "user", "content": "Hi there"}],
+                                            add_generation_prompt=True)
+    from model.checkpoint import load_tokenizer
+
+    tok = load_tokenizer(standin)
+    ids, new = greedy_by_recompute(standin, rendered, 10)
+    assert ids[:1] == [tok.token_to_id("<|im_start|>")] and len(ids) < len(rendered)  # specials stay whole
+    assert out == tok.decode([i for i in new if i not in tok.stop_ids()]) + "\n"
+    m = STATS.search(err)
+    assert m and int(m[1]) == len(ids) and int(m[2]) == len(new)
+
+
+def test_generate_seeded_sampling_repeats_and_bad_requests_are_refused(standin, capsys):
+    runs = []
+    for _ in range(2):
+        assert main(["generate", "--temperature", "1.5", "--seed", "7", "--max-tokens", "16", "abc"]) == 0
+        runs.append(capsys.readouterr().out)
+    assert runs[0] == runs[1] and runs[0].strip()
+    assert main(["generate", "   "]) == 2
+    assert "empty prompt" in capsys.readouterr().err
+    assert main(["generate", "--top-p", "0", "abc"]) == 2
+    assert "--top-p" in capsys.readouterr().err
+    assert main(["generate", "--max-tokens", "200", "abc"]) == 2  # the stand-in's context is 128
+    assert "context of 128" in capsys.readouterr().err
+
+
+def test_weights_fetch_reports_the_converted_checkpoint(standin, capsys):
+    from model.config import DecoderConfig
+    from model.decoder import DecoderLM
+
+    assert main(["weights", "fetch", "smollm2"]) == 0
+    out = capsys.readouterr().out
+    assert f"smollm2-135m-instruct (float32): {standin}" in out
+    cfg = DecoderConfig(**json.loads((standin / "config.json").read_text())["config"])
+    n = sum(p.numel() for p in DecoderLM(cfg).parameters())
+    assert f"loaded {n / 1e6:.1f}M parameters, vocabulary 98, in" in out
+    assert main(["weights", "fetch"]) == 2
+    assert "name the model" in capsys.readouterr().out
+    assert main(["weights", "fetch", "smollm2", "--dtype", "float16"]) == 2  # export-marian only
+    assert "float16 is not available" in capsys.readouterr().out
+
+
+# --- translate -------------------------------------------------------------------------------------
+
+SHIPPED = ROOT / "weights" / "attnserve-zh-en"
+needs_shipped = pytest.mark.skipif(not (SHIPPED / "model.safetensors").is_file(), reason="no shipped translator")
+
+
+@needs_shipped
+def test_translate_with_the_shipped_model_one_line_per_text(capsys, restore_torch):
+    assert main(["translate", "--beam", "1", "--to", "zh", "Good morning.", "Thank you very much."]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(CJK.search(line) for line in lines)
+    assert main(["translate", "--beam", "2", "今天天气很好。"]) == 0  # direction detected: to English
+    (line,) = capsys.readouterr().out.splitlines()
+    assert re.search(r"[A-Za-z]{2}", line) and not CJK.search(line)
+
+
+@needs_shipped
+def test_translate_reads_stdin_and_refuses_nothing_or_a_missing_model(capsys, restore_torch, monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("The meeting is on Tuesday.\n\n   \nPrices rose in May.\n"))
+    assert main(["translate", "--beam", "1", "--to", "zh"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(CJK.search(line) for line in lines)  # blank lines skipped
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n"))
+    assert main(["translate"]) == 2
+    assert "no text given" in capsys.readouterr().err
+    assert main(["translate", "--model", str(tmp_path / "none"), "hello"]) == 2
+    assert "attnserve translate:" in capsys.readouterr().err
+
+
+# --- train translate -------------------------------------------------------------------------------
+
+EN = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+ZH = ["零", "一", "二", "三", "四", "五", "六", "七", "八", "九"]
+
+
+def _corpus(d: Path) -> None:
+    import random
+
+    rng = random.Random(0)
+    d.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", 200), ("dev", 10)):
+        with open(d / f"{split}.tsv", "w", encoding="utf-8") as f:
+            for _ in range(n):
+                idx = [rng.randrange(10) for _ in range(rng.randint(2, 5))]
+                f.write(" ".join(EN[i] for i in idx) + "\t" + "".join(ZH[i] for i in idx) + "\n")
+
+
+def _recipe(path: Path, steps: int) -> str:
+    path.write_text(json.dumps({
+        "model": {"d_model": 32, "n_encoder_layers": 1, "n_decoder_layers": 1, "n_heads": 2, "d_ff": 64,
+                  "dropout": 0.0, "max_src_len": 64, "max_tgt_len": 64},
+        "vocab_size": 320, "batch_tokens": 400, "warmup_steps": 5, "lr_factor": 0.3, "bf16": False, "threads": 1,
+        "max_steps": steps, "ckpt_minutes": 100, "eval_minutes": 100, "log_every": 5, "avg_last": 2}))
+    return str(path)
+
+
+def test_train_translate_runs_resumes_exports_and_the_export_translates(home, tmp_path, capsys, restore_torch):
+    from model.checkpoint import load_checkpoint, load_tokenizer
+    from model.seq2seq import EncoderDecoder
+
+    _corpus(home / "data" / "translate")  # where `data prepare translate` writes
+    run, export = tmp_path / "run", tmp_path / "export"
+    cmd = ["train", "translate", "--run-dir", str(run), "--export-to", str(export), "--threads", "1"]
+    assert main([*cmd, "--config", _recipe(tmp_path / "tiny.json", 10)]) == 0
+    log = [json.loads(line) for line in (run / "train.log").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == [5, 10]
+    assert [r["step"] for r in log if r.get("event") == "stopped"] == [10]
+    assert json.loads((run / "state.json").read_text())["step"] == 10
+    model = load_checkpoint(export)
+    assert isinstance(model, EncoderDecoder) and load_tokenizer(export).vocab_size == model.cfg.vocab_size
+    capsys.readouterr()
+
+    # the same command again would mix two runs: refused with the way out, no traceback
+    assert main([*cmd, "--config", str(tmp_path / "tiny.json")]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert main([*cmd, "--config", _recipe(tmp_path / "tiny.json", 15), "--resume"]) == 0
+    log = [json.loads(line) for line in (run / "train.log").read_text().splitlines()]
+    assert [r["step"] for r in log if r.get("event") == "resumed"] == [10]
+    assert json.loads((run / "state.json").read_text())["step"] == 15
+    capsys.readouterr()
+
+    assert main(["translate", "--model", str(export), "--beam", "1", "--to", "zh", "one two three"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+
+
+def test_train_translate_without_data_says_how_to_get_it(home, tmp_path, capsys, restore_torch):
+    rc = main(["train", "translate", "--config", _recipe(tmp_path / "tiny.json", 5), "--run-dir",
+               str(tmp_path / "run"), "--export-to", str(tmp_path / "export")])
+    assert rc == 2
+    assert "data prepare translate" in capsys.readouterr().err
+    assert not (tmp_path / "export").exists()
+
+
+# --- stop (plain processes) ----------------------------------------------------------------------
+
+SLEEPER = "import signal, sys, time\n{}\nprint('ready', flush=True)\ntime.sleep(120)\n"
+
+
+def _sleeper(ignore_term: bool) -> subprocess.Popen:
+    code = SLEEPER.format("signal.signal(signal.SIGTERM, signal.SIG_IGN)" if ignore_term else "")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "ready\n"  # its handlers are set
+    threading.Thread(target=p.wait, daemon=True).start()  # reap it as soon as it exits (as a shell would)
+    return p
+
+
+def test_stop_without_a_running_serve(home, capsys):
+    assert main(["stop"]) == 0
+    assert "no local `attnserve serve` is running" in capsys.readouterr().out
+
+
+def test_stop_terminates_the_recorded_pid_and_removes_the_file(home, capsys):
+    p = _sleeper(ignore_term=False)
+    home.mkdir(parents=True)
+    (home / "serve.pid").write_text(str(p.pid))
+    assert main(["stop"]) == 0
+    assert f"stopped attnserve serve (pid {p.pid})" in capsys.readouterr().out
+    assert p.wait(timeout=10) == -signal.SIGTERM
+    assert not (home / "serve.pid").exists()
+
+
+def test_stop_reports_a_process_that_does_not_exit(home, capsys):
+    p = _sleeper(ignore_term=True)
+    try:
+        home.mkdir(parents=True)
+        (home / "serve.pid").write_text(str(p.pid))
+        assert main(["stop", "--timeout", "1"]) == 1
+        assert f"(pid {p.pid}) did not exit within 1 s" in capsys.readouterr().out
+        assert p.poll() is None and (home / "serve.pid").is_file()  # left as it was, for another try
+    finally:
+        p.kill()
+
+
+def test_stop_ray_runs_ray_stop_and_returns_its_status(home, capsys, monkeypatch):
+    from service.commands import stop
+
+    calls = []
+    monkeypatch.setattr(stop.subprocess, "call", lambda cmd: calls.append(cmd) or 3)  # never the real `ray stop`
+    assert main(["stop", "--ray"]) == 3
+    assert calls == [[str(Path(sys.executable).parent / "ray"), "stop"]]
+
+
+# --- serve + stop with Ray ------------------------------------------------------------------------
+
+def _tiny_serve_config(tmp_path: Path, port: int) -> Path:
+    from serve_fixture import tiny_checkpoints
+
+    from loadtests.reliability.tiny_service import TinyServiceConfig, serve_config
+
+    gen, tr = tiny_checkpoints(tmp_path)
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(serve_config(TinyServiceConfig(), gen, tr, port)))
+    return path
+
+
+def _wait_for(log: Path, text: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text(errors="replace"):
+        assert proc.poll() is None, f"exited with {proc.returncode} before printing {text!r}"
+        assert time.monotonic() < deadline, f"no {text!r} in {timeout_s:.0f} s"
+        time.sleep(0.5)
+
+
+def test_serve_config_errors_start_nothing(tmp_path, capsys):
+    assert main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "Serve config not found" in capsys.readouterr().out
+
+
+@pytest.mark.ray
+def test_serve_answers_then_stop_shuts_serve_and_ray_down(home, tmp_path, capsys):
+    import psutil
+
+    port = free_port()
+    config = _tiny_serve_config(tmp_path, 8000)  # the command line's --port wins over the file's
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115  (closed below)
+    proc = _bg([sys.executable, "-m", "service.cli", "serve", "--config", str(config), "--port", str(port),
+                "--num-cpus", "2"], env={"ATTNSERVE_HOME": str(home), "RAY_ADDRESS": "local"},
+               stdout=log, stderr=subprocess.STDOUT)
+    threading.Thread(target=proc.wait, daemon=True).start()  # reaped on exit, as a shell would
+    ray_procs = []
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_for(tmp_path / "serve.log", "attnserve ready in", proc)  # it saw /readyz answer 200 itself
+        assert httpx.get(url + "/readyz", timeout=10).status_code == 200
+        assert httpx.get(url + "/healthz", timeout=10).status_code == 200
+        r = httpx.post(url + "/v1/generate", json={"prompt": "hello", "max_tokens": 4, "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and 1 <= r.json()["usage"]["completion_tokens"] <= 4, r.text
+        assert (home / "serve.pid").read_text() == str(proc.pid)
+        ray_procs = psutil.Process(proc.pid).children(recursive=True)
+        assert ray_procs  # Ray's GCS, raylet, workers
+
+        assert main(["stop"]) == 0
+        assert f"stopped attnserve serve (pid {proc.pid})" in capsys.readouterr().out
+        assert proc.wait(timeout=60) == 0
+        _, alive = psutil.wait_procs(ray_procs, timeout=60)
+        assert alive == []  # Serve and Ray went down with it
+        assert not (home / "serve.pid").exists()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/healthz", timeout=5)
+    finally:
+        log.close()
+        if proc.poll() is None:
+            proc.kill()
+        for p in ray_procs:
+            if p.is_running():
+                p.kill()
+    text = (tmp_path / "serve.log").read_text()
+    assert f"API      http://127.0.0.1:{port}/v1" in text and "shutting down Serve and Ray" in text
+
+
+# --- deploy --------------------------------------------------------------------------------------
+
+def test_deploy_with_a_missing_config_connects_to_nothing(tmp_path, capsys, restore_env):
+    import ray
+
+    assert main(["deploy", "--config", str(tmp_path / "missing.yaml"), "--address", "127.0.0.1:1"]) == 2
+    assert "Serve config not found" in capsys.readouterr().out
+    assert not ray.is_initialized()
+
+
+def test_deploy_sends_the_token_when_there_is_one(tmp_path, monkeypatch, restore_env):
+    from service.commands.deploy import token_auth_if_available
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(k, raising=False)
+    token_auth_if_available()
+    assert "RAY_AUTH_MODE" not in os.environ  # no token anywhere: Ray's default
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+    token_auth_if_available()
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    token_auth_if_available()
+    assert os.environ["RAY_AUTH_MODE"] == "disabled"  # an explicit choice wins
+
+
+@pytest.mark.cluster
+def test_deploy_to_a_cluster_up_cluster_then_down(tmp_path):
+    """The documented path: `attnserve cluster up`, then `attnserve deploy --address` (as `cluster up`
+    prints it), a request, `attnserve cluster down`. The cluster runs token auth: deploy has to send it."""
+    from service.commands.cluster import cluster_processes
+
+    gcs, dash, client, http = (free_port() for _ in range(4))
+    config = _tiny_serve_config(tmp_path, http)
+    env = {"RAY_AUTH_TOKEN": secrets.token_hex(32), "ATTNSERVE_HOME": str(tmp_path / "home")}
+    cli = [sys.executable, "-m", "service.cli"]
+
+    def run(*args, timeout=300):
+        p = _bg([*cli, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out = p.communicate(timeout=timeout)[0]
+        return p.returncode, out
+
+    try:
+        rc, out = run("cluster", "up", f"--port={gcs}", f"--dashboard-port={dash}", f"--client-port={client}")
+        assert rc == 0, out[-3000:]
+        assert f"attnserve deploy --address 127.0.0.1:{gcs}" in out
+        rc, out = run("deploy", "--config", str(config), "--address", f"127.0.0.1:{gcs}", "--timeout", "240")
+        assert rc == 0, out[-3000:]
+        assert f"deployed; API at http://127.0.0.1:{http}/v1" in out
+        r = httpx.post(f"http://127.0.0.1:{http}/v1/generate", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and 1 <= r.json()["usage"]["completion_tokens"] <= 4, r.text
+    finally:
+        rc, out = run("cluster", "down", f"--port={gcs}", timeout=120)
+    assert rc == 0 and f"of the cluster on 127.0.0.1:{gcs}" in out
+    assert cluster_processes(gcs) == []
+
+
+# --- cluster (without starting Ray) ----------------------------------------------------------------
+
+def test_cluster_up_runs_a_loopback_head_then_a_worker(capsys, monkeypatch, restore_env):
+    from service.commands import cluster
+
+    calls = []
+    monkeypatch.setattr(cluster, "ensure_auth_token", lambda: None)
+    monkeypatch.setattr(cluster.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    assert main(["cluster", "up", "--port", "7001", "--dashboard-port", "7002", "--client-port", "7003",
+                 "--object-store-mb", "100", "--head-cpus", "2", "--worker-cpus", "3"]) == 0
+    head, worker = calls
+    assert head[1:3] == ["start", "--head"] and worker[1] == "start"
+    for cmd in (head, worker):
+        assert "--node-ip-address=127.0.0.1" in cmd and f"--object-store-memory={100 * 2**20}" in cmd
+    assert {"--port=7001", "--num-cpus=2", "--dashboard-host=127.0.0.1", "--dashboard-port=7002",
+            "--ray-client-server-port=7003"} <= set(head)
+    assert {"--address=127.0.0.1:7001", "--num-cpus=3"} <= set(worker)
+    assert "`attnserve deploy --address 127.0.0.1:7001`" in capsys.readouterr().out
+
+
+def test_cluster_up_stops_at_the_first_failing_start(capsys, monkeypatch, restore_env):
+    from service.commands import cluster
+
+    calls = []
+    monkeypatch.setattr(cluster, "ensure_auth_token", lambda: None)
+    monkeypatch.setattr(cluster.subprocess, "call", lambda cmd: calls.append(cmd) or 7)
+    assert main(["cluster", "up", "--port", "7001"]) == 7
+    assert len(calls) == 1  # no worker without a head
+    assert "failed (7); run `attnserve cluster down`" in capsys.readouterr().out
+
+
+def test_cluster_down_with_nothing_up(capsys, restore_env):
+    port = free_port()
+    assert main(["cluster", "down", "--port", str(port)]) == 0
+    assert f"stopped 0 process(es) of the cluster on 127.0.0.1:{port}" in capsys.readouterr().out
+
+
+# --- loadtest sweep ------------------------------------------------------------------------------
+
+def test_loadtest_sweep_one_row_per_user_count_and_plots(tmp_path):
+    with live_service(log_path=tmp_path / "service.log") as url:
+        r = subprocess.run([sys.executable, "-m", "service.cli", "loadtest", "sweep", "--host", url,
+                            "--users", "1,2", "--duration", "2s", "--max-tokens", "8", "--results-dir",
+                            str(tmp_path / "results")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
+    rows = [line.split() for line in r.stdout.splitlines()[2:]]  # header, rule, one line per run
+    assert [row[1] for row in rows] == ["1", "2"]  # target, users, req/s, ...
+    assert all(float(row[2]) > 0 for row in rows)
+    (run_dir,) = (tmp_path / "results").iterdir()
+    sweep = list(csv.DictReader(open(run_dir / "sweep.csv")))
+    assert [int(s["users"]) for s in sweep] == [1, 2]
+    assert all(int(s["requests"]) >= 1 and int(s["failures"]) == 0 for s in sweep)
+    plots = re.findall(r"plot: (\S+)", r.stderr)
+    assert plots and all(Path(p).stat().st_size > 0 for p in plots)
