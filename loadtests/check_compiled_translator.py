@@ -18,14 +18,15 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 
 
-async def translate_all(jobs, checkpoint: Path, dtype: str, beam: int, compile_: bool, clients: int):
+async def translate_all(jobs, checkpoint: Path, dtype: str, beam: int, compile_: bool, clients: int,
+                        threads: int = 2):
     from loadtests.bench_translate import load
     from service.engine.config import EngineConfig
     from service.engine.translation import TranslationEngine
     from service.engine.types import TranslateRequest
 
     model, tok = load(checkpoint)
-    cfg = EngineConfig(max_slots=clients * beam, max_seq_len=model.cfg.max_tgt_len, dtype=dtype, threads=2,
+    cfg = EngineConfig(max_slots=clients * beam, max_seq_len=model.cfg.max_tgt_len, dtype=dtype, threads=threads,
                        max_waiting=len(jobs) + 1, compile=compile_)
     engine = TranslationEngine(model, tok, cfg)
     await engine.start()
@@ -55,6 +56,7 @@ def main() -> None:
     ap.add_argument("--beam", type=int, default=1)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2, help="the engine's torch threads")
     ap.add_argument("--tiny", action="store_true",
                     help="a random tiny translator (sentences still from the test split): validates the script only")
     args = ap.parse_args()
@@ -83,7 +85,7 @@ def check(args) -> None:
     for line in (paths.home() / "data" / "translate" / "test.tsv").read_text(encoding="utf-8").splitlines():
         en, zh = (line.split("\t") + [""])[:2]
         refs[en], refs[zh] = zh, en
-    runs = {c: asyncio.run(translate_all(jobs, checkpoint, args.dtype, args.beam, c, args.clients))
+    runs = {c: asyncio.run(translate_all(jobs, checkpoint, args.dtype, args.beam, c, args.clients, args.threads))
             for c in (False, True)}
     same = sum(a == b for a, b in zip(runs[False][0], runs[True][0], strict=True))
     print(f"{checkpoint}; {len(jobs)} test sentences (half each direction), {args.dtype}, beam {args.beam}, "
