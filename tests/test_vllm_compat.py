@@ -1,0 +1,82 @@
+"""vLLM's utility endpoints: POST /tokenize (prompt or chat messages), POST /detokenize, GET /version,
+GET /health, in vLLM's request and response shapes; bad input is a 400 naming the field."""
+
+from __future__ import annotations
+
+import torch
+from api_util import TEMPLATE, TOK, backends, run
+
+from service.api.backends import Backends
+from service.config import GENERATOR_ID
+
+torch.set_num_threads(1)
+MSGS = [{"role": "system", "content": "Brief."}, {"role": "user", "content": "Hi"}]
+
+
+def test_tokenize_prompt_and_messages():
+    from model.chat import render_chat
+
+    async def main(c):
+        r = await c.post("/tokenize", json={"model": GENERATOR_ID, "prompt": "Hello,world"})
+        assert r.json() == {"count": 11, "max_model_len": 128, "tokens": TOK.encode("Hello,world"), "token_strs": None}
+        r = await c.post("/tokenize", json={"prompt": "abc", "return_token_strs": True})
+        assert r.json()["token_strs"] == ["a", "b", "c"]
+        with_prompt = (await c.post("/tokenize", json={"messages": MSGS})).json()
+        assert with_prompt["tokens"] == TOK.encode(render_chat(TEMPLATE, MSGS, True))
+        without = (await c.post("/tokenize", json={"messages": MSGS, "add_generation_prompt": False})).json()
+        assert without["tokens"] == TOK.encode(render_chat(TEMPLATE, MSGS, False))
+        assert without["count"] < with_prompt["count"]
+        # the same ids the completions route counts
+        r = await c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens"] == with_prompt["count"]
+    run(main)
+
+
+def test_detokenize_round_trips():
+    async def main(c):
+        ids = (await c.post("/tokenize", json={"prompt": "Round,trip!"})).json()["tokens"]
+        r = await c.post("/detokenize", json={"model": GENERATOR_ID, "tokens": ids})
+        assert r.status_code == 200 and r.json() == {"prompt": "Round,trip!"}
+        assert (await c.post("/detokenize", json={"tokens": []})).json() == {"prompt": ""}
+    run(main)
+
+
+def test_bad_bodies_name_the_field():
+    cases = [("/tokenize", {}, "body"), ("/tokenize", {"prompt": "a", "messages": MSGS}, "body"),
+             ("/tokenize", {"prompt": "a", "add_special_tokens": True}, "add_special_tokens"),
+             ("/tokenize", {"prompt": "a", "model": "gpt-4"}, "model"),
+             ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+             ("/detokenize", {"tokens": [5, 97]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+             ("/detokenize", {"tokens": ["a"]}, "tokens.0"), ("/detokenize", {}, "tokens")]
+
+    async def main(c):
+        bad = []
+        for path, body, param in cases:
+            r = await c.post(path, json=body)
+            err = r.json().get("error", {})
+            if r.status_code not in (400, 404) or err.get("param") != param or not err.get("message"):
+                bad.append((path, body, r.status_code, err))
+        assert not bad, bad
+    run(main, backends(with_translator=False))
+
+
+def test_version_and_health():
+    async def main(c):
+        r = await c.get("/version")
+        assert r.status_code == 200 and isinstance(r.json()["version"], str) and r.json()["version"]
+        r = await c.get("/health")
+        assert r.status_code == 200 and r.content == b""
+    run(main, backends(with_translator=False))
+
+    async def down(c):
+        r = await c.get("/health")
+        assert r.status_code == 503 and "failed to load" in r.json()["error"]["message"]
+    run(down, Backends(unavailable={GENERATOR_ID: "failed to load"}))
+
+
+def test_health_and_version_need_no_api_key():
+    async def main(c):
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.get("/version")).status_code == 200
+        assert (await c.post("/tokenize", json={"prompt": "a"})).status_code == 401
+    run(main, backends(with_translator=False), api_keys=["k"])
