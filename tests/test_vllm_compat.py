@@ -74,6 +74,20 @@ def test_version_and_health():
     run(down, Backends(unavailable={GENERATOR_ID: "failed to load"}))
 
 
+def test_health_is_503_while_starting():
+    from service.startup import Startup
+
+    starting = Startup()
+    starting.set("loading weights")
+
+    async def main(c):
+        r = await c.get("/health")
+        assert r.status_code == 503 and r.headers["retry-after"]
+        starting.done()
+        assert (await c.get("/health")).status_code == 200
+    run(main, backends(with_translator=False), startup=starting)
+
+
 def test_health_and_version_need_no_api_key():
     async def main(c):
         assert (await c.get("/health")).status_code == 200
