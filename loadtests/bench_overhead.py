@@ -175,7 +175,8 @@ def service_phase(args) -> tuple[dict, float]:
 # --- driver --------------------------------------------------------------------------------------
 
 def tiny_config(base: Path, tmp: Path) -> Path:
-    """The base config pointed at random tiny checkpoints (validation runs): translator off."""
+    """The base config pointed at random tiny checkpoints (validation runs): translator off, and the
+    decode step eager (compiling it took longer than the whole rest of a validation run)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from serve_fixture import TEMPLATE, tiny_checkpoints
 
@@ -183,7 +184,7 @@ def tiny_config(base: Path, tmp: Path) -> Path:
     config = yaml.safe_load(base.read_text())
     a = config["applications"][0]["args"]
     a["generator"].update(checkpoint=str(gen), chat_template=TEMPLATE)
-    a["generator"]["engine"]["max_seq_len"] = 128
+    a["generator"]["engine"].update(max_seq_len=128, compile=False)
     a["translator"] = {"enabled": False}
     out = tmp / "serve_config.tiny.yaml"
     out.write_text(yaml.safe_dump(config))
