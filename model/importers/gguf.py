@@ -7,11 +7,17 @@ Q/K row permutation (it reorders each head's rows for its interleaved RoPE; we u
 plain metadata for `model.bpe_tokenizer.BPETokenizer.from_gguf_metadata`.
 
 Anything we cannot represent faithfully (another architecture, a quantization type we do not
-dequantize, a truncated file, a missing tensor) raises `GGUFImportError` naming it.
+dequantize, a truncated file, a missing or unused tensor) raises `GGUFImportError` naming it, and so
+does a corrupted header: lengths past the end of the file, tensors not packed the way llama.cpp
+requires, metadata of the wrong type or an impossible size.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
+import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,20 +43,136 @@ class GGUFModel:
     name: str = ""
 
 
+# GGUF metadata value types (gguf.GGUFValueType) and the bytes a scalar of each takes
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_INT_TYPES = {0, 1, 2, 3, 4, 5, 10, 11}
+_FLOAT_TYPES = {6, 12}
+_MIN_KV_BYTES = 8 + 4 + 1  # empty key, type, one-byte value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # empty name, n_dims = 0, type, offset
+GGML_MAX_DIMS = 4
+
+
+class _HeaderWalk:
+    """Bounds-checked walk over a GGUF header, run before gguf-py's reader sees the file: the reader
+    trusts counts and lengths, so one flipped bit in an array length makes it loop past the end of the
+    file, growing a list until memory runs out."""
+
+    def __init__(self, buf, path: Path):
+        self.buf, self.path, self.pos, self.order = buf, path, 0, "<"
+
+    def fail(self, what: str):
+        raise GGUFImportError(f"{self.path}: truncated or corrupt GGUF header ({what} at byte {self.pos})")
+
+    def take(self, n: int, what: str) -> int:
+        if n > len(self.buf) - self.pos:
+            self.fail(f"{what} needs {n} bytes, file has {len(self.buf) - self.pos} left")
+        self.pos += n
+        return self.pos - n
+
+    def uint(self, size: int, what: str) -> int:
+        return struct.unpack_from(self.order + {4: "I", 8: "Q"}[size], self.buf, self.take(size, what))[0]
+
+    def text(self, what: str) -> str:
+        n = self.uint(8, f"{what} length")
+        start = self.take(n, what)
+        try:
+            return self.buf[start:start + n].decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"{what} is not UTF-8")
+
+    def skip_value(self, vtype: int, key: str) -> None:
+        if vtype in _SCALAR_SIZES:
+            self.take(_SCALAR_SIZES[vtype], key)
+        elif vtype == _STRING:
+            self.take(self.uint(8, f"{key} length"), key)
+        elif vtype == _ARRAY:
+            itype, count = self.uint(4, f"{key} item type"), self.uint(8, f"{key} count")
+            if itype in _SCALAR_SIZES:
+                self.take(count * _SCALAR_SIZES[itype], f"{key} ({count} items)")
+                return
+            if itype not in (_STRING, _ARRAY):
+                self.fail(f"metadata key {key!r} has arrays of unknown type {itype}")
+            if count * (8 if itype == _STRING else 12) > len(self.buf) - self.pos:  # each item's least size
+                self.fail(f"metadata key {key!r} claims {count} items, more than the file holds")
+            for _ in range(count):
+                self.skip_value(itype, key)
+        else:
+            self.fail(f"metadata key {key!r} has unknown value type {vtype}")
+
+    def walk(self) -> None:
+        if self.buf[:4] != b"GGUF":
+            self.fail("magic is not GGUF")
+        self.pos = 4
+        version = self.uint(4, "version")
+        if version & 0xFFFF == 0:  # written on a big-endian machine; gguf-py reads those too
+            self.order = ">"
+            version = struct.unpack_from(">I", self.buf, 4)[0]
+        if version not in (2, 3):
+            self.fail(f"GGUF version {version} is not supported")
+        n_tensors, n_kv = self.uint(8, "tensor count"), self.uint(8, "metadata count")
+        if n_tensors * _MIN_TENSOR_INFO_BYTES + n_kv * _MIN_KV_BYTES > len(self.buf) - self.pos:
+            self.fail(f"{n_tensors} tensors and {n_kv} metadata keys cannot fit in the file")
+        for _ in range(n_kv):
+            key = self.text("metadata key")
+            self.skip_value(self.uint(4, f"{key} type"), key)
+        for _ in range(n_tensors):
+            name = self.text("tensor name")
+            n_dims = self.uint(4, f"tensor {name} dimension count")
+            if n_dims > GGML_MAX_DIMS:
+                self.fail(f"tensor {name} has {n_dims} dimensions, at most {GGML_MAX_DIMS} allowed")
+            self.take(8 * n_dims + 4 + 8, f"tensor {name} dimensions, type and offset")
+
+
+def _check_header(path: Path) -> None:
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                raise GGUFImportError(f"{path}: truncated or corrupt GGUF header (empty file)")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                _HeaderWalk(buf, path).walk()
+    except OSError as e:
+        raise GGUFImportError(f"{path}: cannot read ({e})") from None
+
+
+def _check_tensor_layout(reader, path: Path, size: int) -> None:
+    """Tensors must be packed in file order, each starting at the previous one's aligned end (llama.cpp
+    refuses a file otherwise), and the file must end with the last one. That ties every tensor's offset,
+    shape and type to its neighbours', so a corrupted one cannot silently read another tensor's bytes."""
+    from gguf import GGML_QUANT_SIZES
+
+    align = int(reader.alignment)
+    expected = 0
+    end = reader.data_offset
+    for t in reader.tensors:
+        block, _ = GGML_QUANT_SIZES[t.tensor_type]
+        if len(t.shape) and int(t.shape[0]) % block:
+            raise GGUFImportError(f"{path}: tensor {t.name} rows of {int(t.shape[0])} are not a whole number "
+                                  f"of {t.tensor_type.name} blocks ({block})")
+        offset = t.data_offset - reader.data_offset
+        if offset != expected:
+            raise GGUFImportError(f"{path}: tensor {t.name} data at offset {offset}, expected {expected} "
+                                  "(after the previous tensor)")
+        end = t.data_offset + int(t.n_bytes)
+        if end > size:
+            raise GGUFImportError(f"{path}: truncated: tensor {t.name} needs bytes up to {end}, file has {size}")
+        expected = -(-(offset + int(t.n_bytes)) // align) * align
+    if reader.tensors and size > reader.data_offset + expected:
+        raise GGUFImportError(f"{path}: {size - end} bytes after the last tensor's data; "
+                              "a tensor's shape or type does not match the file")
+
+
 def _open(path: Path):
     from gguf import GGUFReader
 
     if not path.is_file():
         raise GGUFImportError(f"GGUF file not found: {path}")
+    _check_header(path)
     try:
         reader = GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError/IndexError/struct errors on a cut-off header
         raise GGUFImportError(f"{path}: truncated or corrupt GGUF header ({type(e).__name__}: {e})") from None
-    size = path.stat().st_size
-    for t in reader.tensors:
-        end = t.data_offset + int(t.n_bytes)
-        if end > size:
-            raise GGUFImportError(f"{path}: truncated: tensor {t.name} needs bytes up to {end}, file has {size}")
+    _check_tensor_layout(reader, path, path.stat().st_size)
     return reader
 
 
@@ -64,6 +186,27 @@ def _meta(reader, key: str, default=None):
 def read_metadata(reader, path: Path) -> dict:
     """All scalar/array metadata as Python values."""
     return {k: _meta(reader, k) for k in reader.fields}
+
+
+# the keys we read, by the kind of value they must hold; llama.cpp refuses a key of another type too
+_INT_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+             "attention.head_count_kv", "rope.dimension_count", "vocab_size")
+_FLOAT_KEYS = ("rope.freq_base", "attention.layer_norm_rms_epsilon")
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
+
+
+def check_metadata_types(reader, path: Path) -> None:
+    """A flipped type tag makes a float decode as an integer of the same width (or the reverse): a
+    plausible-looking, wrong value. Refuse any key we use whose type is not the kind it must be."""
+    arch = _meta(reader, "general.architecture")
+    wanted = {**{f"{arch}.{k}": ("an integer", _INT_TYPES) for k in _INT_KEYS},
+              **{f"{arch}.{k}": ("a float", _FLOAT_TYPES) for k in _FLOAT_KEYS},
+              **{f"tokenizer.ggml.{k}": ("an integer", _INT_TYPES) for k in _TOKEN_ID_KEYS}}
+    for key, (kind, types) in wanted.items():
+        f = reader.fields.get(key)
+        if f is not None and (len(f.types) != 1 or int(f.types[0]) not in types):
+            raise GGUFImportError(f"{path}: metadata key {key!r} has type "
+                                  f"{'/'.join(t.name for t in f.types)}, expected {kind}")
 
 
 MAX_CONTEXT = 1 << 20
@@ -80,22 +223,31 @@ def config_from_metadata(meta: dict, path: Path) -> DecoderConfig:
             raise GGUFImportError(f"{path}: metadata key {full!r} missing")
         return meta[full]
 
-    n_heads = int(need("attention.head_count"))
-    d_model = int(need("embedding_length"))
+    sizes = {key: int(need(key)) for key in
+             ("attention.head_count", "embedding_length", "block_count", "feed_forward_length")}
+    # no vocab_size key: the tokenizer's token list gives it, if the file has one
+    sizes["vocab_size"] = int(meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []))
+    for key, value in sizes.items():
+        if value <= 0:
+            raise GGUFImportError(f"{path}: {arch}.{key} is {value}, expected a positive size")
+    n_heads, d_model = sizes["attention.head_count"], sizes["embedding_length"]
     head_dim = int(meta.get(f"{arch}.rope.dimension_count", d_model // n_heads))
     if head_dim != d_model // n_heads:
         raise GGUFImportError(f"{path}: partial rotary (rope dims {head_dim} != head dim {d_model // n_heads}) "
                               "is not supported")
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
     context = int(need("context_length"))
     if not 0 < context <= MAX_CONTEXT:  # the RoPE table is allocated for the whole context
         raise GGUFImportError(f"{path}: context_length {context} outside 1..{MAX_CONTEXT}")
+    eps = float(need("attention.layer_norm_rms_epsilon"))
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    for key, value in (("attention.layer_norm_rms_epsilon", eps), ("rope.freq_base", theta)):
+        if not (math.isfinite(value) and value > 0):
+            raise GGUFImportError(f"{path}: {arch}.{key} is {value}, expected a positive finite number")
     return DecoderConfig(
-        vocab_size=int(vocab), d_model=d_model, n_layers=int(need("block_count")), n_heads=n_heads,
+        vocab_size=sizes["vocab_size"], d_model=d_model, n_layers=sizes["block_count"], n_heads=n_heads,
         n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
-        d_ff=int(need("feed_forward_length")), max_seq_len=context,
-        norm="rmsnorm", norm_eps=float(need("attention.layer_norm_rms_epsilon")), positions="rope",
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)), mlp="swiglu",
+        d_ff=sizes["feed_forward_length"], max_seq_len=context,
+        norm="rmsnorm", norm_eps=eps, positions="rope", rope_theta=theta, mlp="swiglu",
         attn_bias=False, mlp_bias=False, norm_bias=False,
         tie_embeddings=True,  # corrected below when the file has its own output.weight
         bos_id=meta.get("tokenizer.ggml.bos_token_id"), eos_id=meta.get("tokenizer.ggml.eos_token_id"),
@@ -137,14 +289,17 @@ def _tensors(reader, path: Path) -> dict[str, torch.Tensor]:
 def state_from_gguf_tensors(g: dict[str, torch.Tensor], cfg: DecoderConfig, path: Path) -> dict[str, torch.Tensor]:
     """llama.cpp tensor names -> our DecoderLM parameter names (fused qkv and gate_up)."""
 
+    used = set()
+
     def take(name):
         if name not in g:
             raise GGUFImportError(f"{path}: tensor {name!r} missing")
+        used.add(name)
         return g[name]
 
     sd = {"embed.weight": take("token_embd.weight"), "norm.weight": take("output_norm.weight")}
     if "output.weight" in g:
-        sd["lm_head.weight"] = g["output.weight"]
+        sd["lm_head.weight"] = take("output.weight")
     for i in range(cfg.n_layers):
         p, q = f"blk.{i}.", f"blocks.{i}."
         wq = unpermute_qk(take(p + "attn_q.weight"), cfg.n_heads)  # (H*D, d)
@@ -155,6 +310,10 @@ def state_from_gguf_tensors(g: dict[str, torch.Tensor], cfg: DecoderConfig, path
         sd[q + "mlp_norm.weight"] = take(p + "ffn_norm.weight")
         sd[q + "mlp.gate_up.weight"] = torch.cat([take(p + "ffn_gate.weight"), take(p + "ffn_up.weight")], 0)
         sd[q + "mlp.down.weight"] = take(p + "ffn_down.weight")
+    unused = sorted(set(g) - used)
+    if unused:  # e.g. a corrupted block_count, or rope_freqs.weight, which this model cannot apply
+        raise GGUFImportError(f"{path}: tensors {unused[:5]} (of {len(unused)}) are not used by a "
+                              f"{cfg.n_layers}-layer llama model")
     return sd
 
 
@@ -188,6 +347,7 @@ def _load_gguf(path: Path) -> GGUFModel:
     import dataclasses
 
     reader = _open(path)
+    check_metadata_types(reader, path)
     meta = read_metadata(reader, path)
     cfg = config_from_metadata(meta, path)
     g = _tensors(reader, path)
