@@ -165,7 +165,7 @@ def test_check_compiled_translator(home):
 # --- compare_llamacpp ------------------------------------------------------------------------------
 
 FAKE_LLAMA_SERVER = """#!{python}
-# stands in for llama.cpp's llama-server: the tiny attnserve app on the --port it is given, plus /health
+# stands in for llama.cpp's llama-server: the tiny attnserve app (with a /health) on the --port it is given
 import argparse, json, sys
 sys.path[:0] = [{root!r}, {tests!r}]
 with open({argv_log!r}, "w") as f:
@@ -179,7 +179,8 @@ from api_util import backends
 from service.api.app import create_app
 torch.set_num_threads(1)
 app = create_app(backends(), manage_engines=True)
-app.get("/health")(lambda: {{"status": "ok"}})
+if not any(getattr(r, "path", None) == "/health" for r in app.routes):  # llama-server's health check
+    app.get("/health")(lambda: {{"status": "ok"}})
 uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 """
 
