@@ -119,6 +119,16 @@ class BPETokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self.tk.id_to_token(int(i))
 
+    def token_bytes(self) -> list[bytes]:
+        """Every id's bytes as they appear in decoded text, for grammar libraries that match output
+        bytes against the vocabulary (special tokens: their name's UTF-8; `special_ids` tells them apart)."""
+        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+        out = []
+        for i in range(self.vocab_size):
+            t = self.id_to_token(i) or ""
+            out.append(bytes(byte_of[c] for c in t) if set(t) <= byte_of.keys() else t.encode("utf-8"))
+        return out
+
     @property
     def special_ids(self) -> set[int]:
         names = self.config.get("additional_special_tokens") or []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import string
 
 import torch
@@ -32,6 +33,14 @@ class CharTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.stoi.get(token)
 
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes in decoded text (specials: their name), as BPETokenizer gives them."""
+        return [s.encode() for s in self.itos]
+
+    @property
+    def special_ids(self) -> set[int]:
+        return set(range(len(SPECIALS)))
+
     def save(self, directory) -> None:
         raise NotImplementedError("test tokenizer")
 
@@ -46,9 +55,10 @@ def _sharpen(model: torch.nn.Module, scale: float) -> torch.nn.Module:
     return model.eval()
 
 
-def tiny_llama(seed: int = 0) -> DecoderLM:
+def tiny_llama(seed: int = 0, vocab_size: int = TINY_LLAMA.vocab_size) -> DecoderLM:
+    """vocab_size 100 with CharTokenizer(100) has every printable character ('}', '~' and ' ' too)."""
     torch.manual_seed(seed)
-    return _sharpen(DecoderLM(TINY_LLAMA), 20.0)
+    return _sharpen(DecoderLM(dataclasses.replace(TINY_LLAMA, vocab_size=vocab_size)), 20.0)
 
 
 def tiny_seq2seq(seed: int = 0) -> EncoderDecoder:

@@ -12,6 +12,8 @@ A request for n choices is admitted with n slots at once; its first sequence pre
 the others get a copy of that K/V and sample their first token from the same logits (`_prompt_done`).
 Requests that ask for log-probabilities get them here, computed only for their rows
 (service/engine/logprobs.py); a request scoring its prompt prefills alone with every position's logits.
+A request with a JSON schema has a grammar matcher per choice: its rows' logits are masked before
+sampling and it stops when the JSON is complete (service/engine/structured.py); other rows pay nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from service.engine.loop import EngineLoop
 from service.engine.sampling import make_generator, sample_next
 from service.engine.stats import EngineStats, MetricsSink
 from service.engine.stopping import StopMatcher
+from service.engine.structured import GrammarError, Grammars, apply_bitmask
 from service.engine.types import (
     EngineOverloaded,
     GenerateRequest,
@@ -73,6 +76,7 @@ class _Seq:
     pending_fork: bool = False  # holds a slot, waiting for the K/V of the choice that prefills
     prompt_lp: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs: filled by prefill
     cum_logprob: float = 0.0  # with params.logprobs: sum over the sampled tokens
+    matcher: object | None = None  # with params.json_schema: this choice's grammar state
 
 
 @dataclass
@@ -95,6 +99,7 @@ class GenerationEngine(EngineLoop):
         self.cache = model.new_cache(config.max_slots, config.max_seq_len, dtype=config.kv_torch_dtype)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
+        self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_ids)
 
     def _compile(self) -> CompiledDecoder:
         compiled = CompiledDecoder(self.model, self.cache)
@@ -155,6 +160,9 @@ class GenerationEngine(EngineLoop):
                 raise RequestRejected(f"{name} must be in [0, {self.vocab_size}], got {k}")
         if not 1 <= req.n <= self.max_choices:
             raise RequestRejected(f"n={req.n}: each choice needs a KV slot; this engine has {self.max_choices}")
+        if p.json_schema is not None and p.ignore_eos:
+            raise RequestRejected("ignore_eos cannot be combined with a JSON schema: the output ends when the "
+                                  "JSON is complete")
 
     def submit(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
         """Queue a request (raises RequestRejected / EngineOverloaded / EngineStopped right here)
@@ -167,11 +175,14 @@ class GenerationEngine(EngineLoop):
         now = time.monotonic()
         limit = req.deadline_s if req.deadline_s is not None else self.config.default_deadline_s
         p, queue, prompt = req.params, asyncio.Queue(), list(req.prompt_ids)
+        matchers = [self.grammars.compile(p.json_schema) if p.json_schema is not None else None
+                    for _ in range(req.n)]
         group = [_Seq(req=req, prompt=prompt, params=p, queue=queue,
                       detok=IncrementalDetokenizer(self.tokenizer, skip_ids=self.eos_ids),
                       stopper=StopMatcher(p.stop), generator=make_generator(None if p.seed is None else p.seed + i),
                       deadline=now + limit if limit is not None else None, t_submit=now, index=i,
-                      pending_fork=i > 0, prompt_lp=[None] if p.prompt_logprobs is not None else None)
+                      pending_fork=i > 0, prompt_lp=[None] if p.prompt_logprobs is not None else None,
+                      matcher=matchers[i])
                  for i in range(req.n)]
         for seq in group:
             seq.group = group
@@ -355,6 +366,9 @@ class GenerationEngine(EngineLoop):
         params = [s.params for s in rows]
         ask = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = x[ask] if ask else None  # (A, V) a copy: sampling changes x in place
+        constrained = [i for i, s in enumerate(rows) if s.matcher is not None]
+        if constrained:
+            apply_bitmask(x, constrained, self.grammars.fill([rows[i].matcher for i in constrained]))
         hist = [s.prompt + s.output if s.params.repetition_penalty != 1.0 else [] for s in rows]
         outs = [s.output if s.params.presence_penalty or s.params.frequency_penalty else [] for s in rows]
         toks = sample_next(x, params, [s.generator for s in rows], hist, outs)
@@ -365,7 +379,12 @@ class GenerationEngine(EngineLoop):
                 lps[i] = lp
         now = time.monotonic()
         for seq, tok, lp in zip(rows, toks, lps, strict=True):
-            self._on_token(seq, tok, now, lp)
+            try:
+                complete = seq.matcher is not None and self.grammars.advance(seq.matcher, tok)
+            except GrammarError as e:  # the vocabulary cannot spell what the grammar needs next
+                seq.done = ("error", f"[structured output: {e}]", [], None)
+                continue
+            self._on_token(seq, tok, now, lp, complete)
         return scored + rows
 
     def _prompt_done(self, seq: _Seq) -> list[_Seq]:
@@ -384,9 +403,11 @@ class GenerationEngine(EngineLoop):
                 c.done = ("length", "", [], None)
         return choices
 
-    def _on_token(self, seq: _Seq, tok: int, now: float, lp: TokenLogprob | None = None) -> None:
+    def _on_token(self, seq: _Seq, tok: int, now: float, lp: TokenLogprob | None = None,
+                  complete: bool = False) -> None:
         """Append a sampled token and stage its event in `seq.outbox` (worker thread: asyncio
-        queues are not thread-safe, so `_deliver` moves the events to the queue on the event loop)."""
+        queues are not thread-safe, so `_deliver` moves the events to the queue on the event loop).
+        `complete`: the token completed the request's grammar, so nothing but end-of-sequence could follow."""
         seq.output.append(tok)
         if len(seq.output) == 1:
             self.sink.on_first_token(self.name, seq.t_admit - seq.t_submit, now - seq.t_submit)
@@ -404,9 +425,9 @@ class GenerationEngine(EngineLoop):
         text, hit = seq.stopper.push(seq.detok.push(tok))
         if hit:
             seq.done = ("stop", text, [tok], lps)
-        elif len(seq.output) >= seq.params.max_new_tokens:
+        elif complete or len(seq.output) >= seq.params.max_new_tokens:
             tail, hit = self._tail(seq)
-            seq.done = ("stop" if hit else "length", text + tail, [tok], lps)
+            seq.done = ("stop" if hit or complete else "length", text + tail, [tok], lps)
         else:
             seq.outbox.append(GenerationEvent(text=text, token_ids=[tok], index=seq.index, logprobs=lps))
 

@@ -56,6 +56,9 @@ class SamplingParams:
     # None = not computed; k >= 0 = each sampled token's and the k most likely alternatives
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (scoring)
+    # structured output: the text must be JSON valid against this schema ({"type": "object"} for any
+    # object), enforced by a token mask (service/engine/structured.py); the output ends when it is complete
+    json_schema: dict | None = None
 
 
 @dataclass

@@ -1,0 +1,130 @@
+"""Structured output: a JSON schema as a token mask for the rows that ask (llguidance).
+
+llguidance was chosen over xgrammar and outlines-core by measurement (docs/performance.md, "Structured
+output"): a schema compiles in about a millisecond instead of seconds, and its per-step masks cost the
+least. Its vocabulary is built from our tokenizer's own bytes (`token_bytes()`), never from a hub download.
+
+One `Grammars` per engine. `compile` (any thread) turns a schema into a template matcher, cached by the
+schema's text; each choice of a request gets its own copy. On the worker thread, a step fills the
+bitmasks of its constrained rows in one parallel call, masks only those rows' logits, and advances each
+matcher with its sampled token; unconstrained rows cost nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from service.engine.types import RequestRejected
+
+# compact JSON: no free whitespace, so a small model cannot loop on blanks, and no tokens spent on it
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+JSON_OBJECT = {"type": "object"}  # OpenAI's JSON mode: any JSON object
+CACHE_SIZE = 128  # compiled schemas kept
+
+
+def schema_key(schema: dict) -> str:
+    """The cache key of a schema: its canonical JSON text."""
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+class GrammarError(Exception):
+    """A sampled token the grammar refused (its mask allowed no token at all): the row cannot go on."""
+
+
+class Grammars:
+    """Compiled JSON-schema grammars over one tokenizer's vocabulary, and their per-step masks."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: set[int]):
+        self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, sorted(stop_ids)
+        self._lock = threading.Lock()
+        self._ll = None  # (llguidance module, LLTokenizer, LLExecutor), built on first use
+        self._cache: OrderedDict[str, object] = OrderedDict()
+        self._words = (vocab_size + 31) // 32  # int32 words per row of a bitmask
+
+    def _setup(self):
+        with self._lock:
+            if self._ll is None:
+                import llguidance
+
+                tok, eos = self.tokenizer, self.stop_ids[0]
+                if not hasattr(tok, "token_bytes"):
+                    raise RequestRejected(f"structured output needs the tokenizer's vocabulary as bytes; "
+                                          f"{type(tok).__name__} does not provide token_bytes()")
+                tokens = tok.token_bytes()[: self.vocab_size]
+                tokens += [b""] * (self.vocab_size - len(tokens))  # ids the tokenizer lacks: never allowed
+                specials = sorted(set(getattr(tok, "special_ids", ())) | set(self.stop_ids))
+
+                class Vocabulary:  # the attributes llguidance.TokenizerWrapper reads
+                    eos_token_id, bos_token_id = eos, None
+                    special_token_ids = specials
+
+                    def __call__(self, s: bytes) -> list[int]:
+                        return tok.encode(s.decode("utf-8", "ignore"))
+
+                Vocabulary.tokens = tokens
+                lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary()), n_vocab=self.vocab_size,
+                                               eos_token=self.stop_ids)
+                self._ll = (llguidance, lltok, llguidance.LLExecutor())
+        return self._ll
+
+    def compile(self, schema: dict):
+        """A fresh matcher for `schema` (cached: copies are cheap), or RequestRejected naming the problem."""
+        if not self.stop_ids:
+            raise RequestRejected("structured output needs an end-of-sequence token; this model has none")
+        key = schema_key(schema)
+        with self._lock:
+            template = self._cache.get(key)
+            if template is not None:
+                self._cache.move_to_end(key)
+        if template is None:
+            ll, lltok, _ = self._setup()
+            try:
+                grammar = ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            except ValueError as e:
+                raise RequestRejected(f"invalid JSON schema: {e}") from None
+            template = ll.LLMatcher(lltok, grammar, log_level=0)  # builds the lexer: the costly part
+            if template.is_error():
+                raise RequestRejected(f"JSON schema not supported: {template.get_error()}")
+            with self._lock:
+                self._cache[key] = template
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        return template.deep_copy()
+
+    def fill(self, matchers: list) -> torch.Tensor:
+        """The next-token bitmask of each matcher: (R, ceil(V / 32)) int32, bit set = allowed."""
+        _, _, executor = self._ll
+        bitmask = torch.empty(len(matchers), self._words, dtype=torch.int32)
+        executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+                                         self._words * 4, len(matchers))
+        return bitmask
+
+    def advance(self, matcher, token: int) -> bool:
+        """Consume a sampled token; True when the grammar is complete (only end-of-sequence could follow).
+        Raises GrammarError when the matcher refuses it."""
+        if token in self.stop_ids:
+            # a mask that nothing else can pass still lets end-of-sequence through: complete only if accepting
+            if not matcher.is_accepting():
+                raise GrammarError("the vocabulary has no token for what the schema requires next")
+            return True
+        if not matcher.consume_token(token):
+            raise GrammarError(matcher.get_error() or f"token {token} not allowed")
+        if not matcher.is_stopped():
+            return False
+        if not matcher.is_accepting():  # stopped short: no token of the vocabulary spells what must follow
+            raise GrammarError("the vocabulary has no token for what the schema requires next")
+        return True
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """logits (N, V) in place: the listed rows keep only the tokens their bitmask row allows."""
+    v = logits.shape[1]
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :v]  # (R, V) 0/1
+    allowed = torch.from_numpy(bits).view(torch.bool).to(logits.device)
+    idx = torch.tensor(rows, device=logits.device)
+    logits[idx] = torch.where(allowed, logits[idx], torch.tensor(float("-inf"), device=logits.device))

@@ -1,0 +1,51 @@
+"""BPETokenizer.token_bytes(): each id's bytes as they appear in decoded text (what grammar libraries match
+against), on a tiny byte-level vocabulary; and llguidance's view of it built by service/engine/structured.py."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import pre_tokenizers
+
+from model.bpe_tokenizer import BPETokenizer
+from service.engine.structured import Grammars
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "l l", "he ll", "Ġ w", "Ġw o", "ä ½"]
+TEXTS = ["hello world", "  two  spaces", "你好 😀 café", "<|im_start|>user\nhi<|im_end|>", "{\"a\": [1, 2]}"]
+
+
+@pytest.fixture(scope="module")
+def tok() -> BPETokenizer:
+    chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = SPECIALS + chars + [m.replace(" ", "") for m in MERGES]
+    meta = {"model": "gpt2", "tokens": tokens, "token_type": [3, 3, 3] + [1] * (len(tokens) - 3),
+            "merges": MERGES, "bos_token_id": 1, "eos_token_id": 2}
+    return BPETokenizer.from_gguf_metadata(meta)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_bytes_of_the_ids_spell_the_text(tok, text):
+    table = tok.token_bytes()
+    assert b"".join(table[i] for i in tok.encode(text)) == text.encode("utf-8")
+
+
+def test_every_byte_once_merges_and_specials(tok):
+    table = tok.token_bytes()
+    assert len(table) == tok.vocab_size
+    assert table[:3] == [s.encode() for s in SPECIALS] and tok.special_ids == {0, 1, 2}
+    assert sorted(table[3:259]) == [bytes([b]) for b in range(256)]
+    assert table[259:] == [b"he", b"ll", b"hell", b" w", b" wo", "你".encode()[:2]]  # a partial character too
+
+
+def test_a_grammar_over_it_spells_json_and_never_a_special_token(tok):
+    g = Grammars(tok, tok.vocab_size, tok.stop_ids())
+    m = g.compile({"type": "object", "properties": {"hello": {"const": "wo"}}, "required": ["hello"]})
+    ids = tok.encode('{"hello":"wo"}')
+    assert m.consume_tokens(ids) and m.is_accepting()
+    m = g.compile({"type": "string"})
+    assert m.consume_tokens(tok.encode('"'))
+    word = g.fill([m])[0]
+    allowed = {i for i in range(tok.vocab_size) if (int(word[i // 32]) >> (i % 32)) & 1}
+    table = tok.token_bytes()
+    assert {table.index(b"hell"), table.index(b" wo"), table.index(b'"')} <= allowed
+    assert not allowed & {0, 1, 2}  # inside a string: no special token, no end of sequence
