@@ -1,5 +1,6 @@
 """What the server refuses, through the official `openai` SDK, streamed and not: a 400 that names the field
-and says what to change (tools, structured output, out-of-range logprobs, max_tokens 0 without echo)."""
+and says what to change (tools, out-of-range logprobs, max_tokens 0 without echo). Structured output's own
+refusals: tests/test_openai_sdk_structured.py."""
 
 from __future__ import annotations
 
@@ -7,17 +8,10 @@ import openai
 import pytest
 import torch
 from openai_sdk_util import MODEL, served
-from pydantic import BaseModel
 
 torch.set_num_threads(1)
 MSGS = [{"role": "user", "content": "Hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
-SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}
-
-
-class Answer(BaseModel):
-    city: str
-
 
 @pytest.fixture(scope="module")
 def client():
@@ -30,8 +24,6 @@ CHAT = [
     (dict(tools=[TOOL], tool_choice="auto"), "tools", "cannot call tools"),
     (dict(tool_choice="required"), "tool_choice", "cannot call tools"),
     (dict(functions=[TOOL["function"]]), "functions", "cannot call tools"),
-    (dict(response_format={"type": "json_object"}), "response_format", "json_object"),
-    (dict(response_format=SCHEMA), "response_format", "json_schema"),
     (dict(top_logprobs=2), "top_logprobs", "logprobs: true"),
     (dict(logprobs=True, top_logprobs=21), "top_logprobs", "20"),
     (dict(n=0), "n", "greater than or equal to 1"),
@@ -60,10 +52,7 @@ def test_completion_refusals_name_the_field(client, stream, kw, param, words):
     assert e.value.param == param and words in e.value.message
 
 
-def test_parse_with_a_pydantic_model_is_refused_and_text_format_served(client):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.parse(model=MODEL, messages=MSGS, max_tokens=2, response_format=Answer)
-    assert e.value.param == "response_format" and "structured output" in e.value.message
+def test_text_format_and_no_tool_choice_are_served(client):
     out = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2, response_format={"type": "text"},
                                          tool_choice="none")
     assert out.choices[0].finish_reason in ("length", "stop")

@@ -51,6 +51,11 @@ class GeneratorBackend:
     def submit(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
         return self.engine.submit(req)
 
+    def compile_schema(self, schema: dict) -> None:
+        """Compile a structured-output schema into the engine's cache (RequestRejected if unsupported);
+        blocking: call it from a worker thread."""
+        self.engine.grammars.compile(schema)
+
     async def start(self) -> None:
         await self.engine.start()
 

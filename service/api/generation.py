@@ -64,11 +64,14 @@ def build_request(gen: GeneratorBackend, body: Sampling, prompt_ids: list[int], 
                   repetition_penalty: float = 1.0, ignore_eos: bool = False, request_id: str = "",
                   n: int = 1, logprobs: int | None = None, prompt_logprobs: int | None = None,
                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                  logit_bias: dict[str, float] | None = None) -> GenerateRequest:
+                  logit_bias: dict[str, float] | None = None, json_schema: dict | None = None) -> GenerateRequest:
     """An engine request whose prompt + output fits the model's context, or a 400 naming the field."""
     stop = body.stop_list()
     check_stop(stop, limits)
     bias = logit_bias_ids(gen, logit_bias)
+    if json_schema is not None and ignore_eos:
+        raise ApiError(400, "ignore_eos cannot be combined with response_format: the output ends when the JSON "
+                            "is complete; remove one of them", "ignore_eos")
     if not prompt_ids:
         raise ApiError(400, f"{prompt_param} is empty", prompt_param)
     room = gen.max_context - len(prompt_ids)
@@ -83,7 +86,7 @@ def build_request(gen: GeneratorBackend, body: Sampling, prompt_ids: list[int], 
         temperature=body.temperature, top_k=top_k, top_p=body.top_p, repetition_penalty=repetition_penalty,
         stop=stop, seed=body.seed, ignore_eos=ignore_eos, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logit_bias=bias, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs)
+        prompt_logprobs=prompt_logprobs, json_schema=json_schema)
     return GenerateRequest(prompt_ids=prompt_ids, params=params, request_id=request_id, n=n)
 
 

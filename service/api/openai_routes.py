@@ -1,5 +1,6 @@
 """OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions (SSE, stream_options.include_usage,
-n choices, logprobs, echo, best_of), /v1/models. The official `openai` client works against these unchanged."""
+n choices, logprobs, echo, best_of, response_format), /v1/models. The official `openai` client works against
+these unchanged."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from service.api.generation import build_request, check_choices, check_prompt, e
 from service.api.logprob_format import CompletionLogprobs, TokenTexts, chat_content, merge, output_pairs, prompt_pairs
 from service.api.schemas import ChatCompletionBody, CompletionBody
 from service.api.streaming import collect, sse_stream, unless_disconnected
+from service.api.structured import response_schema
 from service.api.unsupported import refuse_unsupported
 
 router = APIRouter(tags=["openai"])
@@ -89,10 +91,11 @@ async def completions(body: CompletionBody, request: Request):
     score_prompt = body.logprobs if body.echo and want_lp else (0 if body.max_tokens == 0 else None)
     ids = gen.encode_prompt(prompt)
     rid = new_id("cmpl")
+    schema = await response_schema(gen, body.response_format)
     req = build_request(gen, body, ids, prompt_param="prompt", max_tokens=body.max_tokens,
                         default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, limits=limits,
                         ignore_eos=body.ignore_eos, request_id=rid, **_penalties(body), n=best_of, logprobs=track,
-                        prompt_logprobs=score_prompt)
+                        prompt_logprobs=score_prompt, json_schema=schema)
     events = gen.submit(req)
     texts = TokenTexts(gen.decode)
     echo = prompt if body.echo else ""
@@ -145,10 +148,12 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     ids = encode_messages(gen, body.messages, limits)
     track = (body.top_logprobs or 0) if body.logprobs else None
+    schema = await response_schema(gen, body.response_format)
     try:
         req = build_request(gen, body, ids, prompt_param="messages", max_tokens=max_tokens,
                             default_max_tokens=CHAT_DEFAULT_MAX_TOKENS, limits=limits,
-                            ignore_eos=body.ignore_eos, request_id=rid, **_penalties(body), n=body.n, logprobs=track)
+                            ignore_eos=body.ignore_eos, request_id=rid, **_penalties(body), n=body.n, logprobs=track,
+                            json_schema=schema)
     except ApiError as e:  # name the field the client actually sent
         if e.param == "max_tokens":
             e.param, e.message = param, e.message.replace("max_tokens", param)

@@ -6,6 +6,7 @@ Static bounds live here; configurable ones (`ApiLimits`: prompt length, list len
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -19,6 +20,7 @@ N_MAX = 128  # hard ceiling on n / best_of; ApiLimits.max_n tightens it
 LOGIT_BIAS_MAX = 300  # entries in logit_bias, as OpenAI allows
 COMPLETION_LOGPROBS_MAX = 5  # alternatives per token on /v1/completions, as OpenAI allows
 CHAT_TOP_LOGPROBS_MAX = 20  # alternatives per token on /v1/chat/completions, as OpenAI allows
+SCHEMA_MAX_CHARS = 64_000  # a response_format JSON schema, serialized
 
 
 def _valid_unicode(s: str) -> str:
@@ -92,6 +94,36 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Strict):
+    """OpenAI's response_format.json_schema. `strict` is accepted either way: the output always follows the
+    schema (a token mask, service/engine/structured.py)."""
+
+    name: Text = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: Text | None = Field(None, max_length=MAX_CHARS)
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")  # the field name `schema` is pydantic's
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _bounded(self) -> JsonSchemaFormat:
+        size = len(json.dumps(self.schema_))
+        if size > SCHEMA_MAX_CHARS:
+            raise ValueError(f"schema is {size} characters as JSON; the limit is {SCHEMA_MAX_CHARS}")
+        return self
+
+
+class ResponseFormat(Strict):
+    """OpenAI's response_format: text (the default), any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("give json_schema with type 'json_schema', and only then")
+        return self
+
+
 class OpenAIBase(Sampling):
     n: int = Field(1, ge=1, le=N_MAX)  # choices from one prefill; ApiLimits.max_n tightens it
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -100,6 +132,7 @@ class OpenAIBase(Sampling):
     logit_bias: dict[Annotated[str, Field(max_length=16)], Annotated[float, Field(ge=-100.0, le=100.0)]] | None = \
         Field(None, max_length=LOGIT_BIAS_MAX)
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None  # vLLM takes it on /v1/completions too
     user: Text | None = Field(None, max_length=256)
     ignore_eos: bool = False  # extension, as in vLLM: fixed-length outputs for benchmarks
 
@@ -136,7 +169,6 @@ class ChatCompletionBody(OpenAIBase):
     functions: list[Any] | None = Field(None, max_length=128)
     function_call: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeBody(Strict):

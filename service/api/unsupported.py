@@ -18,8 +18,3 @@ def refuse_unsupported(body: ChatCompletionBody) -> None:
         raise ApiError(400, f"functions: {NO_TOOLS}; remove 'functions'", "functions")
     if body.function_call not in (None, "none"):
         raise ApiError(400, f"function_call: {NO_TOOLS}; remove 'function_call'", "function_call")
-    rf = body.response_format
-    if rf is not None and rf.get("type") != "text":
-        kind = rf.get("type")
-        raise ApiError(400, f"response_format: type {kind!r} is not supported (no structured output yet); "
-                            f"remove 'response_format' or use {{\"type\": \"text\"}}", "response_format")
