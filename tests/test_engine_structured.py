@@ -14,7 +14,7 @@ from engine_util import CharTokenizer, tiny_llama
 
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
-from service.engine.structured import Grammars, apply_bitmask
+from service.engine.structured import Grammars, apply_bitmask, unpack_bits, unpack_bits_on
 from service.engine.types import GenerateRequest, RequestRejected, SamplingParams
 
 torch.set_num_threads(1)
@@ -93,6 +93,22 @@ def greedy_reference(schema: dict | None, prompt: list[int], steps: int) -> list
             if t == TOK.eos_id or (m is not None and g.advance(m, t)):
                 break
     return out
+
+
+def test_apply_bitmask_bans_exactly_the_unset_bits_on_the_listed_rows():
+    g = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32, generator=g)  # V = 100 < 4 * 32
+    bits = unpack_bits(bitmask, 100, torch.device("cpu"))
+    assert torch.equal(bits, unpack_bits_on(bitmask, 100))  # the accelerator path, run here on the CPU
+    expect = [[(int(bitmask[r, i // 32]) >> (i % 32)) & 1 for i in range(100)] for r in range(3)]
+    assert bits.tolist() == expect
+    logits = torch.randn(5, 100, generator=g)
+    out = logits.clone()
+    apply_bitmask(out, [0, 2, 3], bitmask)
+    for r, src in ((0, 0), (2, 1), (3, 2)):
+        keep = bits[src].bool()
+        assert torch.equal(out[r][keep], logits[r][keep]) and bool((out[r][~keep] == float("-inf")).all())
+    assert torch.equal(out[[1, 4]], logits[[1, 4]])
 
 
 def test_greedy_constrained_equals_masked_full_forward_and_validates():

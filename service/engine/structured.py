@@ -25,6 +25,7 @@ from service.engine.types import RequestRejected
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 JSON_OBJECT = {"type": "object"}  # OpenAI's JSON mode: any JSON object
 CACHE_SIZE = 128  # compiled schemas kept
+NEG_INF_BITS = -8388608  # 0xFF800000, float32 -inf, as an int32
 
 
 def schema_key(schema: dict) -> str:
@@ -121,10 +122,24 @@ class Grammars:
         return True
 
 
+def unpack_bits(bitmask: torch.Tensor, v: int, device: torch.device) -> torch.Tensor:
+    """(R, ceil(V / 32)) int32 on the CPU -> (R, V) int32 0/1 on `device`."""
+    if device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :v]
+                                ).to(torch.int32)
+    return unpack_bits_on(bitmask.to(device), v)  # the packed mask crosses, 32x smaller than the bits
+
+
+def unpack_bits_on(bitmask: torch.Tensor, v: int) -> torch.Tensor:
+    """The same with tensor ops on the bitmask's own device (accelerators)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1)[:, :v]
+
+
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
-    """logits (N, V) in place: the listed rows keep only the tokens their bitmask row allows."""
-    v = logits.shape[1]
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :v]  # (R, V) 0/1
-    allowed = torch.from_numpy(bits).view(torch.bool).to(logits.device)
-    idx = torch.tensor(rows, device=logits.device)
-    logits[idx] = torch.where(allowed, logits[idx], torch.tensor(float("-inf"), device=logits.device))
+    """float32 logits (N, V) in place: the listed rows keep only the tokens their bitmask row allows.
+    Adds 0 or -inf built from the bits by integer arithmetic: a masked_fill over a mask this irregular
+    does not vectorize on CPU."""
+    bits = unpack_bits(bitmask, logits.shape[1], logits.device)
+    bias = bits.sub_(1).bitwise_and_(NEG_INF_BITS).view(torch.float32)  # allowed 1 -> 0.0, banned 0 -> -inf
+    logits.index_add_(0, torch.tensor(rows, device=logits.device), bias)
