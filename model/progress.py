@@ -120,21 +120,24 @@ class PlainProgress:
 
     def update(self, n: float = 1) -> None:
         self.n += n
-        now = time.monotonic()
-        if now - self.last_print_t >= self.interval_s:
-            self._print(now)
+        self.refresh()
 
     def set_postfix(self, ordered_dict: Mapping | None = None, refresh: bool = True, **kwargs) -> None:
-        self.postfix = format_postfix(ordered_dict, **kwargs)
+        self.set_postfix_str(format_postfix(ordered_dict, **kwargs), refresh)
 
     def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
         self.postfix = str(s)
+        if refresh:
+            self.refresh()
 
     def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
         self.desc = desc or ""
 
     def refresh(self) -> None:
-        """Nothing: a line is due only when its interval has passed."""
+        """A line if one is due: callers that wait without updating (a subprocess) still show they live."""
+        now = time.monotonic()
+        if now - self.last_print_t >= self.interval_s:
+            self._print(now)
 
     def write(self, s: str, file=None, end: str = "\n") -> None:
         out = file if file is not None else sys.stdout
