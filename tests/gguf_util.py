@@ -14,8 +14,9 @@ def permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, model: DecoderLM, *, arch="llama", qtypes=None, skip=()):
-    """Write `model` as a llama.cpp-style GGUF. qtypes: tensor name -> quantization type (default F32)."""
+def write_tiny_gguf(path, model: DecoderLM, *, arch="llama", qtypes=None, skip=(), tokenizer=None):
+    """Write `model` as a llama.cpp-style GGUF. qtypes: tensor name -> quantization type (default F32);
+    tokenizer: byte-level BPE metadata (tokens, token_type, merges, eos_token_id), none by default."""
     c = model.cfg
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.n_layers)
@@ -27,6 +28,12 @@ def write_tiny_gguf(path, model: DecoderLM, *, arch="llama", qtypes=None, skip=(
     w.add_rope_freq_base(c.rope_theta)
     w.add_layer_norm_rms_eps(c.norm_eps)
     w.add_vocab_size(c.vocab_size)
+    if tokenizer:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(tokenizer["tokens"])
+        w.add_token_types(tokenizer["token_type"])
+        w.add_token_merges(tokenizer["merges"])
+        w.add_eos_token_id(tokenizer["eos_token_id"])
     sd = {k: v.detach().float() for k, v in model.state_dict().items()}
     q_dim, kv_dim = c.n_heads * c.dim_head, c.kv_heads * c.dim_head
     tensors = {"token_embd.weight": sd["embed.weight"], "output_norm.weight": sd["norm.weight"]}

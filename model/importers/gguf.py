@@ -274,9 +274,11 @@ def _dequantize(t, path: Path) -> torch.Tensor:
     return torch.from_numpy(arr.reshape(shape).copy())
 
 
-def _tensors(reader, path: Path) -> dict[str, torch.Tensor]:
+def _tensors(reader, path: Path, show_progress: bool = False) -> dict[str, torch.Tensor]:
+    from model.progress import progress
+
     out = {}
-    for t in reader.tensors:
+    for t in progress(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor", disable=not show_progress):
         try:
             out[t.name] = _dequantize(t, path)
         except GGUFImportError:
@@ -323,12 +325,13 @@ def tokenizer_metadata(meta: dict) -> dict:
     return {k: meta[f"tokenizer.ggml.{k}"] for k in keys if f"tokenizer.ggml.{k}" in meta}
 
 
-def load_gguf(path: str | Path) -> GGUFModel:
+def load_gguf(path: str | Path, show_progress: bool = False) -> GGUFModel:
     """Read and dequantize a GGUF file into our config + state dict (+ tokenizer metadata).
-    Any malformed content (truncated, corrupt metadata, inconsistent shapes) raises GGUFImportError."""
+    Any malformed content (truncated, corrupt metadata, inconsistent shapes) raises GGUFImportError.
+    `show_progress`: a bar (or plain lines) over the tensors, for a conversion a user waits on."""
     path = Path(path)
     try:
-        return _load_gguf(path)
+        return _load_gguf(path, show_progress)
     except GGUFImportError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError, ZeroDivisionError, OverflowError) as e:
@@ -343,14 +346,14 @@ def _expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
         return {k: tuple(v.shape) for k, v in DecoderLM(cfg).state_dict().items()}
 
 
-def _load_gguf(path: Path) -> GGUFModel:
+def _load_gguf(path: Path, show_progress: bool = False) -> GGUFModel:
     import dataclasses
 
     reader = _open(path)
     check_metadata_types(reader, path)
     meta = read_metadata(reader, path)
     cfg = config_from_metadata(meta, path)
-    g = _tensors(reader, path)
+    g = _tensors(reader, path, show_progress)
     if "output.weight" in g:
         cfg = dataclasses.replace(cfg, tie_embeddings=False)
     sd = state_from_gguf_tensors(g, cfg, path)
@@ -361,11 +364,11 @@ def _load_gguf(path: Path) -> GGUFModel:
                      meta.get("general.name") or path.stem)
 
 
-def gguf_to_decoder(path: str | Path):
+def gguf_to_decoder(path: str | Path, show_progress: bool = False):
     """(DecoderLM in fp32, GGUFModel) — the model with the file's weights loaded."""
     from model.decoder import DecoderLM
 
-    gm = load_gguf(path)
+    gm = load_gguf(path, show_progress)
     model = DecoderLM(gm.config)
     missing, unexpected = model.load_state_dict(gm.state_dict, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and gm.config.tie_embeddings)]

