@@ -178,7 +178,8 @@ def postprocess(text: str, lang: str) -> str:
 
 def punctuation_counts(text: str) -> tuple[int, int]:
     """(full-width marks, ASCII marks next to Chinese text) among , . : ; ? ! ( ) " in a Chinese text: the
-    share of full-width punctuation in Chinese outputs is sum(first) / sum(first + second)."""
+    share of full-width punctuation in Chinese outputs is sum(first) / sum(first + second). The point of
+    an Arabic ordinal opening the text ("30. 最后") is not counted: Chinese writes it "30." (GB/T 15834)."""
     full = sum(text.count(c) for c in "，。：；？！“”（）")
     ascii_ = 0
     chars = list(text)
@@ -186,6 +187,8 @@ def punctuation_counts(text: str) -> tuple[int, int]:
         if c in ',.:;?!()"':
             prev, nxt = chars[i - 1] if i else "", chars[i + 1] if i + 1 < len(chars) else ""
             if prev.isdigit() and nxt.isdigit():
+                continue
+            if c == "." and re.fullmatch(r"\s*\d{1,3}", text[:i]):
                 continue
             if _CJK.match(_neighbour(chars, i, -1) or "") or _CJK.match(_neighbour(chars, i, 1) or ""):
                 ascii_ += 1

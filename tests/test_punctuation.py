@@ -73,6 +73,7 @@ def test_punctuation_counts():
     assert punctuation_counts("我们，他们。") == (2, 0)
     assert punctuation_counts("我们,他们.") == (0, 2)
     assert punctuation_counts("价格3.5元") == (0, 0)  # a decimal point is not a punctuation mark
+    assert punctuation_counts("30. 最后,他走了") == (0, 1)  # nor the point of an ordinal; the comma is
     outputs = ["我们,他们.", "价格是3.5元,共1,000个.", "他说:\"你好\"", "(笑声)", "他买了 iPad."]
     before = [punctuation_counts(t) for t in outputs]
     after = [punctuation_counts(to_chinese_punctuation(t)) for t in outputs]
