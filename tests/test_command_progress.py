@@ -138,3 +138,63 @@ def test_a_progress_of_bytes_reads_in_megabytes():
     with pg.progress(desc="x", total=2_000_000, unit="B", unit_scale=True, tty=False, interval_s=0, file=out) as p:
         p.update(2_000_000)
     check_progress(out.getvalue(), "lines", "x", "B")
+
+
+# --- train translate -------------------------------------------------------------------------------
+
+EN = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+ZH = ["零", "一", "二", "三", "四", "五", "六", "七", "八", "九"]
+
+
+def digits_corpus(d: Path, sizes: dict[str, int]) -> Path:
+    """Pairs of digit words, "two five" / "二五", per split, where `data prepare translate` writes them."""
+    import random
+
+    rng = random.Random(0)
+    d.mkdir(parents=True, exist_ok=True)
+    for split, n in sizes.items():
+        with open(d / f"{split}.tsv", "w", encoding="utf-8") as f:
+            for _ in range(n):
+                idx = [rng.randrange(10) for _ in range(rng.randint(2, 5))]
+                f.write(" ".join(EN[i] for i in idx) + "\t" + "".join(ZH[i] for i in idx) + "\n")
+    return d
+
+
+@pytest.fixture
+def restore_torch():
+    """train sets its thread count and signal handlers."""
+    import signal
+
+    threads = torch.get_num_threads()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    torch.set_num_threads(threads)
+    for s, h in handlers.items():
+        signal.signal(s, h)
+
+
+def test_train_translate_steps_with_loss_tokens_per_second_and_dev_bleu(home, tmp_path, mode, capsys, restore_torch):
+    import json
+
+    digits_corpus(home / "data" / "translate", {"train": 200, "dev": 4})
+    recipe = tmp_path / "tiny.json"
+    recipe.write_text(json.dumps({
+        "model": {"d_model": 32, "n_encoder_layers": 1, "n_decoder_layers": 1, "n_heads": 2, "d_ff": 64,
+                  "dropout": 0.0, "max_src_len": 64, "max_tgt_len": 64},
+        "vocab_size": 320, "batch_tokens": 400, "warmup_steps": 5, "lr_factor": 0.3, "bf16": False, "threads": 1,
+        "max_steps": 10, "ckpt_minutes": 100, "eval_minutes": 0, "eval_sentences": 2, "log_every": 5,
+        "avg_last": 2}))
+    run = tmp_path / "run"
+    assert main(["train", "translate", "--config", str(recipe), "--run-dir", str(run), "--export-to",
+                 str(tmp_path / "export")]) == 0
+    out, err = capsys.readouterr()
+    check_progress(err, mode, "encoding pairs", "pair")
+    check_progress(err, mode, "train", "step")
+    figures = r"loss=[\d.]+, tok/s=\d+, BLEU zh2en=[\d.]+, BLEU en2zh=[\d.]+"
+    if mode == "bar":
+        assert re.search(rf"\rtrain: 100%\|.*\| 10/10 \[.*, {figures}\]", err), err
+    else:
+        assert re.search(rf"^train: 10/10 \(100%\) .*, ETA 00:00, {figures}$", err, re.M), err
+    logged = [json.loads(line) for line in (run / "train.log").read_text().splitlines()]  # the log as it was
+    assert [r["step"] for r in logged if "loss" in r] == [5, 10]
+    assert [json.loads(line) for line in out.splitlines() if line.startswith("{")] == logged  # and on stdout

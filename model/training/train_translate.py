@@ -24,9 +24,12 @@ import torch.nn.functional as F
 from model import paths
 from model.checkpoint import build_model, save_checkpoint
 from model.config import Seq2SeqConfig
+from model.progress import progress, write_line
 from model.tokenizer import SentencePieceTokenizer
 from model.training import translate_data
 from model.translation import LANGS, TAGS, encode_source, other
+
+NO_STEP_LIMIT = 10**9  # max_steps by default: the hour limit ends the run
 
 
 @dataclass
@@ -44,7 +47,7 @@ class TrainConfig:
     threads: int = 2
     seed: int = 1
     max_hours: float = 2.5
-    max_steps: int = 10**9
+    max_steps: int = NO_STEP_LIMIT
     ckpt_minutes: float = 5.0
     eval_minutes: float = 15.0
     eval_sentences: int = 200
@@ -70,7 +73,7 @@ def lr_at(step: int, d_model: int, warmup: int, factor: float) -> float:
 def make_examples(pairs, tok, max_len: int) -> list[tuple[list[int], list[int]]]:
     """Each (en, zh) pair gives two examples: <2en>+zh -> en and <2zh>+en -> zh."""
     ex = []
-    for en, zh in pairs:
+    for en, zh in progress(pairs, desc="encoding pairs", unit="pair"):
         for src, tgt, lang in ((zh, en, "en"), (en, zh, "zh")):
             s = encode_source(tok, src, lang)
             t = [tok.bos_id, *tok.encode(tgt), tok.eos_id]
@@ -209,7 +212,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
 
     def log(**kv):
         line = json.dumps({"time": round(time.time(), 1), **kv}, ensure_ascii=False)
-        print(line, flush=True)
+        write_line(line)  # above the progress bar, when one is drawn
         log_f.write(line + "\n")
         log_f.flush()
 
@@ -250,6 +253,8 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     last_ckpt = last_eval = time.time()
     t_start, secs0 = time.time(), meta["train_seconds"]
     win_tokens, win_t, win_loss, win_n = 0, time.time(), 0.0, 0
+    bar = progress(desc="train", unit="step", initial=meta["step"], total=stop_step(meta, cfg))
+    figures = {"loss": "-", "tok/s": "-"} | last_dev_bleu(run)  # the bar's postfix, from the first log line
     while not stop["flag"]:
         rng = random.Random(cfg.seed * 1000 + meta["epoch"])
         batches = make_batches(examples, cfg.batch_tokens, rng)
@@ -278,27 +283,64 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
             win_tokens += ntok
             win_loss += loss.item()
             win_n += 1
+            bar.update(1)
             if step % cfg.log_every == 0:
                 now = time.time()
                 log(step=step, epoch=meta["epoch"], loss=round(win_loss / win_n, 4), lr=round(lr, 6),
                     tok_per_s=round(win_tokens / (now - win_t)), hours=round((secs0 + now - t_start) / 3600, 3))
+                bar.total = stop_step(meta, cfg, steps_per_s=win_n / (now - win_t))
+                figures.update({"loss": round(win_loss / win_n, 3), "tok/s": round(win_tokens / (now - win_t))})
+                bar.set_postfix(figures)
                 win_tokens, win_t, win_loss, win_n = 0, now, 0.0, 0
             meta["train_seconds"] = secs0 + time.time() - t_start
             if time.time() - last_ckpt > cfg.ckpt_minutes * 60:
                 checkpoint(run, model, opt, meta, cfg)
                 last_ckpt = time.time()
             if time.time() - last_eval > cfg.eval_minutes * 60:
-                log(step=step, event="eval", **dev_bleu(model, tok, dev_pairs, cfg.eval_sentences))
+                bleu = dev_bleu(model, tok, dev_pairs, cfg.eval_sentences)
+                log(step=step, event="eval", **bleu)
+                figures.update(bleu_figures(bleu))
+                bar.set_postfix(figures)
                 last_eval = time.time()
             if finished(meta, cfg):
                 stop["flag"] = True
         if meta["batch_in_epoch"] >= len(batches):
             meta.update(epoch=meta["epoch"] + 1, batch_in_epoch=0)
+    bar.close()
     checkpoint(run, model, opt, meta, cfg)
     log(event="stopped", step=meta["step"], hours=round(meta["train_seconds"] / 3600, 3))
     if finished(meta, cfg) or export_to:
         export(run, model, tok, cfg, meta, export_to, log)
     return run
+
+
+def stop_step(meta: dict, cfg: TrainConfig, steps_per_s: float | None = None) -> int | None:
+    """The step the run will stop at, for the progress bar: max_steps, or sooner where max_hours comes
+    first at the current pace (None while there is no step limit and no pace yet)."""
+    by_steps = cfg.max_steps if cfg.max_steps < NO_STEP_LIMIT else None
+    if not steps_per_s:
+        return by_steps
+    by_hours = meta["step"] + round(max(0.0, cfg.max_hours * 3600 - meta["train_seconds"]) * steps_per_s)
+    return by_hours if by_steps is None else min(by_steps, by_hours)
+
+
+def bleu_figures(bleu: dict[str, float]) -> dict[str, float]:
+    """dev_bleu's {"bleu_zh2en": x, ...} as the progress bar shows them: {"BLEU zh2en": x, ...}."""
+    return {f"BLEU {k.removeprefix('bleu_')}": v for k, v in bleu.items()}
+
+
+def last_dev_bleu(run: Path) -> dict[str, float]:
+    """The latest dev BLEU a resumed run has logged, so its progress bar shows it before the next eval."""
+    found: dict[str, float] = {}
+    log = run / "train.log"
+    for line in log.read_text(encoding="utf-8").splitlines() if log.is_file() else []:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a crash
+            continue
+        if rec.get("event") == "eval":
+            found = bleu_figures({k: v for k, v in rec.items() if k.startswith("bleu_")})
+    return found
 
 
 def finished(meta: dict, cfg: TrainConfig) -> bool:
