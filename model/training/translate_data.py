@@ -65,12 +65,11 @@ def data_dir() -> Path:
     return paths.home() / "data" / "translate"
 
 
-def _progress(iterable, desc: str, total: int | None = None):
-    """tqdm on stderr; when stderr is not a terminal, a plain line every 10 s at most."""
-    from tqdm import tqdm
+def _progress(iterable, desc: str):
+    """The project's progress (model/progress.py): a tqdm bar on a terminal, plain lines off one."""
+    from model.progress import progress
 
-    tty = sys.stderr.isatty()
-    return tqdm(iterable, desc=desc, total=total, file=sys.stderr, mininterval=0.5 if tty else 10, ascii=not tty)
+    return progress(iterable, desc=desc, total=len(iterable))
 
 
 # --- reading the wheel ----------------------------------------------------------------------------
