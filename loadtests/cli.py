@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 from loadtests.records import read_records
 from loadtests.scenarios import SCENARIOS
 from loadtests.summary import Summary, format_table, summarize
+from model.progress import progress, write_line
 
 REPO = Path(__file__).resolve().parent.parent
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
@@ -158,21 +159,30 @@ def locust_command(args: argparse.Namespace, users: int, duration_s: float, out:
     return cmd
 
 
-def run_once(args: argparse.Namespace, users: int, duration_s: float, out: Path) -> Summary:
-    """One headless Locust run into `out`; returns its summary (ValueError when nothing was recorded)."""
+def run_once(args: argparse.Namespace, users: int, duration_s: float, out: Path, tick=None) -> Summary:
+    """One headless Locust run into `out`; returns its summary (ValueError when nothing was recorded).
+    `tick()` is called about every second while Locust runs (a progress bar's refresh)."""
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    cmd = locust_command(args, users, duration_s, out)
     with open(out / "locust.log", "w") as log:
         # Locust exits 1 when any request failed; the failures are in the records, so that is not fatal here.
-        subprocess.run(
-            locust_command(args, users, duration_s, out),
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=duration_s + 180,
-            check=False,
-        )
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + duration_s + 180
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=1.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() > deadline:
+                        raise subprocess.TimeoutExpired(cmd, duration_s + 180) from None
+                    if tick:
+                        tick()
+        finally:
+            if proc.poll() is None:  # timed out or interrupted: Locust must not outlive us
+                proc.kill()
+                proc.wait()
     records = read_records(out / "requests.jsonl")
     if not records:
         tail = (out / "locust.log").read_text(errors="replace")[-1500:]
@@ -213,13 +223,16 @@ def run(args: argparse.Namespace) -> int:
     shape = f"open loop {args.rate}/s" if args.rate > 0 else "closed loop"
     print(f"{args.scenario} against {args.host}, {shape}, {args.duration} per run -> {out}", file=sys.stderr)
     rows: list[tuple[str, Summary]] = []
-    for u in users:
-        sub = out if args.mode == "run" else out / f"users-{u}"
-        try:
-            rows.append((args.label, run_once(args, u, duration_s, sub)))
-        except ValueError as e:
-            print(f"attnserve loadtest: {e}", file=sys.stderr)
-            return 1
+    with progress(desc=f"loadtest {args.mode}", total=len(users), unit="point") as bar:
+        for u in users:
+            sub = out if args.mode == "run" else out / f"users-{u}"
+            bar.set_postfix({"users": u})
+            try:
+                rows.append((args.label, run_once(args, u, duration_s, sub, tick=bar.refresh)))
+            except ValueError as e:
+                write_line(f"attnserve loadtest: {e}", file=sys.stderr)
+                return 1
+            bar.update(1)
     print(format_table(rows))
     if args.mode == "sweep":
         from loadtests.plots import plot_sweep

@@ -14,6 +14,8 @@ import http.server
 import io
 import os
 import re
+import subprocess
+import sys
 import threading
 import zipfile
 from pathlib import Path
@@ -63,6 +65,17 @@ def check_progress(text: str, mode: str, desc: str, unit: str) -> None:
         assert re.match(shape, line), line
     last = re.match(shape, lines[-1])
     assert "(100%)" in lines[-1] and last[1] != f"?{unit}/s" and last[2] == "00:00", lines[-1]
+
+
+def run_tool(args: list[str], env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m <args>` as a user runs it; stdout and stderr as text with their carriage returns kept (text
+    mode would turn each into a newline). Fails with the output on a non-zero exit."""
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(ROOT)
+    r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, timeout=timeout)
+    r.stdout, r.stderr = r.stdout.decode(), r.stderr.decode()
+    assert r.returncode == 0, f"{args[0]} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
 
 
 # --- weights fetch ---------------------------------------------------------------------------------
@@ -198,3 +211,25 @@ def test_train_translate_steps_with_loss_tokens_per_second_and_dev_bleu(home, tm
     logged = [json.loads(line) for line in (run / "train.log").read_text().splitlines()]  # the log as it was
     assert [r["step"] for r in logged if "loss" in r] == [5, 10]
     assert [json.loads(line) for line in out.splitlines() if line.startswith("{")] == logged  # and on stdout
+
+
+# --- loadtest sweep --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_service(tmp_path_factory):
+    from live_service import live_service
+
+    with live_service(log_path=tmp_path_factory.mktemp("service") / "service.log") as url:
+        yield url
+
+
+def test_loadtest_sweep_point_i_of_n(tiny_service, tmp_path, mode):
+    r = run_tool(["service.cli", "loadtest", "sweep", "--host", tiny_service, "--users", "1,2", "--duration", "2s",
+                  "--max-tokens", "8", "--results-dir", str(tmp_path / "results")])
+    check_progress(r.stderr, mode, "loadtest sweep", "point")
+    if mode == "lines":  # a line per second while a point runs (the interval is 0 here), naming its users
+        lines = plain_lines(r.stderr, "loadtest sweep")
+        assert any(line.startswith("loadtest sweep: 0/2 (0%)") and line.endswith("users=1") for line in lines)
+        assert any(line.startswith("loadtest sweep: 1/2 (50%)") and line.endswith("users=2") for line in lines)
+        assert lines[-1].startswith("loadtest sweep: 2/2 (100%)")
+    assert len(r.stdout.splitlines()[2:]) == 2  # the summary table on stdout as before: one row per point
