@@ -16,6 +16,7 @@ import torch
 
 from model.config import SMOLLM2_135M, TINY_LLAMA
 from model.decoder import DecoderLM
+from model.progress import progress, write_line
 
 
 @torch.inference_mode()
@@ -64,9 +65,11 @@ def main(argv=None) -> None:
           f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}")
     print("| dtype | batch | cache tok/s | recompute tok/s | speed-up |")
     print("|---|---|---|---|---|")
-    for dt in args.dtypes.split(","):
+    dtypes, batches = args.dtypes.split(","), [int(x) for x in args.batches.split(",")]
+    bar = progress(desc="bench_cache", total=len(dtypes) * len(batches), unit="point")
+    for dt in dtypes:
         model = DecoderLM(cfg).eval().to(getattr(torch, dt))
-        for b in (int(x) for x in args.batches.split(",")):
+        for b in batches:
             prompt = torch.randint(0, cfg.vocab_size, (b, args.prompt))
             decode_cached(model, prompt[:, :4], 4)  # warm-up
             tc = decode_cached(model, prompt, args.new_tokens)
@@ -74,9 +77,11 @@ def main(argv=None) -> None:
             if b <= args.skip_recompute_above:
                 tr = decode_recompute(model, prompt, args.new_tokens)
                 full = b * args.new_tokens / tr
-                print(f"| {dt} | {b} | {cached:.1f} | {full:.1f} | {cached / full:.1f}x |", flush=True)
+                write_line(f"| {dt} | {b} | {cached:.1f} | {full:.1f} | {cached / full:.1f}x |")
             else:
-                print(f"| {dt} | {b} | {cached:.1f} | skipped | |", flush=True)
+                write_line(f"| {dt} | {b} | {cached:.1f} | skipped | |")
+            bar.update(1)
+    bar.close()
 
 
 if __name__ == "__main__":

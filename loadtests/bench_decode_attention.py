@@ -14,6 +14,7 @@ import time
 import torch
 
 from model.attention import _decode_attention
+from model.progress import progress, write_line
 
 
 def variants(q, k, v):
@@ -54,7 +55,7 @@ def main() -> None:
     kv_bytes = 2 * k.numel() * k.element_size()
     print(f"{b} rows x {n} positions, {args.heads} / {args.kv_heads} heads of {d}, fp32, {args.threads} threads\n")
     print("| variant | ms per layer | K+V GB/s |\n|---|---|---|")
-    for name, fn in variants(q, k, v).items():
+    for name, fn in progress(variants(q, k, v).items(), desc="bench_decode_attention", unit="variant"):
         assert torch.allclose(fn(), ref, atol=1e-4), name
         for _ in range(3):
             fn()
@@ -62,7 +63,7 @@ def main() -> None:
         for _ in range(args.iters):
             fn()
         dt = (time.perf_counter() - t) / args.iters
-        print(f"| {name} | {dt * 1e3:.2f} | {kv_bytes / dt / 1e9:.1f} |")
+        write_line(f"| {name} | {dt * 1e3:.2f} | {kv_bytes / dt / 1e9:.1f} |")
 
 
 if __name__ == "__main__":

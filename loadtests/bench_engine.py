@@ -265,15 +265,21 @@ def main() -> None:
     specs = {f"ours:{m}:{d}": [] for d in args.dtype for m in args.modes}
     if args.peers:
         specs.update(prepare_peers(args)[1])
+    from model.progress import progress, write_line  # here: the children's RSS is measured
+
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     rows = []
+    bar = progress(desc="bench_engine", total=len(specs), unit="run")
     for spec, extra in specs.items():
+        bar.set_postfix_str(spec)
         proc = subprocess.run(child_cmd(args, spec, extra), capture_output=True, text=True, env=env)
+        bar.update(1)
         if proc.returncode != 0:
-            print(f"# {spec} FAILED (rc {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
+            write_line(f"# {spec} FAILED (rc {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
             continue
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(f"# {spec}: {rows[-1]['out_tok_s']:.1f} output tok/s", file=sys.stderr)
+        write_line(f"# {spec}: {rows[-1]['out_tok_s']:.1f} output tok/s", file=sys.stderr)
+    bar.close()
     if rows:
         print_table(args, rows)
     if len(rows) < len(specs):

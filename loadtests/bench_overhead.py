@@ -33,6 +33,8 @@ from pathlib import Path
 
 import yaml
 
+from model.progress import progress, write_line
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "loadtests" / "data" / "prompts.jsonl"
 
@@ -131,11 +133,14 @@ async def http_phase(args, url: str) -> dict:
     return dict(wall_s=wall, tokens=tokens, ttft=ttft)
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, tick=None) -> None:
+    """Poll /readyz each second; `tick()` between polls (a progress bar's refresh)."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if tick:
+            tick()
         if proc.poll() is not None:
             raise RuntimeError(f"attnserve serve exited with {proc.returncode} before /readyz answered 200")
         try:
@@ -147,7 +152,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"{url}/readyz not 200 after {timeout_s:.0f} s")
 
 
-def service_phase(args) -> tuple[dict, float]:
+def service_phase(args, tick=None) -> tuple[dict, float]:
     """(result, start-up seconds): start `attnserve serve`, measure, stop it with SIGTERM."""
     url = f"http://127.0.0.1:{args.port}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -157,7 +162,7 @@ def service_phase(args) -> tuple[dict, float]:
                              "--port", str(args.port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-        wait_ready(url, proc, args.ready_timeout)
+        wait_ready(url, proc, args.ready_timeout, tick)
         startup = time.perf_counter() - t0
         return asyncio.run(http_phase(args, url)), startup
     finally:
@@ -216,18 +221,24 @@ def main() -> int:
                   f"{ALLOW_OTHER_RAY}=1 to start a separate one beside it (sharing the cores)", file=sys.stderr)
             return 2
         os.environ["RAY_ADDRESS"] = "local"  # `attnserve serve` starts a new Ray instance, never joins the other
+    bar = progress(desc="bench_overhead", total=2, unit="phase")
     with tempfile.TemporaryDirectory(prefix="attnserve-overhead-") as tmp:
         if args.tiny:
             args.config = str(tiny_config(Path(args.config), Path(tmp)))
+        bar.set_postfix_str("engine only")
         child = [sys.executable, "-m", "loadtests.bench_overhead", "--phase", "engine", "--config", args.config,
                  "--clients", str(args.clients), "--requests", str(args.requests), "--max-tokens", str(args.max_tokens)]
         proc = subprocess.run(child, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
-            print(f"engine-only phase failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+            write_line(f"engine-only phase failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
             return 1
         eng = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"# engine only: {eng['tokens'] / eng['wall_s']:.1f} output tok/s", file=sys.stderr)
-        svc, startup = service_phase(args)
+        bar.update(1)
+        write_line(f"# engine only: {eng['tokens'] / eng['wall_s']:.1f} output tok/s", file=sys.stderr)
+        bar.set_postfix_str("service: start-up, then the same load over HTTP")
+        svc, startup = service_phase(args, tick=bar.refresh)
+        bar.update(1)
+    bar.close()
     e_tps, s_tps = eng["tokens"] / eng["wall_s"], svc["tokens"] / svc["wall_s"]
     print(f"Config: {args.config}{' (TINY random checkpoint: validation only)' if args.tiny else ''}; engine dtype "
           f"{eng['dtype']}, threads {eng['threads']}, {eng['slots']} slots; {args.clients} clients, {args.requests} "

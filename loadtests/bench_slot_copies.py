@@ -17,6 +17,7 @@ import time
 import torch
 
 from model.kv_cache import KVCache
+from model.progress import progress, write_line
 
 
 def median_ms(fn, n: int) -> float:
@@ -58,6 +59,7 @@ def main() -> None:
           f"{torch.__version__}\n")
     print("| copies | ~positions | gathered / with cross K/V (ms) | per slot / with cross K/V (ms) |")
     print("|---|---|---|---|")
+    bar = progress(desc="bench_slot_copies", total=len(args.copies) * len(args.positions), unit="point")
     for n in args.copies:
         for mean in args.positions:
             slots = rng.sample(range(args.slots), 2 * n)
@@ -68,7 +70,9 @@ def main() -> None:
             all_bufs = self_bufs + [(cache.cross_k, cross), (cache.cross_v, cross)]
             ms = [median_ms(lambda f=f, b=b, s=src, d=dst: f(b, s, d), args.iters)
                   for f in (cache._copy_gathered, cache._copy_per_slot) for b in (self_bufs, all_bufs)]
-            print(f"| {n} | {mean} | {ms[0]:.3f} / {ms[1]:.3f} | {ms[2]:.3f} / {ms[3]:.3f} |")
+            write_line(f"| {n} | {mean} | {ms[0]:.3f} / {ms[1]:.3f} | {ms[2]:.3f} / {ms[3]:.3f} |")
+            bar.update(1)
+    bar.close()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from model.progress import progress, write_line
+
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. The story should "
           "have a beginning, a middle and an end, and it should be told in the first person. ")
 
@@ -109,12 +111,15 @@ def report(args, name: str, ids: list[int], ours, hf) -> None:
     print(f"{name}, prompt {len(ids)} tokens, {args.new_tokens} new tokens greedy, batch 1, "
           f"torch {torch.__version__}, {args.threads} threads")
     print(f"{'engine':<14}{'dtype':<10}{'prefill tok/s':>15}{'decode tok/s':>15}")
+    peers = [("attnserve", ours, bench_ours)] + ([("transformers", hf, bench_hf)] if hf is not None else [])
+    bar = progress(desc="bench_smollm2", total=2 * len(peers), unit="point")
     for dtype in (torch.float32, torch.bfloat16):
-        peers = [("attnserve", ours, bench_ours)] + ([("transformers", hf, bench_hf)] if hf is not None else [])
         for name, model, fn in peers:
             model.to(dtype)
             p, d = fn(model, ids, args.new_tokens, args.reps)
-            print(f"{name:<14}{str(dtype).removeprefix('torch.'):<10}{p:>15.1f}{d:>15.1f}", flush=True)
+            write_line(f"{name:<14}{str(dtype).removeprefix('torch.'):<10}{p:>15.1f}{d:>15.1f}")
+            bar.update(1)
+    bar.close()
 
 
 def main() -> None:

@@ -233,8 +233,11 @@ def main() -> None:
         args.workload = Path(tmp) / "workload.json"
         args.workload.write_text(json.dumps(workload(args, tok, model.cfg), ensure_ascii=False))
         del model
+        from model.progress import progress, write_line  # here: the children's RSS is measured
+
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         rows = []
+        bar = progress(desc="bench_translate", total=args.repeat * len(args.beams) * len(specs), unit="run")
         for rnd in range(args.repeat):
             order = list(specs.items())
             if rnd % 2:  # alternate who runs first: a shared host drifts over minutes
@@ -245,13 +248,16 @@ def main() -> None:
                            "--checkpoint", str(args.checkpoint), "--clients", str(args.clients), "--requests",
                            str(args.requests), "--threads", str(args.threads), "--workload", str(args.workload),
                            *extra]
+                    bar.set_postfix_str(f"round {rnd + 1}, {spec} beam {beam}")
                     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+                    bar.update(1)
                     if proc.returncode != 0:
-                        print(f"# {spec} beam {beam} FAILED:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                        write_line(f"# {spec} beam {beam} FAILED:\n{proc.stderr[-3000:]}", file=sys.stderr)
                         continue
                     rows.append(json.loads(proc.stdout.strip().splitlines()[-1]) | dict(spec=spec, round=rnd + 1))
-                    print(f"# round {rnd + 1}, {spec} beam {beam}: {rows[-1]['sent_s']:.2f} sentences/s",
-                          file=sys.stderr)
+                    write_line(f"# round {rnd + 1}, {spec} beam {beam}: {rows[-1]['sent_s']:.2f} sentences/s",
+                               file=sys.stderr)
+        bar.close()
     label = "TINY random checkpoint (validation only)" if args.tiny else str(args.checkpoint)
     print(f"Translator: {label}; {args.clients} clients, {args.requests} sentences (half en->zh, half zh->en), "
           f"threads {args.threads}, seed {args.seed}\n")

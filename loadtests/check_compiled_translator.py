@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 async def translate_all(jobs, checkpoint: Path, dtype: str, beam: int, compile_: bool, clients: int,
                         threads: int = 2):
     from loadtests.bench_translate import load
+    from model.progress import progress
     from service.engine.config import EngineConfig
     from service.engine.translation import TranslationEngine
     from service.engine.types import TranslateRequest
@@ -40,10 +41,13 @@ async def translate_all(jobs, checkpoint: Path, dtype: str, beam: int, compile_:
             i = queue.pop()
             r = await engine.translate(TranslateRequest([jobs[i]["text"]], target_lang=jobs[i]["tgt"], beam_size=beam))
             out[i] = r.translations[0]
+            bar.update(1)
 
+    bar = progress(desc="compiled" if compile_ else "eager", total=len(jobs), unit="sentence")
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
     wall = time.perf_counter() - t0
+    bar.close()
     await engine.stop()
     return out, wall
 

@@ -29,6 +29,7 @@ import httpx
 from loadtests import cli
 from loadtests.plots import plot_sweep
 from loadtests.summary import Summary, format_table
+from model.progress import progress, write_line
 
 HOME = Path(os.environ.get("ATTNSERVE_HOME", Path.home() / ".cache" / "attnserve"))
 LLAMA_CPP_PYTHON = HOME / "llama.cpp" / "py-venv" / "bin" / "python"  # made by setup_llama_cpp_python.sh
@@ -137,14 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     out = cli.new_results_dir(a.results_dir, "compare-llamacpp")
     gguf = find_gguf()
     rows: list[tuple[str, Summary]] = []
+    bar = progress(desc="compare", total=2 * len(users) + len(py_users), unit="point")
 
     def sweep(label: str, host: str, user_list: list[int]) -> None:
         for u in user_list:
             ns = argparse.Namespace(host=host, scenario=a.scenario, rate=0.0, max_tokens=a.max_tokens,
                                     temperature=0.0, ignore_eos=False, beam_size=1, model="smollm2-135m-instruct",
                                     translate_file="", label=label)
-            rows.append((label, cli.run_once(ns, u, duration_s, out / f"{label}-users-{u}")))
-            print(format_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
+            bar.set_postfix_str(f"{label}, users={u}")
+            rows.append((label, cli.run_once(ns, u, duration_s, out / f"{label}-users-{u}", tick=bar.refresh)))
+            bar.update(1)
+            write_line(format_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
 
     proc, llama_url = start_llama_server(binary, gguf, a.parallel, out / "llama-server.log")
     try:  # alternate who goes first at each point (an idle server takes next to no CPU)
@@ -162,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+    bar.close()
     print(format_table(rows))
     print()
     print(format_ratios(rows, "attnserve", "llama-server"))

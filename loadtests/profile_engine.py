@@ -16,6 +16,7 @@ import time
 from collections import defaultdict
 
 from loadtests.bench_engine import load_model, workload
+from model.progress import progress
 
 
 class Timers:
@@ -102,11 +103,14 @@ async def run(args) -> None:
             req = GenerateRequest(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
             async for _ in engine.submit(req):
                 pass
+            bar.update(1)
 
     queue = list(reversed(work))
+    bar = progress(desc="profile_engine", total=len(work), unit="req")
     t0 = time.perf_counter()
     await asyncio.gather(*(client(queue) for _ in range(args.clients)))
     wall = time.perf_counter() - t0
+    bar.close()
     await engine.stop()
     if window["on"]:
         prof.stop()

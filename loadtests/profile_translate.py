@@ -21,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from loadtests.profile_engine import Timers
+from model.progress import progress
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,10 +85,13 @@ async def run(args) -> None:
             text, tgt = queue.pop()
             r = await engine.translate(TranslateRequest([text], target_lang=tgt, beam_size=args.beam))
             out += r.usage.completion_tokens
+            bar.update(1)
 
+    bar = progress(desc="profile_translate", total=len(queue), unit="sentence")
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(args.clients)))
     wall = time.perf_counter() - t0
+    bar.close()
     await engine.stop()
     BeamState.advance, BeamState.push = advance, push
     if window["on"]:

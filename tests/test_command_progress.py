@@ -233,3 +233,41 @@ def test_loadtest_sweep_point_i_of_n(tiny_service, tmp_path, mode):
         assert any(line.startswith("loadtest sweep: 1/2 (50%)") and line.endswith("users=2") for line in lines)
         assert lines[-1].startswith("loadtest sweep: 2/2 (100%)")
     assert len(r.stdout.splitlines()[2:]) == 2  # the summary table on stdout as before: one row per point
+
+
+# --- bench and profile tools -----------------------------------------------------------------------
+
+FEW = ["--clients", "2", "--requests", "4"]
+TINY_ENGINE = [*FEW, "--prompt", "4", "8", "--output", "4", "8"]
+PROFILE_WINDOW = ["--profile-from", "2", "--profile-steps", "3", "--top", "5"]
+BENCH_TOOLS = {  # module: (arguments after --tiny --threads 1, progress description, unit)
+    "bench_cache": ([], "bench_cache", "point"),
+    "bench_decode_attention": ([], "bench_decode_attention", "variant"),
+    "bench_slot_copies": ([], "bench_slot_copies", "point"),
+    "bench_smollm2": (["--no-transformers"], "bench_smollm2", "point"),
+    "bench_engine": ([*TINY_ENGINE, "--modes", "continuous"], "bench_engine", "run"),
+    "bench_translate": ([*FEW, "--beams", "1", "--peers"], "bench_translate", "run"),
+    "profile_engine": ([*TINY_ENGINE, "--dtype", "float32", *PROFILE_WINDOW], "profile_engine", "req"),
+    "profile_translate": ([*FEW, *PROFILE_WINDOW], "profile_translate", "sentence"),
+}
+
+
+@pytest.fixture(scope="module")
+def bench_home(tmp_path_factory) -> Path:
+    """Held-out pairs where the translator tools read their sentences."""
+    h = tmp_path_factory.mktemp("bench-home")
+    (h / "data" / "translate").mkdir(parents=True)
+    (h / "data" / "translate" / "test.tsv").write_text(
+        "The meeting is on Tuesday.\t会议在星期二举行。\nPrices rose in May.\t五月物价上涨。\n", encoding="utf-8")
+    return h
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("tool", sorted(BENCH_TOOLS))
+def test_bench_tools_count_their_points(tool, bench_home, mode):
+    args, desc, unit = BENCH_TOOLS[tool]
+    r = run_tool([f"loadtests.{tool}", "--tiny", "--threads", "1", *args],
+                 env={"ATTNSERVE_HOME": str(bench_home), "OMP_NUM_THREADS": "1"})
+    check_progress(r.stderr, mode, desc, unit)
+    assert r.stdout.strip() and "\r" not in r.stdout and f"{desc}:" not in r.stdout  # results alone on stdout
