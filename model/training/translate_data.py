@@ -34,6 +34,7 @@ from collections import Counter
 from pathlib import Path
 
 from model import paths
+from model.progress import progress
 from model.punctuation import normalise_input, to_chinese_punctuation, to_english_punctuation
 from model.training import align
 
@@ -63,13 +64,6 @@ _CJK_GAP = re.compile(f"(?<={_ZH_CHAR})\\s+(?={_ZH_CHAR})")
 
 def data_dir() -> Path:
     return paths.home() / "data" / "translate"
-
-
-def _progress(iterable, desc: str):
-    """The project's progress (model/progress.py): a tqdm bar on a terminal, plain lines off one."""
-    from model.progress import progress
-
-    return progress(iterable, desc=desc, total=len(iterable))
 
 
 # --- reading the wheel ----------------------------------------------------------------------------
@@ -170,7 +164,7 @@ def clean(rows) -> tuple[dict[str, list[tuple[str, str]]], Counter]:
     counts: Counter = Counter(read=len(rows))
     seen: set[tuple[str, str]] = set()
     splits: dict[str, list[tuple[str, str]]] = {"train": [], "dev": [], "test": []}
-    for _, en_raw, zh_raw in rows:
+    for _, en_raw, zh_raw in progress(rows, desc="hk: cleaning", unit="row"):
         if not en_raw and not zh_raw:
             counts["dropped_malformed"] += 1
             continue
@@ -226,7 +220,7 @@ def fit_length_model(docs: dict[str, tuple[list[str], list[str]]]) -> align.Leng
         pairs += [(align.length(z), align.length(e)) for z, e in zip(zh, en)]
     lm = align.LengthModel.fit(pairs)
     beads = []
-    for zh, en in docs.values():
+    for zh, en in progress(docs.values(), desc="ted: fitting the length model", unit="talk"):
         beads += [(align.length(z), align.length(e)) for z, e, b in align.align_document(zh, en, lm, own_ratio=False)
                   if b.kind == "1-1"]
     return align.LengthModel.fit(beads)
@@ -262,7 +256,7 @@ def read_documents(wheel: Wheel, prefix: str, counts: Counter, desc: str
     names = [n for n in wheel.under(prefix) if n.endswith(".txt")]
     if not names:
         raise FileNotFoundError(f"the wheel has no .txt files under {prefix}")
-    for name in _progress(names, desc):
+    for name in progress(names, desc=desc, unit="file"):
         zh, en, paired = paragraphs(wheel.text(name))
         docs[name] = (zh, en)
         counts["files"] += 1
@@ -301,7 +295,7 @@ def word_frequencies(wheel: Wheel, words: set[str]) -> Counter:
     lengths = sorted({len(w) for w in words})
     names = [n for n in wheel.under(MONO_ZH_DIR) if n.endswith(".txt") and "/Seg_only/" not in n
              and "/Tagged/" not in n]
-    for name in _progress(names, "word frequencies"):
+    for name in progress(names, desc="cedict: word frequencies", unit="file"):
         text = wheel.text(name)
         for k in lengths:
             counts.update(text[i:i + k] for i in range(len(text) - k + 1) if text[i:i + k] in words)
@@ -313,7 +307,7 @@ def short_pairs(wheel: Wheel, counts: dict[str, Counter]) -> dict[str, list[tupl
     frequency (ties by hash, so the order is reproducible)."""
     c = counts["thought"]
     thought = []
-    for entry in json.loads(wheel.text(_one(wheel, THOUGHT_FILE))):
+    for entry in progress(json.loads(wheel.text(_one(wheel, THOUGHT_FILE))), desc="thought: terms", unit="term"):
         c["read"] += 1
         zh_term, en_term = next(iter(entry.items()))
         zh_term = re.sub(r"[（(][^）)]*[）)]", "", zh_term)  # pinyin in parentheses
@@ -326,7 +320,7 @@ def short_pairs(wheel: Wheel, counts: dict[str, Counter]) -> dict[str, list[tupl
 
     c = counts["cedict"]
     first: dict[str, str | None] = {}
-    for entry in _progress(json.loads(wheel.text(_one(wheel, CEDICT_FILE))), "cedict entries"):
+    for entry in progress(json.loads(wheel.text(_one(wheel, CEDICT_FILE))), desc="cedict: entries", unit="entry"):
         c["read"] += 1
         zh = entry.get("simplified", "")
         if zh in first:
@@ -370,18 +364,18 @@ def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
     for s in ("train", "dev", "test"):  # kept_* below counts what is written, after the checks across sources
         counts["hk"][f"selected_{s}"] = counts["hk"].pop(f"kept_{s}")
 
-    ted_docs = read_documents(wheel, TED_DIR, counts["ted"], "ted talks")
-    xi_docs = read_documents(wheel, XI_DIR, counts["xi"], "xi speech")
+    ted_docs = read_documents(wheel, TED_DIR, counts["ted"], "ted: reading talks")
+    xi_docs = read_documents(wheel, XI_DIR, counts["xi"], "xi: reading")
     print("fitting the aligner's length model ...", file=sys.stderr, flush=True)
     lm = fit_length_model(ted_docs)
     counts["ted"]["length_model_c_x1000"] = round(lm.c * 1000)
     counts["ted"]["length_model_s2_x1000"] = round(lm.s2 * 1000)
 
     ted_by_doc = {}
-    for name in _progress(sorted(ted_docs, key=talk_order), "aligning talks"):
+    for name in progress(sorted(ted_docs, key=talk_order), desc="ted: aligning talks", unit="talk"):
         ted_by_doc[name] = aligned_pairs(*ted_docs[name], lm, counts["ted"])
     xi = []
-    for zh, en in xi_docs.values():
+    for zh, en in progress(xi_docs.values(), desc="xi: aligning", unit="file"):
         xi += aligned_pairs(zh, en, lm, counts["xi"])
 
     # whole talks, in hash order: test until ~1,000 pairs, then dev, the rest train; inside a held-out
