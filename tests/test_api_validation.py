@@ -39,7 +39,7 @@ CASES = [
     ("/v1/generate", {"prompt": "a", "model": "attnserve-zh-en"}, 400, "model"),
     ("/v1/generate", {"prompt": "a", "stream": "yes please"}, 400, "stream"),
     ("/v1/completions", {"prompt": "a", "n": 9}, 400, "n"),  # beyond ApiLimits.max_n
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "body"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": "x"}}, 400,
      "stream_options.include_usage"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 10_000}, 400, "max_tokens"),

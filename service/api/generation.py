@@ -30,6 +30,15 @@ def encode_messages(gen: GeneratorBackend, messages: list[ChatMessage], limits: 
     return gen.encode_chat(plain, add_generation_prompt)
 
 
+def check_token_ids(gen: GeneratorBackend, ids: list[int], param: str) -> list[int]:
+    """A prompt given as token ids: each within the model's vocabulary, or a 400 naming the field."""
+    bad = [t for t in ids if t >= gen.vocab_size]
+    if bad:
+        raise ApiError(400, f"{param}: token ids must be in [0, {gen.vocab_size}) for model {gen.name}; got "
+                            f"{bad[:5]}", param)
+    return list(ids)
+
+
 def check_stop(stop: list[str], limits: ApiLimits) -> None:
     if len(stop) > limits.max_stop:
         raise ApiError(400, f"stop has {len(stop)} strings; the limit is {limits.max_stop}", "stop")

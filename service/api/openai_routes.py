@@ -11,7 +11,14 @@ from fastapi.responses import StreamingResponse
 
 from service.api.choices import UsageTotal, best, gather
 from service.api.errors import ApiError
-from service.api.generation import build_request, check_choices, check_prompt, encode_messages, new_id
+from service.api.generation import (
+    build_request,
+    check_choices,
+    check_prompt,
+    check_token_ids,
+    encode_messages,
+    new_id,
+)
 from service.api.logprob_format import CompletionLogprobs, TokenTexts, chat_content, merge, output_pairs, prompt_pairs
 from service.api.schemas import ChatCompletionBody, CompletionBody
 from service.api.streaming import collect, sse_stream, unless_disconnected
@@ -79,8 +86,17 @@ async def completions(body: CompletionBody, request: Request):
     backends, limits = request.app.state.backends, request.app.state.limits
     gen = backends.need_generator(body.model)
     request.state.model = gen.name
-    prompt = body.prompt_text()
-    check_prompt(prompt, limits, "prompt")
+    prompts = body.prompts()
+    if len(prompts) != 1:
+        raise ApiError(400, f"prompt: {len(prompts)} prompts given; give one, a string or a list of token ids "
+                            f"(batched prompts are not supported)", "prompt")
+    prompt = prompts[0]
+    if isinstance(prompt, str):
+        check_prompt(prompt, limits, "prompt")
+        ids = gen.encode_prompt(prompt)
+    else:
+        ids = check_token_ids(gen, prompt, "prompt")
+        prompt = gen.decode(ids)  # what echo returns
     n, best_of = _completion_choices(body, gen, limits)
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens=0 generates nothing: it only scores the prompt, with echo true "
@@ -89,7 +105,6 @@ async def completions(body: CompletionBody, request: Request):
     # best_of ranks candidates by their logprobs: tracked even when not returned
     track = body.logprobs if want_lp else (0 if best_of > n else None)
     score_prompt = body.logprobs if body.echo and want_lp else (0 if body.max_tokens == 0 else None)
-    ids = gen.encode_prompt(prompt)
     rid = new_id("cmpl")
     schema = await response_schema(gen, body.response_format)
     req = build_request(gen, body, ids, prompt_param="prompt", max_tokens=body.max_tokens,

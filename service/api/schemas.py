@@ -137,23 +137,23 @@ class OpenAIBase(Sampling):
     ignore_eos: bool = False  # extension, as in vLLM: fixed-length outputs for benchmarks
 
 
-class CompletionBody(OpenAIBase):
-    """POST /v1/completions (OpenAI legacy completions)."""
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_TOKENS * 16)]
 
-    prompt: Text | list[Text] = Field(max_length=MAX_CHARS)
+
+class CompletionBody(OpenAIBase):
+    """POST /v1/completions (OpenAI legacy completions). The prompt is text or token ids (as lm-eval sends
+    it), alone or in a one-element list."""
+
+    prompt: Text | list[Text] | TokenIds | list[TokenIds] = Field(max_length=MAX_CHARS)
     max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)  # 0 with echo: score the prompt only
     echo: bool = False  # the prompt before the completion (with its token logprobs when `logprobs` is set)
     logprobs: int | None = Field(None, ge=0, le=COMPLETION_LOGPROBS_MAX)
     best_of: int | None = Field(None, ge=1, le=N_MAX)  # candidates generated; the n most likely returned
 
-    @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionBody:
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            raise ValueError("prompt: give one string (batched prompts are not supported)")
-        return self
-
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts given, each text or token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
 
 
 class ChatCompletionBody(OpenAIBase):
