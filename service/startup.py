@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 RETRY_AFTER_S = 5  # what a client is told to wait while the replica starts
@@ -63,3 +64,31 @@ def ready_startup() -> Startup:
     s = Startup()
     s.done()
     return s
+
+
+def watch_startup(url: str, stop: threading.Event, t0: float, say: Callable[..., None] = print,
+                  poll_s: float = 0.5, timeout_s: float | None = None) -> bool:
+    """Poll `url`/readyz, printing each new phase and model state with the elapsed time (from `t0`), until
+    it answers 200 (True), or `stop` is set or `timeout_s` has passed (False)."""
+    import httpx
+
+    seen: dict[str, str] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
+        try:
+            r = httpx.get(url + "/readyz", timeout=5)
+            body = r.json()
+        except (httpx.HTTPError, ValueError):
+            body, r = {"phase": "waiting for the HTTP proxy"}, None
+        lines = {"phase": body.get("phase", "?"), **{f"  {m}": s for m, s in (body.get("models") or {}).items()}}
+        if body.get("error"):
+            lines["error"] = f"start-up failed: {body['error']} (Serve restarts the replica)"
+        for key, text in lines.items():
+            if seen.get(key) != text:
+                seen[key] = text
+                label = "" if key in ("phase", "error") else f"{key.strip()}: "
+                say(f"[{time.monotonic() - t0:6.1f} s] {'  ' if label else ''}{label}{text}", flush=True)
+        if r is not None and r.status_code == 200:
+            return True
+        stop.wait(poll_s)
+    return False

@@ -46,7 +46,9 @@ CHAT = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_en
 
 @pytest.fixture
 def restore_env():
-    """Commands such as deploy and cluster set Ray's variables in os.environ: keep them out of later tests."""
+    """Commands such as deploy and cluster set Ray's variables in os.environ: keep them out of later tests.
+    List it before `monkeypatch` so it is torn down after it: monkeypatch's undo would otherwise put back
+    a value a command set (RAY_AUTH_MODE=token leaked into the next Ray started in this process)."""
     with mock.patch.dict(os.environ):
         yield
 
@@ -412,7 +414,7 @@ def test_serve_answers_then_stop_shuts_serve_and_ray_down(home, tmp_path, capsys
 
 # --- deploy --------------------------------------------------------------------------------------
 
-def test_deploy_with_a_missing_config_connects_to_nothing(tmp_path, capsys, monkeypatch, restore_env):
+def test_deploy_with_a_missing_config_connects_to_nothing(restore_env, tmp_path, capsys, monkeypatch):
     import ray
 
     def no_init(*a, **kw):
@@ -423,7 +425,7 @@ def test_deploy_with_a_missing_config_connects_to_nothing(tmp_path, capsys, monk
     assert "Serve config not found" in capsys.readouterr().out
 
 
-def test_deploy_sends_the_token_when_there_is_one(tmp_path, monkeypatch, restore_env):
+def test_deploy_sends_the_token_when_there_is_one(restore_env, tmp_path, monkeypatch):
     from service.commands.deploy import token_auth_if_available
 
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -473,7 +475,7 @@ def test_deploy_to_a_cluster_up_cluster_then_down(tmp_path):
 
 # --- cluster (without starting Ray) ----------------------------------------------------------------
 
-def test_cluster_up_runs_a_loopback_head_then_a_worker(capsys, monkeypatch, restore_env):
+def test_cluster_up_runs_a_loopback_head_then_a_worker(restore_env, capsys, monkeypatch):
     from service.commands import cluster
 
     calls = []
@@ -491,7 +493,7 @@ def test_cluster_up_runs_a_loopback_head_then_a_worker(capsys, monkeypatch, rest
     assert "`attnserve deploy --address 127.0.0.1:7001`" in capsys.readouterr().out
 
 
-def test_cluster_up_stops_at_the_first_failing_start(capsys, monkeypatch, restore_env):
+def test_cluster_up_stops_at_the_first_failing_start(restore_env, capsys, monkeypatch):
     from service.commands import cluster
 
     calls = []
@@ -513,7 +515,7 @@ def test_cluster_down_with_nothing_up(capsys, restore_env):
 def test_loadtest_sweep_one_row_per_user_count_and_plots(tmp_path):
     with live_service(log_path=tmp_path / "service.log") as url:
         r = subprocess.run([sys.executable, "-m", "service.cli", "loadtest", "sweep", "--host", url,
-                            "--users", "1,2", "--duration", "2s", "--max-tokens", "8", "--results-dir",
+                            "--users", "1,2", "--duration", "6s", "--max-tokens", "8", "--results-dir",
                             str(tmp_path / "results")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
     rows = [line.split() for line in r.stdout.splitlines()[2:]]  # header, rule, one line per run

@@ -65,6 +65,10 @@ def test_two_node_cluster(tmp_path):
         assert app["deployments"]["AttnServe"]["replica_states"] == {"RUNNING": 2}
 
         with httpx.Client(base_url=f"http://127.0.0.1:{http}", timeout=60) as c:
+            deadline = time.monotonic() + 120  # each replica loads its models behind /readyz (503 meanwhile)
+            while sum(c.get("/readyz").status_code == 200 for _ in range(8)) < 8:
+                assert time.monotonic() < deadline, c.get("/readyz").text
+                time.sleep(1)
             for _ in range(4):
                 r = c.post("/v1/generate", json={"prompt": "hello world", "max_tokens": 4, "temperature": 0})
                 assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4, r.text

@@ -1,10 +1,14 @@
 """`attnserve deploy`: deploy the Serve config to a running Ray cluster (e.g. `attnserve cluster up`)
-and wait until its applications are RUNNING."""
+wait until its applications are RUNNING, then report the replica's start-up phases until it is ready."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
+
+from service.startup import watch_startup
 
 
 def add_arguments(p) -> None:
@@ -43,11 +47,17 @@ def run(args) -> int:
     except ConnectionError as e:
         print(f"attnserve deploy: no Ray cluster to deploy to at {args.address} ({e})")
         return 1
+    t0 = time.monotonic()
     try:
         ray_local.deploy(config, args.timeout)
     except (RuntimeError, TimeoutError) as e:
         print(f"attnserve deploy: {e}")
         return 1
     h = config["http_options"]
-    print(f"deployed; API at http://{h['host']}:{h['port']}/v1 (`serve status` for details)")
+    base = f"http://{h['host']}:{h['port']}"
+    # the replicas load their models behind /readyz: report the phases until one is ready
+    if not watch_startup(base, threading.Event(), t0, timeout_s=max(args.timeout - (time.monotonic() - t0), 1)):
+        print(f"attnserve deploy: {base}/readyz not ready after {args.timeout:.0f} s (`serve status` for details)")
+        return 1
+    print(f"deployed; API at {base}/v1 (`serve status` for details)")
     return 0

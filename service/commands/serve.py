@@ -29,34 +29,9 @@ def add_arguments(p) -> None:
                         "to Ray's log files only")
 
 
-def watch_startup(url: str, stop: threading.Event, t0: float, say=print, poll_s: float = 0.5) -> bool:
-    """Poll `url`/readyz, printing each new phase and model state with the elapsed time, until it answers
-    200 (True) or `stop` is set (False)."""
-    import httpx
-
-    seen: dict[str, str] = {}
-    while not stop.is_set():
-        try:
-            r = httpx.get(url + "/readyz", timeout=5)
-            body = r.json()
-        except (httpx.HTTPError, ValueError):
-            body, r = {"phase": "waiting for the HTTP proxy"}, None
-        lines = {"phase": body.get("phase", "?"), **{f"  {m}": s for m, s in (body.get("models") or {}).items()}}
-        if body.get("error"):
-            lines["error"] = f"start-up failed: {body['error']} (Serve restarts the replica)"
-        for key, text in lines.items():
-            if seen.get(key) != text:
-                seen[key] = text
-                label = "" if key in ("phase", "error") else f"{key.strip()}: "
-                say(f"[{time.monotonic() - t0:6.1f} s] {'  ' if label else ''}{label}{text}", flush=True)
-        if r is not None and r.status_code == 200:
-            return True
-        stop.wait(poll_s)
-    return False
-
-
 def run(args) -> int:
     from service import ray_local
+    from service.startup import watch_startup
 
     try:
         config = ray_local.read_config(args.config, args.host, args.port)
