@@ -1,5 +1,6 @@
 """`attnserve eval translate` on a 10-line fixture: its BLEU / chrF against sacreBLEU computed here, for a
-stand-in translator with known outputs and for the shipped translator."""
+stand-in translator with known outputs and for the shipped translator through the served engine; the
+loop rate it reports."""
 
 import json
 
@@ -7,8 +8,8 @@ import pytest
 import sacrebleu
 
 from model import paths
-from model.translation import Translator
-from service import cli
+from model.training.eval_translate import loop_rate, loops
+from service import cli, local
 
 PAIRS = [
     ("The Fund may invest in money market instruments.", "本基金可投资于货币市场工具。"),
@@ -41,20 +42,21 @@ def _fake_zh(zh: str) -> str:
     return zh[:-3] + "的,。"  # two characters wrong, one ASCII comma
 
 
-class FakeTranslator:
+BY_SOURCE = {zh: _fake_en(en) for en, zh in PAIRS} | {en: _fake_zh(zh) for en, zh in PAIRS}
+
+
+def _fake_translate(engine, texts, **request):
     """Outputs known in advance: a degraded reference per source."""
+    assert engine == "stand-in engine"
 
-    def __init__(self, checkpoint, dtype=None):
-        self.by_source = {zh: _fake_en(en) for en, zh in PAIRS} | {en: _fake_zh(zh) for en, zh in PAIRS}
-
-    def translate(self, texts, target_lang=None, beam_size=4, batch_size=32):
-        return [self.by_source[t] for t in texts]
+    class Result:
+        translations = [BY_SOURCE[t] for t in texts]
+    return Result()
 
 
 def test_eval_bleu_matches_sacrebleu(data, tmp_path, monkeypatch):
-    import model.training.eval_translate as ev
-
-    monkeypatch.setattr(ev, "Translator", FakeTranslator)
+    monkeypatch.setattr(local, "load_translator", lambda spec: "stand-in engine")
+    monkeypatch.setattr(local, "translate", _fake_translate)
     out = tmp_path / "report.json"
     assert cli.main(["eval", "translate", "--model", "stand-in", "--data", str(data), "--split", "ted_test",
                      "--beams", "1,4", "--out", str(out)]) == 0
@@ -83,11 +85,19 @@ def test_eval_of_the_shipped_translator_matches_sacrebleu(data, tmp_path):
     assert cli.main(["eval", "translate", "--model", str(model), "--data", str(data), "--beams", "1",
                      "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    tr = Translator(model)
-    zh_hyps = tr.translate([en for en, _ in PAIRS], target_lang="zh", beam_size=1)
-    en_hyps = tr.translate([zh for _, zh in PAIRS], target_lang="en", beam_size=1)
+    zh_hyps = local.translate(local.load_translator(local.translator_spec(model)), [en for en, _ in PAIRS],
+                              target_lang="zh", beam_size=1).translations
+    en_hyps = local.translate(local.load_translator(local.translator_spec(model)), [zh for _, zh in PAIRS],
+                              target_lang="en", beam_size=1).translations
     en2zh = sacrebleu.corpus_bleu(zh_hyps, [[zh for _, zh in PAIRS]], tokenize="zh").score
     zh2en = sacrebleu.corpus_bleu(en_hyps, [[en for en, _ in PAIRS]], tokenize="13a").score
     assert report["results"]["en2zh_beam1"]["bleu"] == round(en2zh, 2) > 5
     assert report["results"]["zh2en_beam1"]["bleu"] == round(zh2en, 2) > 5
     assert report["results"]["en2zh_beam1"]["fullwidth_punct_share"] >= 0.99  # Chinese output punctuation
+
+
+def test_loop_rate_counts_outputs_with_a_4gram_three_times():
+    assert loops("各国各国各国各国", "zh") and not loops("各国各国", "zh")
+    assert loops("of the Heritage Foundation of the Heritage Foundation of the Heritage Foundation", "en")
+    assert not loops("the cat sat on the mat and the cat sat", "en")  # a 4-gram twice is not a loop
+    assert loop_rate(["a b c d a b c d a b c d", "a b c d", "x"], "en") == 1 / 3

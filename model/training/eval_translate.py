@@ -5,25 +5,42 @@ snapshots to average, ...) are made on `dev` (HK) or `ted_dev`, so the test spli
 Chinese outputs also report the share of their punctuation marks that is full-width.
 
 English output is scored with sacreBLEU's default 13a tokenizer, Chinese output with its `zh`
-tokenizer. Greedy and beam search; writes a JSON report with a few sample translations.
+tokenizer. Greedy and beam search; writes a JSON report with a few sample translations and the loop
+rate of outputs and references (`loop_rate`). The translations come from a `translate(texts,
+target_lang, beam_size)` function: `attnserve eval translate` passes the served engine's
+(service/local.py), so the scores are those of what `/v1/translate` answers.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from model.punctuation import punctuation_counts
 from model.training import translate_data
-from model.translation import Translator
+
+Translate = Callable[[list[str], str, int], list[str]]  # (texts, target_lang, beam_size) -> translations
 
 
-def evaluate(checkpoint: str | Path, out: str | Path | None = None, *, beams=(1, 4), limit: int | None = None,
-             batch_size: int = 32, split: str = "test", data_dir: Path | None = None) -> dict:
+def loops(text: str, lang: str, n: int = 4, times: int = 3) -> bool:
+    """True when some n-gram occurs `times` or more in `text` (words for English, characters for
+    Chinese): "各国各国各国各国", "of the Foundation of the Foundation of the Foundation"."""
+    units = [c for c in text if not c.isspace()] if lang == "zh" else text.split()
+    grams = Counter(tuple(units[i:i + n]) for i in range(len(units) - n + 1))
+    return bool(grams) and max(grams.values()) >= times
+
+
+def loop_rate(texts: list[str], lang: str) -> float:
+    return sum(loops(t, lang) for t in texts) / max(len(texts), 1)
+
+
+def evaluate(checkpoint: str | Path, out: str | Path | None = None, *, translate: Translate, beams=(1, 4),
+             limit: int | None = None, split: str = "test", data_dir: Path | None = None) -> dict:
     import sacrebleu
 
-    tr = Translator(checkpoint)
     pairs = translate_data.read_split(split, data_dir)[:limit]
     report = {"checkpoint": str(checkpoint), "split": split, f"{split}_pairs": len(pairs), "results": {}, "samples": {}}
     for direction, tgt in (("zh2en", "en"), ("en2zh", "zh")):
@@ -31,7 +48,7 @@ def evaluate(checkpoint: str | Path, out: str | Path | None = None, *, beams=(1,
         refs = [en if tgt == "en" else zh for en, zh in pairs]
         for beam in beams:
             t0 = time.time()
-            hyps = tr.translate(srcs, target_lang=tgt, beam_size=beam, batch_size=batch_size)
+            hyps = translate(srcs, tgt, beam)
             secs = time.time() - t0
             tokenize = "zh" if tgt == "zh" else "13a"
             bleu = sacrebleu.corpus_bleu(hyps, [refs], tokenize=tokenize)
@@ -40,12 +57,15 @@ def evaluate(checkpoint: str | Path, out: str | Path | None = None, *, beams=(1,
             report["results"][key] = {"bleu": round(bleu.score, 2), "chrf": round(chrf.score, 2),
                                       "signature": str(bleu.format(signature=True).split(" = ")[0]),
                                       "seconds": round(secs, 1),
-                                      "sentences_per_s": round(len(srcs) / max(secs, 1e-6), 2)}
+                                      "sentences_per_s": round(len(srcs) / max(secs, 1e-6), 2),
+                                      "loop_rate": round(loop_rate(hyps, tgt), 4),
+                                      "reference_loop_rate": round(loop_rate(refs, tgt), 4)}
             if tgt == "zh":
                 marks = [punctuation_counts(h) for h in hyps]
                 full, half = sum(f for f, _ in marks), sum(a for _, a in marks)
                 report["results"][key]["fullwidth_punct_share"] = round(full / max(full + half, 1), 4)
-            print(f"{key:14s} BLEU {bleu.score:6.2f}  chrF {chrf.score:6.2f}  ({secs:.0f} s)", flush=True)
+            print(f"{key:14s} BLEU {bleu.score:6.2f}  chrF {chrf.score:6.2f}  loops {loop_rate(hyps, tgt):.1%} "
+                  f"(references {loop_rate(refs, tgt):.1%})  ({secs:.0f} s)", flush=True)
             if beam == max(beams):
                 report["samples"][direction] = [{"source": s, "reference": r, "output": h}
                                                 for s, r, h in list(zip(srcs, refs, hyps))[:5]]

@@ -11,6 +11,8 @@ def add_arguments(p):
     p.add_argument("--split", choices=["test", "dev", "ted_test", "ted_dev"], default="test",
                    help="held-out split to score (choose between checkpoints on dev / ted_dev, report the tests)")
     p.add_argument("--data", help="data folder (default $ATTNSERVE_HOME/data/translate)")
+    p.add_argument("--no-repeat-ngram", type=int, default=None,
+                   help="decoding option (default: the service's, model/translation.py)")
 
 
 def run(args) -> int:
@@ -18,8 +20,16 @@ def run(args) -> int:
 
     from model import paths
     from model.training.eval_translate import evaluate
+    from service import local
 
-    evaluate(args.model or paths.SHIPPED_WEIGHTS / "attnserve-zh-en", args.out,
-             beams=tuple(int(b) for b in args.beams.split(",")), limit=args.limit, split=args.split,
-             data_dir=Path(args.data) if args.data else None)
+    checkpoint = args.model or paths.SHIPPED_WEIGHTS / "attnserve-zh-en"
+    engine = local.load_translator(local.translator_spec(checkpoint))
+    options = {} if args.no_repeat_ngram is None else {"no_repeat_ngram": args.no_repeat_ngram}
+
+    def translate(texts: list[str], target_lang: str, beam_size: int) -> list[str]:
+        """The engine behind /v1/translate, with the served decoding defaults."""
+        return local.translate(engine, texts, target_lang=target_lang, beam_size=beam_size, **options).translations
+
+    evaluate(checkpoint, args.out, translate=translate, beams=tuple(int(b) for b in args.beams.split(",")),
+             limit=args.limit, split=args.split, data_dir=Path(args.data) if args.data else None)
     return 0
