@@ -271,3 +271,25 @@ def test_bench_tools_count_their_points(tool, bench_home, mode):
                  env={"ATTNSERVE_HOME": str(bench_home), "OMP_NUM_THREADS": "1"})
     check_progress(r.stderr, mode, desc, unit)
     assert r.stdout.strip() and "\r" not in r.stdout and f"{desc}:" not in r.stdout  # results alone on stdout
+
+
+# --- eval translate --------------------------------------------------------------------------------
+
+def test_eval_translate_sentences_per_second(tmp_path, mode, capsys):
+    from serve_fixture import tiny_checkpoints
+
+    _, translator = tiny_checkpoints(tmp_path)  # a random tiny translator: its scores do not matter here
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "test.tsv").write_text("Prices rose in May.\t五月物价上涨。\nHello world.\t你好世界。\n"
+                                   "The cat sat on the mat.\t猫坐在垫子上。\n", encoding="utf-8")
+    assert main(["eval", "translate", "--model", str(translator), "--data", str(data), "--beams", "1,2",
+                 "--out", str(tmp_path / "report.json")]) == 0
+    out, err = capsys.readouterr()
+    check_progress(err, mode, "eval test", "sentence")  # 2 directions x 2 beams x 3 sentences
+    assert re.search(r"eval test: (100%\|.*\| )?12/12", err)
+    if mode == "lines":  # the postfix names the direction and beam being translated
+        postfixes = {line.rsplit(", ", 1)[-1] for line in plain_lines(err, "eval test")}
+        assert postfixes == {"zh2en beam 1", "zh2en beam 2", "en2zh beam 1", "en2zh beam 2"}
+    assert [line.split()[0] for line in out.splitlines() if " BLEU " in line] == [
+        "zh2en_beam1", "zh2en_beam2", "en2zh_beam1", "en2zh_beam2"]

@@ -7,8 +7,9 @@ Chinese outputs also report the share of their punctuation marks that is full-wi
 English output is scored with sacreBLEU's default 13a tokenizer, Chinese output with its `zh`
 tokenizer. Greedy and beam search; writes a JSON report with a few sample translations and the loop
 rate of outputs and references (`loop_rate`). The translations come from a `translate(texts,
-target_lang, beam_size)` function: `attnserve eval translate` passes the served engine's
-(service/local.py), so the scores are those of what `/v1/translate` answers.
+target_lang, beam_size, done)` function (`done(n)`: n texts finished, for the progress bar):
+`attnserve eval translate` passes the served engine's (service/local.py), so the scores are those of
+what `/v1/translate` answers.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from model.progress import progress, write_line
 from model.punctuation import punctuation_counts
 from model.training import translate_data
 
-Translate = Callable[[list[str], str, int], list[str]]  # (texts, target_lang, beam_size) -> translations
+# (texts, target_lang, beam_size, done) -> translations; done(n) says n texts have finished
+Translate = Callable[[list[str], str, int, Callable[[int], None]], list[str]]
 
 
 def loops(text: str, lang: str, n: int = 4, times: int = 3) -> bool:
@@ -43,12 +46,15 @@ def evaluate(checkpoint: str | Path, out: str | Path | None = None, *, translate
 
     pairs = translate_data.read_split(split, data_dir)[:limit]
     report = {"checkpoint": str(checkpoint), "split": split, f"{split}_pairs": len(pairs), "results": {}, "samples": {}}
+    bar = progress(desc=f"eval {split}", total=2 * len(beams) * len(pairs), unit="sentence")
     for direction, tgt in (("zh2en", "en"), ("en2zh", "zh")):
         srcs = [zh if tgt == "en" else en for en, zh in pairs]
         refs = [en if tgt == "en" else zh for en, zh in pairs]
         for beam in beams:
-            t0 = time.time()
-            hyps = translate(srcs, tgt, beam)
+            bar.set_postfix_str(f"{direction} beam {beam}")
+            t0, before = time.time(), bar.n
+            hyps = translate(srcs, tgt, beam, lambda n, before=before: bar.update(before + n - bar.n))
+            bar.update(before + len(srcs) - bar.n)  # whatever `done` did not report
             secs = time.time() - t0
             tokenize = "zh" if tgt == "zh" else "13a"
             bleu = sacrebleu.corpus_bleu(hyps, [refs], tokenize=tokenize)
@@ -64,11 +70,12 @@ def evaluate(checkpoint: str | Path, out: str | Path | None = None, *, translate
                 marks = [punctuation_counts(h) for h in hyps]
                 full, half = sum(f for f, _ in marks), sum(a for _, a in marks)
                 report["results"][key]["fullwidth_punct_share"] = round(full / max(full + half, 1), 4)
-            print(f"{key:14s} BLEU {bleu.score:6.2f}  chrF {chrf.score:6.2f}  loops {loop_rate(hyps, tgt):.1%} "
-                  f"(references {loop_rate(refs, tgt):.1%})  ({secs:.0f} s)", flush=True)
+            write_line(f"{key:14s} BLEU {bleu.score:6.2f}  chrF {chrf.score:6.2f}  loops {loop_rate(hyps, tgt):.1%} "
+                       f"(references {loop_rate(refs, tgt):.1%})  ({secs:.0f} s)")
             if beam == max(beams):
                 report["samples"][direction] = [{"source": s, "reference": r, "output": h}
                                                 for s, r, h in list(zip(srcs, refs, hyps))[:5]]
+    bar.close()
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")

@@ -26,9 +26,10 @@ def run(args) -> int:
     engine = local.load_translator(local.translator_spec(checkpoint))
     options = {} if args.no_repeat_ngram is None else {"no_repeat_ngram": args.no_repeat_ngram}
 
-    def translate(texts: list[str], target_lang: str, beam_size: int) -> list[str]:
-        """The engine behind /v1/translate, with the served decoding defaults."""
-        return local.translate(engine, texts, target_lang=target_lang, beam_size=beam_size, **options).translations
+    def translate(texts: list[str], target_lang: str, beam_size: int, done) -> list[str]:
+        """The engine behind /v1/translate, with the served decoding defaults; done(n) as texts finish."""
+        return local.translate(engine, texts, target_lang=target_lang, beam_size=beam_size, progress=done,
+                               **options).translations
 
     evaluate(checkpoint, args.out, translate=translate, beams=tuple(int(b) for b in args.beams.split(",")),
              limit=args.limit, split=args.split, data_dir=Path(args.data) if args.data else None)
