@@ -61,3 +61,17 @@ def test_bad_token_prompts_are_400s_naming_prompt(client, prompt, words):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
     assert e.value.param.startswith("prompt") and words in e.value.message
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_scored_prompt_whose_one_token_is_end_of_sequence_still_has_its_entry(client, stream):
+    """lm-eval drops the last entry as the generated token: an end-of-sequence token (no text) must still
+    have one, or the continuation's last token would be dropped instead."""
+    ids = TOK.encode(TEXT)
+    choices, usage = completion(client, stream, prompt=[ids], echo=True, logprobs=1, max_tokens=1, temperature=0,
+                                logit_bias={str(TOK.eos_id): 100})
+    c = choices[0]
+    assert c["finish_reason"] == "stop" and c["text"] == TEXT and usage["completion_tokens"] == 1
+    lp = c["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) + 1
+    assert lp["token_logprobs"][-1] == pytest.approx(float(reference(ids)[-1, TOK.eos_id]), abs=TOL)

@@ -420,7 +420,8 @@ class GenerationEngine(EngineLoop):
             lps = [lp]
         if tok in self.eos_ids and not seq.params.ignore_eos:
             text, _ = self._tail(seq)
-            seq.done = ("stop", text, [], None)
+            # no text, so no id in token_ids; its logprob is reported (scorers count one entry per sampled token)
+            seq.done = ("stop", text, [], lps)
             return
         text, hit = seq.stopper.push(seq.detok.push(tok))
         if hit:

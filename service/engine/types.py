@@ -112,7 +112,9 @@ class GenerationEvent:
     finish_reason: FinishReason | None = None
     usage: Usage = field(default_factory=Usage)
     index: int = 0
-    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
+    # when the request asked: one per token id, and on a finishing event one for the end-of-sequence token
+    # that ended the choice (which has no text, so no id in token_ids)
+    logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, the first None
     cumulative_logprob: float | None = None  # finishing event: sum over every sampled token (eos too)
     more: bool = False  # on a finishing event: other choices of the request are still running
