@@ -11,6 +11,7 @@ import torch
 
 from model.decoding import BeamState, Hypothesis, max_len_for
 from model.seq2seq import EncoderDecoder
+from model.translation import DEFAULT_LENGTH_PENALTY, DEFAULT_NO_REPEAT_NGRAM
 
 __all__ = ["Hypothesis", "beam_search", "greedy", "max_len_for", "pad_batch"]
 
@@ -26,7 +27,8 @@ def pad_batch(seqs: list[list[int]], pad_id: int, device=None) -> tuple[torch.Te
 
 @torch.inference_mode()
 def beam_search(model: EncoderDecoder, sources: list[list[int]], *, beam_size: int = 4,
-                alpha: float = 0.6, max_len_a: float = 1.5, max_len_b: int = 10, no_repeat_ngram: int = 0,
+                alpha: float = DEFAULT_LENGTH_PENALTY, max_len_a: float = 1.5, max_len_b: int = 10,
+                no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM,
                 n_best: int | None = None) -> list[list[Hypothesis]]:
     """Batched beam search (greedy when beam_size is 1): every source's hypotheses occupy `beam_size`
     cache slots, each source steps its own `BeamState`, and after each step the chosen parents' slots
@@ -60,7 +62,7 @@ def beam_search(model: EncoderDecoder, sources: list[list[int]], *, beam_size: i
 
 
 def greedy(model: EncoderDecoder, sources: list[list[int]], *, max_len_a: float = 1.5, max_len_b: int = 10,
-           no_repeat_ngram: int = 0) -> list[list[int]]:
+           no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM) -> list[list[int]]:
     """Batched greedy decoding; returns target ids (without bos/eos) per source."""
     hyps = beam_search(model, sources, beam_size=1, max_len_a=max_len_a, max_len_b=max_len_b,
                        no_repeat_ngram=no_repeat_ngram)
