@@ -88,7 +88,7 @@ def test_no_repeat_ngram_in_the_engine_equals_offline_and_never_repeats(beam):
     off = beam_search(model, srcs, beam_size=beam, no_repeat_ngram=2, max_len_a=0, max_len_b=20)
     assert got.translations == [tok.decode(h[0].tokens) for h in off]
     assert not any(_repeats(h[0].tokens, 2) for h in off)
-    plain = beam_search(model, srcs, beam_size=beam, max_len_a=0, max_len_b=20)
+    plain = beam_search(model, srcs, beam_size=beam, no_repeat_ngram=0, max_len_a=0, max_len_b=20)
     assert any(_repeats(h[0].tokens, 2) for h in plain), "the case lost its loops: the test would prove nothing"
 
 
