@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import string
 
@@ -64,3 +65,14 @@ def tiny_llama(seed: int = 0, vocab_size: int = TINY_LLAMA.vocab_size) -> Decode
 def tiny_seq2seq(seed: int = 0) -> EncoderDecoder:
     torch.manual_seed(seed)
     return _sharpen(EncoderDecoder(TINY_SEQ2SEQ), 3.0)
+
+
+def run_engine(engine, coro_fn):
+    """Start `engine`, return `await coro_fn(engine)`, stop it, in a fresh event loop."""
+    async def main():
+        await engine.start()
+        try:
+            return await coro_fn(engine)
+        finally:
+            await engine.stop()
+    return asyncio.run(main())

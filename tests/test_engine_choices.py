@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from engine_util import CharTokenizer, tiny_llama
+from engine_util import CharTokenizer, run_engine, tiny_llama
 
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
@@ -40,14 +40,7 @@ def make_engine(**kw) -> GenerationEngine:
 
 
 def run(coro_fn, **kw):
-    async def main():
-        engine = make_engine(**kw)
-        await engine.start()
-        try:
-            return await coro_fn(engine)
-        finally:
-            await engine.stop()
-    return asyncio.run(main())
+    return run_engine(make_engine(**kw), coro_fn)
 
 
 async def by_choice(engine, req) -> dict[int, dict]:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from engine_util import CharTokenizer, tiny_llama
+from engine_util import CharTokenizer, run_engine, tiny_llama
 
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
@@ -43,14 +43,7 @@ async def collect(engine, req):
 
 
 def run(coro_fn, **kw):
-    async def main():
-        engine = make_engine(**kw)
-        await engine.start()
-        try:
-            return await coro_fn(engine)
-        finally:
-            await engine.stop()
-    return asyncio.run(main())
+    return run_engine(make_engine(**kw), coro_fn)
 
 
 TARGET = GenerateRequest(prompt_ids=prompt(random.Random(1), 21),

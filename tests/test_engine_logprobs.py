@@ -7,7 +7,7 @@ import asyncio
 import random
 
 import torch
-from engine_util import CharTokenizer, tiny_llama
+from engine_util import CharTokenizer, run_engine, tiny_llama
 
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
@@ -33,14 +33,7 @@ async def events(engine, req) -> list:
 
 
 def run(coro_fn, **kw):
-    async def main():
-        engine = make_engine(**kw)
-        await engine.start()
-        try:
-            return await coro_fn(engine)
-        finally:
-            await engine.stop()
-    return asyncio.run(main())
+    return run_engine(make_engine(**kw), coro_fn)
 
 
 def reference(ids: list[int]) -> torch.Tensor:
