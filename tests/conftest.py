@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -14,6 +15,27 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module; module-scoped so reference and compared results come from the same
+    thread count (a matmul split over another number of threads need not round identically)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def restore_torch():
+    """Commands under test (translate, train) set the torch thread count and signal handlers: put them back."""
+    threads = torch.get_num_threads()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    torch.set_num_threads(threads)
+    for s, h in handlers.items():
+        signal.signal(s, h)
 
 
 from serve_fixture import serve_url  # noqa: E402,F401  (the one shared Ray Serve instance, for `ray` tests)

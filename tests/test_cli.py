@@ -54,17 +54,6 @@ def restore_env():
 
 
 @pytest.fixture
-def restore_torch():
-    """translate goes single-threaded in the calling thread; train sets its thread count and signal handlers."""
-    threads = torch.get_num_threads()
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    torch.set_num_threads(threads)
-    for s, h in handlers.items():
-        signal.signal(s, h)
-
-
-@pytest.fixture
 def home(tmp_path, monkeypatch):
     h = tmp_path / "home"
     monkeypatch.setenv("ATTNSERVE_HOME", str(h))

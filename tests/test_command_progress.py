@@ -173,19 +173,6 @@ def digits_corpus(d: Path, sizes: dict[str, int]) -> Path:
     return d
 
 
-@pytest.fixture
-def restore_torch():
-    """train sets its thread count and signal handlers."""
-    import signal
-
-    threads = torch.get_num_threads()
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    torch.set_num_threads(threads)
-    for s, h in handlers.items():
-        signal.signal(s, h)
-
-
 def test_train_translate_steps_with_loss_tokens_per_second_and_dev_bleu(home, tmp_path, mode, capsys, restore_torch):
     import json
 

@@ -24,14 +24,8 @@ X = torch.randint(0, TINY_LLAMA.vocab_size, (2, 9), generator=torch.Generator().
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """A tiny model is built per fuzz case; waking a second thread for each costs more than it saves.
-    Module-scoped so the reference logits come from the same thread count: a matmul split over another
-    number of threads need not round identically."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_torch_thread):
+    """A tiny model is built per fuzz case; see conftest's one_torch_thread for why one thread."""
 
 
 @pytest.fixture(scope="module")
