@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.kv_cache import CacheContext
+from model.kv_cache import CacheContext, StepContext
 from model.layers import apply_rope
 
 
@@ -14,8 +14,10 @@ class Attention(nn.Module):
     """Self-attention (fused q/k/v projection) or cross-attention (q from x, k/v from memory).
 
     n_kv_heads < n_heads gives grouped-query attention: each K/V head serves n_heads // n_kv_heads
-    query heads. All attention goes through `F.scaled_dot_product_attention` with a boolean mask
-    (True = may attend).
+    query heads. Masks are boolean (True = may attend). With a cache context, the context supplies
+    the keys: a `CacheContext` writes the new K/V into the slot cache and returns the slots' prefixes
+    (eager serving); a `StepContext` returns prefix views and keeps the new K/V apart (the pure,
+    compiled decode steps), and each row then attends its prefix plus its own new key.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
@@ -45,10 +47,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, *,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 memory: torch.Tensor | None = None,
-                cache: CacheContext | None = None, layer: int = 0) -> torch.Tensor:
+                cache: CacheContext | StepContext | None = None, layer: int = 0) -> torch.Tensor:
         # x (B, T, d); mask broadcastable to (B, H, T, Tk)
         b, t, _ = x.shape
         hd = self.head_dim
+        own = None  # (k, v) (B, Hkv, 1, D) of this step when the context keeps them out of k, v
         if self.cross:
             q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, T, D)
             if cache is not None:
@@ -64,10 +67,12 @@ class Attention(nn.Module):
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             if cache is not None:
-                k, v = cache.update(layer, k, v)  # (B, Hkv, Tk, D): this row's slot prefix
+                k, v, own = cache.update(layer, k, v)  # (B, Hkv, Tk, D): this row's slot prefix
         if k.dtype != q.dtype:  # a cache kept in a wider dtype than the weights: attend in its dtype
             q = q.to(k.dtype)
-        if t == 1 and not self.training:
+        if own is not None:
+            y = prefix_attention(q, k, v, *own, mask)  # (B, H, 1, D)
+        elif t == 1 and not self.training:
             y = _decode_attention(q, k, v, mask)  # (B, H, 1, D)
         else:
             y = F.scaled_dot_product_attention(
@@ -102,14 +107,18 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor,
                      v_new: torch.Tensor, prefix_ok: torch.Tensor) -> torch.Tensor:
     """One new query per row over its cached prefix plus its own new key, without writing the cache
-    first (the pure decode steps in model/*_step.py). q (R, Hkv, G, D): query heads grouped by K/V head;
-    k, v (R, Hkv, L, D) cached prefix views; k_new, v_new (R, Hkv, 1, D); prefix_ok (R, 1, 1, L) True
-    for the cached keys a row may attend -> (R, Hkv, G, D)."""
-    scale = q.shape[-1] ** -0.5
+    first (a `StepContext`): as `_decode_attention` over the prefix with the new key appended, but
+    without the copy of the prefix that appending would take. q (B, H, 1, D); k, v (B, Hkv, L, D)
+    cached prefix views; k_new, v_new (B, Hkv, 1, D); prefix_ok (B, 1, 1, L) True for the cached keys a
+    row may attend -> (B, H, 1, D)."""
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    scale = d ** -0.5
     if k.device.type == "cpu" and k.dtype != torch.float32 and not k.is_contiguous():
         k, v = k.contiguous(), v.contiguous()  # as in _decode_attention: oneDNN's own copy is slower
-    cached = (q @ k.transpose(-1, -2)) * scale  # (R, Hkv, G, L)
+    qg = q.view(b, hkv, h // hkv, d)  # (B, Hkv, G, D): query heads grouped by their K/V head
+    cached = (qg @ k.transpose(-1, -2)) * scale  # (B, Hkv, G, L)
     cached = cached.masked_fill(~prefix_ok, float("-inf"))
-    own = (q * k_new).sum(-1, keepdim=True) * scale  # (R, Hkv, G, 1)
-    p = torch.softmax(torch.cat([cached, own], dim=-1).float(), dim=-1).to(v.dtype)  # (R, Hkv, G, L + 1)
-    return p[..., :-1] @ v + p[..., -1:] * v_new  # (R, Hkv, G, D)
+    own = (qg * k_new).sum(-1, keepdim=True) * scale  # (B, Hkv, G, 1)
+    p = torch.softmax(torch.cat([cached, own], dim=-1).float(), dim=-1).to(v.dtype)  # (B, Hkv, G, L + 1)
+    return (p[..., :-1] @ v + p[..., -1:] * v_new).view(b, h, 1, d)  # (B, H, 1, D)

@@ -10,7 +10,7 @@ from torch import nn
 
 from model.attention import Attention
 from model.config import DecoderConfig
-from model.kv_cache import KVCache
+from model.kv_cache import KVCache, StepContext
 from model.layers import GeluMLP, RotaryEmbedding, SwiGLU, make_norm
 
 
@@ -64,19 +64,23 @@ class DecoderLM(nn.Module):
                        dtype=dtype or p.dtype, device=device or p.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None, slots: torch.Tensor | list[int] | None = None,
+                cache: KVCache | StepContext | None = None, slots: torch.Tensor | list[int] | None = None,
                 output_index: torch.Tensor | None = None,
                 key_valid: torch.Tensor | None = None) -> torch.Tensor:
         """tokens, positions (B, T) -> logits (B, T, V), or (B, V) at `output_index` (B,).
 
-        With `cache`, row b's new K/V go to slot `slots[b]` at `positions[b]` and the row attends to
-        that slot's prefix up to its own position. Without a cache, attention is causal over the
-        given tokens; `key_valid` (B, T) marks real (non-pad) tokens for left-padded batches.
+        With a `KVCache`, row b's new K/V go to slot `slots[b]` at `positions[b]` and the row attends to
+        that slot's prefix up to its own position. With a `StepContext` (T = 1, `decoder_step`), rows
+        attend its prefix views and their new K/V are collected in it instead. Without a cache,
+        attention is causal over the given tokens; `key_valid` (B, T) marks real (non-pad) tokens for
+        left-padded batches.
         """
         b, t = tokens.shape
         if positions is None:
             positions = torch.arange(t, device=tokens.device).expand(b, t)
-        if int(positions.max()) >= self.cfg.max_seq_len:
+        # A step's positions lie within views of a cache no longer than max_seq_len (the engine's), and
+        # reading a tensor value here would break the compiled graph.
+        if not isinstance(cache, StepContext) and int(positions.max()) >= self.cfg.max_seq_len:
             raise ValueError(f"position {int(positions.max())} beyond max_seq_len {self.cfg.max_seq_len}")
         x = self.embed(tokens)  # (B, T, d)
         if self.pos_embed is not None:
@@ -84,11 +88,10 @@ class DecoderLM(nn.Module):
         x = self.drop(x)
         rope = self.rope(positions, x.dtype) if self.rope is not None else None
 
-        ctx = None
-        if cache is not None:
-            if slots is None:
-                slots = list(range(b))
-            ctx = cache.context(slots, positions)
+        ctx = cache
+        if isinstance(cache, KVCache):
+            ctx = cache.context(list(range(b)) if slots is None else slots, positions)
+        if ctx is not None:
             mask = ctx.self_mask()  # (B, 1, T, Tk)
         else:
             mask = (positions[:, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, T)

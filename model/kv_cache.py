@@ -145,13 +145,14 @@ class CacheContext:
     src_length: int  # cross-attention keys to read: max source length in the batch
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Write new k, v (B, Hkv, T, D) at (slot, position); return (B, Hkv, length, D) to attend."""
+        """Write new k, v (B, Hkv, T, D) at (slot, position); return (B, Hkv, length, D) to attend, and
+        None: the new keys are among them (the `StepContext.update` contract)."""
         ck, cv = self.cache.k[layer], self.cache.v[layer]  # (S, Hkv, L, D)
         rows = self.slots[:, None]  # (B, 1) broadcast against positions (B, T)
         # advanced indices in dims 0 and 2 -> indexed shape is (B, T, Hkv, D)
         ck[rows, :, self.positions] = k.transpose(1, 2).to(ck.dtype)  # the cache may keep a wider dtype
         cv[rows, :, self.positions] = v.transpose(1, 2).to(cv.dtype)
-        return self._read(ck, self.length), self._read(cv, self.length)
+        return self._read(ck, self.length), self._read(cv, self.length), None
 
     def _read(self, buf: torch.Tensor, n: int) -> torch.Tensor:
         """buf (S, Hkv, L, D) -> these rows' slots, first n positions: (B, Hkv, n, D).
@@ -164,7 +165,7 @@ class CacheContext:
         return buf[:, :, :n].index_select(0, self.sel)
 
     def cross(self, layer: int):
-        """Cross-attention k, v (B, Hkv, src_length, D) and key-valid mask (B, 1, 1, src_length)."""
+        """Cross-attention k, v (B, Hkv, src_length, D); `cross_mask` says which keys are real."""
         n = self.src_length
         return self._read(self.cache.cross_k[layer], n), self._read(self.cache.cross_v[layer], n)
 
@@ -177,3 +178,53 @@ class CacheContext:
         """Row t of batch b may attend key j iff j <= positions[b, t]: (B, 1, T, length)."""
         ar = torch.arange(self.length, device=self.positions.device)
         return (ar[None, None, :] <= self.positions[:, :, None])[:, None]
+
+
+class StepContext:
+    """One decode step (one new token per row) over prefix *views* of the cache, without writing it.
+
+    The cache-facing side of the pure step functions (model/decoder_step.py, model/seq2seq_step.py):
+    the model's own forward runs with this in place of a `CacheContext`, so eager and compiled decoding
+    share the module code. Nothing here depends on tensor values, slot lists or in-place writes, all of
+    which would break or specialise a compiled graph. Row r reads the first positions[r] keys of the
+    views (more may be there: masked) and its own new key, which `update` collects in `new_k`, `new_v`
+    for the caller to store (`KVCache.write_step`).
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                 cross_k: torch.Tensor | None = None, cross_v: torch.Tensor | None = None,
+                 src_len: torch.Tensor | None = None):
+        self.k, self.v = k, v  # (NL, R, Hkv, L, D) cached prefixes
+        self.positions = positions  # (R,)
+        self.cross_k, self.cross_v = cross_k, cross_v  # (NL, R, Hkv, S, D); row r uses src_len[r] (R,)
+        self.src_len = src_len
+        self.new_k: list[torch.Tensor] = []  # per layer (R, Hkv, D), in the cache's dtype
+        self.new_v: list[torch.Tensor] = []
+
+    def self_mask(self) -> torch.Tensor:
+        """The cached keys row r may attend, those before its position: (R, 1, 1, L). Its own key is
+        always attended (`prefix_attention`)."""
+        keys = torch.arange(self.k.shape[3], device=self.positions.device)
+        return (keys[None, :] < self.positions[:, None])[:, None, None, :]
+
+    def cross_mask(self) -> torch.Tensor:
+        src = torch.arange(self.cross_k.shape[3], device=self.src_len.device)
+        return (src[None, :] < self.src_len[:, None])[:, None, None, :]  # (R, 1, 1, S)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """New k, v (R, Hkv, 1, D) -> the layer's cached prefix views (R, Hkv, L, D) and the new k, v
+        apart (in the cache's dtype, as a stored key would be), to attend over both."""
+        if k.shape[2] != 1:
+            raise ValueError(f"a step context takes one new token per row, not {k.shape[2]}")
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
+        self.new_k.append(k[:, :, 0])
+        self.new_v.append(v[:, :, 0])
+        return self.k[layer], self.v[layer], (k, v)
+
+    def cross(self, layer: int):
+        """Cross-attention k, v (R, Hkv, S, D); `cross_mask` says which keys are real."""
+        return self.cross_k[layer], self.cross_v[layer]
+
+    def stacked_new_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's new k, v: (NL, R, Hkv, D) x 2, for `KVCache.write_step`."""
+        return torch.stack(self.new_k), torch.stack(self.new_v)

@@ -15,7 +15,7 @@ from torch import nn
 
 from model.attention import Attention
 from model.config import Seq2SeqConfig
-from model.kv_cache import CacheContext, KVCache
+from model.kv_cache import CacheContext, KVCache, StepContext
 from model.layers import GeluMLP, sinusoidal_table
 
 
@@ -56,7 +56,7 @@ class DecoderLayer(nn.Module):
         self.ff = GeluMLP(cfg.d_model, cfg.d_ff, activation=cfg.activation, dropout=cfg.dropout)
         self.r1, self.r2, self.r3 = _Residual(cfg), _Residual(cfg), _Residual(cfg)
 
-    def forward(self, x, self_mask, memory, cross_mask, cache: CacheContext | None, layer: int):
+    def forward(self, x, self_mask, memory, cross_mask, cache: CacheContext | StepContext | None, layer: int):
         x = self.r1(x, lambda y: self.self_attn(y, self_mask, cache=cache, layer=layer))
         x = self.r2(x, lambda y: self.cross_attn(y, cross_mask, memory=memory, cache=cache, layer=layer))
         return self.r3(x, self.ff)
@@ -122,12 +122,20 @@ class EncoderDecoder(nn.Module):
         slots_t = torch.as_tensor(slots, dtype=torch.long, device=memory.device)
         cache.set_cross_all(slots_t, *self.cross_kv(memory), src_mask.sum(-1))
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-               slots: torch.Tensor | list[int], output_index: torch.Tensor | None = None) -> torch.Tensor:
-        """Decoder step(s) over the cache: tokens, positions (B, T) -> logits (B, T, V) or (B, V)."""
-        if int(positions.max()) >= self.cfg.max_tgt_len:
-            raise ValueError(f"target position {int(positions.max())} beyond max_tgt_len {self.cfg.max_tgt_len}")
-        ctx = cache.context(slots, positions)
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | StepContext,
+               slots: torch.Tensor | list[int] | None = None,
+               output_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoder step(s) over the cache: tokens, positions (B, T) -> logits (B, T, V) or (B, V).
+
+        With a `KVCache`, row b's new K/V go to slot `slots[b]`; with a `StepContext` (T = 1,
+        `decode_step`), rows attend its prefix views and their new K/V are collected in it instead.
+        """
+        if isinstance(cache, KVCache):
+            if int(positions.max()) >= self.cfg.max_tgt_len:
+                raise ValueError(f"target position {int(positions.max())} beyond max_tgt_len {self.cfg.max_tgt_len}")
+            ctx = cache.context(list(range(len(tokens))) if slots is None else slots, positions)
+        else:  # positions lie within its views (no check: reading a value would break a compiled graph)
+            ctx = cache
         x = self._embed(tokens, positions)
         self_mask, cross_mask = ctx.self_mask(), ctx.cross_mask()
         for i, layer in enumerate(self.decoder):

@@ -20,11 +20,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import model.decoder_step as decoder_step_module
 from model.config import TINY_GPT2, TINY_LLAMA
 from model.decoder import DecoderLM
 from model.decoder_step import decoder_step
-from model.kv_cache import CacheContext
+from model.kv_cache import CacheContext, StepContext
 
 torch.set_num_threads(1)
 CONFIGS = {"gpt2": TINY_GPT2, "llama": TINY_LLAMA}
@@ -58,6 +57,11 @@ def _mask_one_too_far(self: CacheContext) -> torch.Tensor:
     self.length = min(self.length + 1, self.cache.max_len)
     ar = torch.arange(self.length, device=self.positions.device)
     return (ar[None, None, :] <= self.positions[:, :, None] + 1)[:, None]
+
+
+def _step_mask_one_too_far(self: StepContext) -> torch.Tensor:
+    keys = torch.arange(self.k.shape[3], device=self.positions.device)
+    return (keys[None, :] <= self.positions[:, None])[:, None, None, :]  # the (stale) key at its position too
 
 
 def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -98,15 +102,10 @@ def step_error(name: str, kv_dtype: torch.dtype, mutation: str | None = None, se
     ref = m32(seq)[:, PROMPT:]  # (2, TOTAL - PROMPT, V)
     cache = _stale_cache(m16, kv_dtype, g)
     m16(seq[:, :PROMPT], torch.arange(PROMPT).expand(2, PROMPT), cache, [0, 1])
-    real_attention = decoder_step_module.prefix_attention
-
-    def one_key_too_far(q, k, v, k_new, v_new, prefix_ok):
-        return real_attention(q, k, v, k_new, v_new, torch.roll(prefix_ok, 1, -1) | prefix_ok)
-
     out = []
     with pytest.MonkeyPatch.context() as mp:
         if mutation == "mask":
-            mp.setattr(decoder_step_module, "prefix_attention", one_key_too_far)
+            mp.setattr(StepContext, "self_mask", _step_mask_one_too_far)
         for t in range(PROMPT, TOTAL):
             positions = torch.full((2,), t)
             k, v = cache.prefix_views(2, t + 2)  # one more key than needed: masked
