@@ -60,12 +60,15 @@ class ModelSpec:
     `checkpoint` None means the default source (SmolLM2 via `ensure_smollm2()` for the generator,
     `weights/attnserve-zh-en` for the translator). `device`/`dtype` "auto" are resolved on the
     replica from what Ray assigned: a GPU -> cuda + bfloat16, otherwise cpu + float32.
+    `quantization` (CPU, generator): int8 or int4 linears (model/quantize.py); "auto" picks the fastest
+    of none / int8 / int4 by a start-up measurement on this CPU.
     """
 
     enabled: bool = True
     checkpoint: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["auto", "none", "int8", "int4"] = "none"
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (device/dtype set from above)
     chat_template: str | None = None  # Jinja chat template overriding the tokenizer's (generator only)
 
@@ -74,6 +77,8 @@ class ModelSpec:
             raise ValueError(f"ModelSpec.device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"ModelSpec.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"ModelSpec.quantization must be auto, none, int8 or int4, got {self.quantization!r}")
         bad = {"device", "dtype"} & set(self.engine)
         if bad:
             raise ValueError(f"ModelSpec.engine must not set {sorted(bad)}: use ModelSpec.device/dtype")

@@ -83,10 +83,35 @@ def load_generator(spec: ModelSpec, sink=None) -> GeneratorBackend:
 
         d = ensure_smollm2(dtype="bfloat16" if cfg.dtype == "bfloat16" else "float32")
     model, tok = load_checkpoint(d, dtype=cfg.torch_dtype), load_tokenizer(d)
+    quantize_generator(model, tok, spec.quantization, cfg)
     eos = tok.stop_ids() if hasattr(tok, "stop_ids") else {tok.eos_id} - {None}
     engine = GenerationEngine(model, tok, cfg, eos_ids=eos, name=GENERATOR_ID, sink=sink)
     return GeneratorBackend(engine, tok, name=GENERATOR_ID,
                             chat_template=spec.chat_template or getattr(tok, "chat_template", None))
+
+
+def resolve_quantization(mode: str, cfg: EngineConfig) -> str:
+    """'auto' -> the fastest of none / int8 / int4 on this CPU (measured once per process); 'none' on GPU."""
+    if cfg.device != "cpu":
+        if mode in ("int8", "int4"):
+            raise ValueError(f"ModelSpec.quantization {mode!r} runs on CPU only; use none on {cfg.device}")
+        return "none"
+    if mode != "auto":
+        return mode
+    from model.quantize import choose_quantization
+
+    return choose_quantization(cfg.torch_dtype)
+
+
+def quantize_generator(model, tok, mode: str, cfg: EngineConfig, log=print) -> str:
+    from model.quantize import quantize_decoder
+
+    mode = resolve_quantization(mode, cfg)
+    if mode != "none":
+        t0 = time.perf_counter()
+        n = quantize_decoder(model, tok, mode)
+        log(f"attnserve: generator linears in {mode}: {n} layers in {time.perf_counter() - t0:.1f} s")
+    return mode
 
 
 def load_translator(spec: ModelSpec, sink=None) -> TranslatorBackend:
@@ -97,6 +122,9 @@ def load_translator(spec: ModelSpec, sink=None) -> TranslatorBackend:
     if not (d / "config.json").is_file():
         raise ModelUnavailable(f"no translator checkpoint at {d}; train one (`attnserve train translate`) "
                                f"or point translator.checkpoint at a checkpoint folder")
+    if spec.quantization not in ("auto", "none"):
+        raise ValueError(f"translator.quantization {spec.quantization!r}: the translator is served in full "
+                         f"precision (its quality in int8/int4 is not measured); use none")
     cfg = engine_config(spec)
     engine = TranslationEngine(load_checkpoint(d, dtype=cfg.torch_dtype), load_tokenizer(d), cfg, name=TRANSLATOR_ID,
                                sink=sink)

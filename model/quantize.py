@@ -1,0 +1,233 @@
+"""Quantized linear layers for CPU decoding: int8 (W8A8) and int4 (group-wise, weight-only).
+
+`quantize_linears(model, mode)` swaps a model's `nn.Linear` modules for one of these; the model code
+is unchanged (the layers are drop-in modules), so eager and compiled execution both use them.
+
+- int8: weights int8 with one scale per output channel; activations quantized to 8 bits at run time
+  with one scale per row (token), the scheme CTranslate2 int8 uses. The kernel is torch's x86 dynamic
+  quantized linear (fbgemm; VNNI where the CPU has it), which takes a single scale for the whole
+  activation: each row is divided by its own absmax first and two constant columns (+1, -1; zero
+  weights) pin the kernel's range to [-1, 1], so every row gets its own scale and a row's result does
+  not depend on the other rows of its batch. Per-row scales alone cost SmolLM2 3.5 % perplexity: a
+  few input channels carry outliers that set the row's scale. So each input channel j is first divided
+  by s_j = max|X_j|^a / max|W_j|^(1-a) and the weights' column j multiplied by it (SmoothQuant, Xiao et
+  al. 2022), with max|X_j| recorded on a short calibration text (`model/data/calibration_en.txt`) and
+  a = SMOOTH_ALPHA, chosen on that text's perplexity.
+- int4: 4-bit weights in groups of 32 along the input dimension with a scale and a minimum per group
+  (the layout of llama.cpp's Q4_1), computed by torch's CPU int4 kernel with bf16 activations. For
+  weights dequantized from a Q4_1 GGUF (SmolLM2's linears) the groups come back exactly: every Q4_1
+  block holds its minimum (q = 0) and its maximum (q = 15), so min/max of a group recover the block's
+  scale and minimum; only their rounding from fp16 to the kernel's bf16 differs from llama.cpp.
+
+Quality and speed per host are measured, not assumed: docs/performance.md ("Quantized decoding").
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP = 32
+SMOOTH_ALPHA = 0.3
+CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration_en.txt"
+
+# fbgemm's packed weights are a TorchScript object that torch.compile cannot hold in a graph; the op
+# below takes an integer handle to them instead, so a compiled step calls the kernel as an opaque op.
+_packed: dict[int, torch.ScriptObject] = {}
+_handles = itertools.count(1)
+
+
+@torch.library.custom_op("attnserve::int8_linear", mutates_args=())
+def int8_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """x (M, K + 2) float32, rows scaled into [-1, 1] -> (M, N) float32 (before the row scales)."""
+    return torch.ops.quantized.linear_dynamic(x, _packed[handle], _REDUCE_RANGE)
+
+
+@int8_linear.register_fake
+def _int8_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
+
+
+def _vnni() -> bool:
+    from model.cpu_features import cpu_flags
+
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
+
+
+# Without VNNI, fbgemm's u8 x s8 multiply-adds can saturate 16-bit sums; 7-bit activations avoid it.
+_REDUCE_RANGE = not _vnni()
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, linear: nn.Linear, act_max: torch.Tensor | None = None, alpha: float = SMOOTH_ALPHA):
+        """act_max (K,): max |input| per input channel seen in calibration; None = no smoothing."""
+        super().__init__()
+        w = linear.weight.detach().float()  # (N, K)
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        smooth = torch.ones(w.shape[1])
+        if act_max is not None:
+            smooth = act_max.float().clamp(min=1e-5) ** alpha / w.abs().amax(dim=0).clamp(min=1e-5) ** (1 - alpha)
+            w = w * smooth[None, :]
+        self.register_buffer("inv_smooth", 1 / smooth)  # (K,)
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (N,)
+        w = F.pad(w, (0, 2))  # (N, K + 2): zero weights for the two range-pinning columns
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's quantized-tensor constructors warn of deprecation
+            qw = torch.quantize_per_channel(w, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0,
+                                            torch.qint8)
+            packed = torch.ops.quantized.linear_prepack(qw, None)
+        self.handle = next(_handles)
+        _packed[self.handle] = packed
+        weakref.finalize(self, _packed.pop, self.handle, None)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        self.register_buffer("pins", torch.tensor([1.0, -1.0]), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xf = x.reshape(-1, self.in_features).float() * self.inv_smooth  # (M, K)
+        row = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)  # (M, 1): each row's own scale
+        xn = torch.cat([xf / row, self.pins.expand(xf.shape[0], 2)], dim=-1)  # (M, K + 2) in [-1, 1]
+        y = int8_linear(xn, self.handle, self.out_features) * row  # (M, N)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, W8A8 per-row"
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP):
+        super().__init__()
+        w = linear.weight.detach().float()  # (N, K)
+        n, k = w.shape
+        self.in_features, self.out_features, self.group = k, n, group
+        wg = w.view(n, k // group, group)  # (N, K/g, g)
+        lo, hi = wg.amin(-1), wg.amax(-1)  # (N, K/g)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))
+        # the kernel computes (q - 8) * scale + zero: zero = minimum + 8 scale
+        sz = torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous()  # (K/g, N, 2)
+        self.register_buffer("scale_zero", sz.to(torch.bfloat16))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+
+    @staticmethod
+    def fits(linear: nn.Linear, group: int = INT4_GROUP) -> bool:
+        n, k = linear.weight.shape
+        return k % group == 0 and n % 16 == 0 and k % 16 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xb = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (M, K)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group, self.scale_zero)  # (M, N)
+        if self.bias is not None:
+            y = y.float() + self.bias
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group}"
+
+
+def quantize_linears(model: nn.Module, mode: str, calibrate: Callable[[], object] | None = None,
+                     keep: tuple[str, ...] = ()) -> int:
+    """Replace the `nn.Linear` modules of `model` (in place) by their `mode` counterparts -> how many.
+
+    `calibrate` runs the model on calibration input (int8: records each layer's input maxima for
+    smoothing). Layers named in `keep` and layers whose shape the int4 kernel cannot take stay in
+    floating point. A tied output projection becomes a quantized copy; the embedding it shared keeps
+    its float weights for the lookup."""
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {mode!r}")
+    if mode == "none":
+        return 0
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError(f"quantization {mode!r} runs on CPU only; use 'none' on {next(model.parameters()).device}")
+    act_max = _input_maxima(model, calibrate) if mode == "int8" and calibrate is not None else {}
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear) or name in keep:
+                continue
+            if mode == "int8":
+                setattr(parent, name, Int8Linear(child, act_max.get(child)))
+            elif Int4Linear.fits(child):
+                setattr(parent, name, Int4Linear(child))
+            else:
+                continue
+            swapped += 1
+    return swapped
+
+
+def _input_maxima(model: nn.Module, calibrate: Callable[[], object]) -> dict[nn.Module, torch.Tensor]:
+    """max |input| per input channel of every Linear while `calibrate` runs -> {layer: (K,)}."""
+    seen: dict[nn.Module, torch.Tensor] = {}
+
+    def record(layer, inputs, _output):
+        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0).float()  # (K,)
+        seen[layer] = torch.maximum(seen[layer], x) if layer in seen else x
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, nn.Linear)]
+    try:
+        with torch.inference_mode():
+            calibrate()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def time_linears(mode: str, rows: int, dtype: torch.dtype = torch.float32,
+                 shapes: tuple[tuple[int, int], ...] = ((576, 1536), (1536, 576)), repeats: int = 5) -> float:
+    """Best-of-`repeats` seconds of three passes through `shapes` ((in, out) pairs) at `rows` rows, in
+    `mode` ('none': plain linears in `dtype`), the two alternatives of a step interleaved by the caller."""
+    torch.manual_seed(0)
+    layers = []
+    for k, n in shapes:
+        lin = nn.Linear(k, n, bias=False)
+        layers.append(lin.to(dtype) if mode == "none" else (Int8Linear(lin) if mode == "int8" else Int4Linear(lin)))
+    xs = {k: torch.randn(rows, k, dtype=dtype) for k, _ in shapes}
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(3):
+                for (k, _), layer in zip(shapes, layers):
+                    layer(xs[k])
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+AUTO_ROWS = (1, 16)  # one stream, and a busy batch
+
+
+@lru_cache(maxsize=4)
+def choose_quantization(dtype: torch.dtype = torch.float32) -> str:
+    """'auto': the mode with the least linear time summed over AUTO_ROWS rows on this CPU, measured once
+    per process (what `dtype: auto` does for bf16; hosts differ, docs/performance.md)."""
+    totals = {mode: sum(time_linears(mode, rows, dtype) for rows in AUTO_ROWS) for mode in QUANTIZATIONS}
+    return min(totals, key=totals.get)
+
+
+def quantize_decoder(model: nn.Module, tokenizer, mode: str) -> int:
+    """Quantize a decoder-only LM for serving -> layers replaced. int8: every linear, calibrated on
+    CALIBRATION_TEXT. int4: the blocks' linears in int4 and the output projection in int8 (SmolLM2's
+    comes from a Q8_0 tensor, which 4 bits in groups of 32 would not hold: +6 % perplexity)."""
+    if mode == "none":
+        return 0
+    ids = torch.tensor([tokenizer.encode(CALIBRATION_TEXT.read_text(encoding="utf-8"))])  # (1, T)
+    ids = ids[:, :model.cfg.max_seq_len]
+    n = 0
+    if mode == "int4":
+        n += quantize_linears(model, "int4", keep=("lm_head",))
+    return n + quantize_linears(model, "int8", calibrate=lambda: model(ids))

@@ -1,0 +1,108 @@
+"""Quantized linears (model/quantize.py): close to float, row-independent, Q4_1 groups recovered,
+swapped into a model for eager and compiled execution, chosen by the service config."""
+
+import pytest
+import torch
+from torch import nn
+
+from model.config import DecoderConfig
+from model.decoder import DecoderLM
+from model.quantize import Int4Linear, Int8Linear, choose_quantization, quantize_decoder, quantize_linears
+
+
+def _linear(k=64, n=48, bias=True, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.05)
+    return lin
+
+
+def test_int8_close_to_float_and_rows_independent():
+    lin = _linear()
+    q = Int8Linear(lin)
+    x = torch.randn(5, 64)
+    x[2] *= 40  # one row far larger than the others: per-tensor scales would drown the rest
+    ref = lin(x)
+    y = q(x)
+    rel = (y - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert rel.max() < 0.03, rel
+    for r in range(5):  # each row alone gives exactly what it gave in the batch
+        assert torch.equal(q(x[r:r + 1]), y[r:r + 1])
+
+
+def test_int8_smoothing_uses_calibration_maxima():
+    lin = _linear(bias=False)
+    x = torch.randn(8, 64)
+    x[:, 3] *= 60  # an outlier input channel, as SmolLM2's layers have
+    plain = (Int8Linear(lin)(x) - lin(x)).norm()
+    smooth = (Int8Linear(lin, act_max=x.abs().amax(0))(x) - lin(x)).norm()
+    assert smooth < plain
+
+
+def test_int4_recovers_q4_1_groups_exactly():
+    # weights built the way a Q4_1 block stores them: minimum + scale * q, q in 0..15, both ends present
+    torch.manual_seed(0)
+    n, k = 32, 64
+    q = torch.randint(0, 16, (n, k // 32, 32))
+    q[..., 0], q[..., 1] = 0, 15
+    scale = (torch.rand(n, k // 32, 1) * 0.01 + 0.001).bfloat16().float()  # representable in bf16
+    low = (torch.randn(n, k // 32, 1) * 0.01).bfloat16().float()
+    lin = nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_((low + scale * q).view(n, k))
+    x = torch.eye(k)
+    deq = Int4Linear(lin)(x).float().T  # (N, K) as the kernel sees them
+    assert (deq - lin.weight).abs().max() < 0.03 * lin.weight.abs().max()
+    # against the same product in bf16 the kernel agrees to bf16 rounding
+    xb = torch.randn(3, k)
+    ref = (xb.bfloat16().float() @ lin.weight.T)
+    assert torch.allclose(Int4Linear(lin)(xb).float(), ref, atol=0.02, rtol=0.02)
+
+
+def _tiny_llama():
+    torch.manual_seed(0)
+    cfg = DecoderConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,
+                        norm="rmsnorm", mlp="swiglu", positions="rope", attn_bias=False, mlp_bias=False,
+                        tie_embeddings=True)
+    return DecoderLM(cfg).eval()
+
+
+class _Tok:
+    def encode(self, text):
+        return [b % 96 for b in text.encode()[:48]]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_model_close_and_compiles(mode, one_torch_thread):
+    model = _tiny_llama()
+    tokens = torch.randint(0, 96, (2, 12))
+    with torch.inference_mode():
+        ref = model(tokens)
+    n = quantize_decoder(model, _Tok(), mode)
+    assert n == 2 * 4 + 1  # qkv, o, gate_up, down per block + lm_head
+    kinds = {type(m) for m in model.modules()}
+    assert Int8Linear in kinds and (mode == "int8") == (Int4Linear not in kinds)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    with torch.inference_mode():
+        out = model(tokens)
+        compiled = torch.compile(model)(tokens)
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    assert torch.allclose(compiled, out, atol=1e-3, rtol=1e-3)
+
+
+def test_quantize_rejects_unknown_mode_and_keeps_named_layers():
+    model = _tiny_llama()
+    with pytest.raises(ValueError, match="quantization"):
+        quantize_linears(model, "int3")
+    assert quantize_linears(model, "int8", keep=("lm_head",)) == 8
+    assert isinstance(model.lm_head, nn.Linear)
+
+
+def test_auto_picks_a_mode_and_service_config_validates():
+    from service.config import ModelSpec
+
+    assert choose_quantization() in ("none", "int8", "int4")
+    assert ModelSpec.from_dict({"quantization": "int8"}).quantization == "int8"
+    with pytest.raises(ValueError, match="quantization"):
+        ModelSpec.from_dict({"quantization": "fp8"})
