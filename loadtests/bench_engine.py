@@ -105,14 +105,19 @@ def result(engine: str, dtype: str, label: str, wall: float, out_tokens: int, n_
                 out_tokens=out_tokens)
 
 
-async def run_ours(args, mode: str, dtype: str) -> dict:
+async def run_ours(args, mode: str, dtype: str, quantization: str = "none") -> dict:
     from service.engine.config import EngineConfig
     from service.engine.generation import GenerationEngine
     from service.engine.types import GenerateRequest, SamplingParams
 
     model, tok, eos, label, _ = load_model(dtype, args.tiny)
+    if quantization != "none":
+        from model.quantize import quantize_decoder
+
+        quantize_decoder(model, tok, quantization)
+        dtype = f"{dtype}+{quantization}"
     cfg = EngineConfig(max_slots=args.clients, max_seq_len=args.prompt[1] + args.output[1] + 1, mode=mode,
-                       dtype=dtype, threads=args.threads, max_waiting=args.requests + 1,
+                       dtype=dtype.split("+")[0], threads=args.threads, max_waiting=args.requests + 1,
                        prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
                        kv_dtype=args.kv_dtype, prefill_max_padding=args.prefill_max_padding, compile=args.compile)
     engine = GenerationEngine(model, tok, cfg, eos_ids=eos)
@@ -178,7 +183,7 @@ def run_one(args) -> dict:
 
         torch.set_num_threads(args.threads)
     if parts[0] == "ours":
-        return asyncio.run(run_ours(args, parts[1], parts[2]))
+        return asyncio.run(run_ours(args, parts[1], parts[2], parts[3] if len(parts) > 3 else "none"))
     return run_peer(args, parts[0], parts[1])
 
 
@@ -240,6 +245,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="*", default=["continuous", "static", "serial"])
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                     help="dtypes of our engine (each mode runs in each)")
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int4"],
+                    help="linear layers of our engine (model/quantize.py); each runs in each mode and dtype")
     ap.add_argument("--peers", nargs="*", default=[],
                     help="e.g. hf:float32 hf:bfloat16 ct2:float32 ct2:int8 (same weights, static batches)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads; CTranslate2 intra_threads")
@@ -262,7 +269,7 @@ def main() -> None:
         args.ct2_dir = Path(args.ct2_dir) if args.ct2_dir else None
         print(json.dumps(run_one(args)))
         return
-    specs = {f"ours:{m}:{d}": [] for d in args.dtype for m in args.modes}
+    specs = {f"ours:{m}:{d}:{q}": [] for q in args.quantization for d in args.dtype for m in args.modes}
     if args.peers:
         specs.update(prepare_peers(args)[1])
     from model.progress import progress, write_line  # here: the children's RSS is measured

@@ -106,3 +106,39 @@ def test_auto_picks_a_mode_and_service_config_validates():
     assert ModelSpec.from_dict({"quantization": "int8"}).quantization == "int8"
     with pytest.raises(ValueError, match="quantization"):
         ModelSpec.from_dict({"quantization": "fp8"})
+
+
+_COMPILE_TWICE = """
+import sys, torch
+from torch._dynamo.utils import counters
+sys.path.insert(0, {root!r})
+from tests.test_quantize import _tiny_llama, _Tok
+from model.quantize import quantize_decoder
+from service.engine.compiled import CompiledDecoder, use_persistent_cache
+torch.set_num_threads(1)
+m = _tiny_llama()
+quantize_decoder(m, _Tok(), "int8")
+CompiledDecoder(m, m.new_cache(8, 64)).warm_up()
+print(use_persistent_cache(), dict(counters["inductor"]).get("fxgraph_cache_hit", 0))
+"""
+
+
+def test_second_start_loads_compiled_quantized_step_from_attnserve_home(tmp_path):
+    """A compiled step with quantized linears is stored under $ATTNSERVE_HOME/compile and found again by
+    the next process (float linears prepacked by oneDNN are not cacheable: inductor bypasses them)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(ATTNSERVE_HOME=str(tmp_path), OMP_NUM_THREADS="1")
+    code = _COMPILE_TWICE.format(root=str(ROOT))
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+            for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    (first_dir, first_hits), (second_dir, second_hits) = (r.stdout.split()[-2:] for r in runs)
+    assert first_dir == second_dir and first_dir.startswith(str(tmp_path / "compile" / "torch-"))
+    assert int(first_hits) == 0 and int(second_hits) >= 1

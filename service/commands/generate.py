@@ -24,6 +24,8 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--quantization", choices=["none", "int8", "int4", "auto"], default="none",
+                   help="int8 / int4 linears (model/quantize.py); auto = the fastest on this CPU")
 
 
 def stream(model, tokenizer, prompt_ids: list[int], params, stop_ids: set[int],
@@ -90,7 +92,14 @@ def run(args) -> int:
         return 2
     t0 = time.perf_counter()
     model, tok = load_smollm2(args.dtype, log=lambda m: print(m, file=sys.stderr))
-    print(f"[loaded smollm2-135m-instruct {args.dtype} in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
+    label = args.dtype
+    if args.quantization != "none":
+        from model.quantize import choose_quantization, quantize_decoder
+
+        mode = choose_quantization(model.embed.weight.dtype) if args.quantization == "auto" else args.quantization
+        quantize_decoder(model, tok, mode)
+        label = f"{args.dtype}, {mode} linears"
+    print(f"[loaded smollm2-135m-instruct {label} in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt})

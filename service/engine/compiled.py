@@ -21,19 +21,42 @@ before the engine takes requests (~20-30 s on 2 cores).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
 import time
+from pathlib import Path
 
 import torch
 import torch._inductor.config
 
+from model.cpu_features import cpu_flags
 from model.decoder import DecoderLM
 from model.decoder_step import decoder_step
 from model.kv_cache import KVCache
+from model.paths import home
 from model.seq2seq import EncoderDecoder
 from model.seq2seq_step import decode_step, encode_cross
 
 log = logging.getLogger(__name__)
+
+
+def use_persistent_cache() -> Path:
+    """Point inductor's caches at `$ATTNSERVE_HOME/compile/<torch version>-<CPU flags hash>` (unless the
+    user set TORCHINDUCTOR_CACHE_DIR), so a second start, or a replica Ray restarts, loads the generated
+    code instead of compiling it again. Inductor keys each entry by the graph and its config itself; the
+    folder name keeps hosts apart where ATTNSERVE_HOME is shared. Graphs with oneDNN-prepacked float
+    linears cannot be cached (inductor bypasses them); quantized linears can (docs/performance.md)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # inductor writes its default into the environment on first use: only a different value is the user's
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+        d = home() / "compile" / f"torch-{torch.__version__}-{flags}"
+        d.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(d)
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 MIN_SIZE = 2  # dynamo specialises sizes 0 and 1
 
@@ -68,6 +91,7 @@ class CompiledTranslator:
         if cache.n_slots < MIN_SIZE or cache.max_len < MIN_SIZE or cache.cross_len < MIN_SIZE:
             raise ValueError(f"compiled steps need >= {MIN_SIZE} slots, positions and source positions")
         self.model, self.cache = model, cache
+        use_persistent_cache()
         self.pad_id = model.cfg.pad_id
         self.dev = cache.k.device
         self._decode = torch.compile(functools.partial(decode_step, model), dynamic=None)
@@ -136,6 +160,7 @@ class CompiledDecoder:
         if cache.n_slots < MIN_SIZE or cache.max_len < MIN_SIZE:
             raise ValueError(f"a compiled decode step needs >= {MIN_SIZE} slots and positions")
         self.model, self.cache = model, cache
+        use_persistent_cache()
         self.dev = cache.k.device
         self._decode = torch.compile(functools.partial(decoder_step, model), dynamic=None)
         self.compile_seconds: float | None = None
