@@ -29,10 +29,10 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 bench: install
-	$(PY) -m loadtests.bench_cache
+	$(PY) -m benchmarks.bench_cache
 
 bench-engine: install
-	$(PY) -m loadtests.bench_engine
+	$(PY) -m benchmarks.bench_engine
 
 # A short load test against the running service (`make serve` first); see docs/performance.md.
 loadtest: install
@@ -40,7 +40,7 @@ loadtest: install
 
 # attnserve vs llama.cpp's llama-server on the same GGUF. Not CI: the build takes ~8 min of both cores.
 loadtest-compare: install
-	BIN=$$(PY=$(PY) bash loadtests/build_llama_server.sh) && PY=$(PY) bash loadtests/setup_llama_cpp_python.sh >/dev/null \
+	BIN=$$(PY=$(PY) bash benchmarks/build_llama_server.sh) && PY=$(PY) bash benchmarks/setup_llama_cpp_python.sh >/dev/null \
 	  && $(PY) -m loadtests.compare_llamacpp --llama-server "$$BIN" --users 1,4,16,64 --py-users 16,64 --duration 40s
 
 clean:

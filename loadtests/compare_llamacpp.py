@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--parallel", type=int, default=16, help="llama-server slots (-np)")
     p.add_argument("--llama-server", required=True,
-                   help="the llama-server binary (loadtests/build_llama_server.sh prints this host's)")
+                   help="the llama-server binary (benchmarks/build_llama_server.sh prints this host's)")
     p.add_argument("--llama-cpp-python", default=str(LLAMA_CPP_PYTHON), help="python of its venv")
     p.add_argument("--results-dir", default=str(cli.REPO / "results"))
     a = p.parse_args(argv)
@@ -129,11 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     binary = Path(a.llama_server)
     if not binary.is_file():
-        print(f"compare: {binary} missing; build it with loadtests/build_llama_server.sh (~8 min)", file=sys.stderr)
+        print(f"compare: {binary} missing; build it with benchmarks/build_llama_server.sh (~8 min)", file=sys.stderr)
         return 2
     python = Path(a.llama_cpp_python)
     if py_users and not python.is_file():
-        print(f"compare: {python} missing; run loadtests/setup_llama_cpp_python.sh (or --py-users '')", file=sys.stderr)
+        print(f"compare: {python} missing; run benchmarks/setup_llama_cpp_python.sh (or --py-users '')",
+              file=sys.stderr)
         return 2
     out = cli.new_results_dir(a.results_dir, "compare-llamacpp")
     gguf = find_gguf()

@@ -76,7 +76,7 @@ class KVCache:
     @staticmethod
     def _copy_per_slot(bufs: list[tuple[torch.Tensor, list[int]]], src: list[int], dst: list[int]) -> None:
         """One copy_ per slot of the positions it uses, all layers in one view: 2.7-3.8x faster than
-        gathering at 8-64 copies of ~60 positions, 1.2-2.2x at ~24 (loadtests/bench_slot_copies.py).
+        gathering at 8-64 copies of ~60 positions, 1.2-2.2x at ~24 (benchmarks/bench_slot_copies.py).
         Disjoint src/dst only."""
         for buf, lengths in bufs:
             for s, d, k in zip(src, dst, lengths, strict=True):

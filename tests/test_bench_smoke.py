@@ -1,4 +1,4 @@
-"""Smoke runs of the bench and profile tools in loadtests/ with --tiny (random tiny models, a few
+"""Smoke runs of the bench and profile tools in benchmarks/ with --tiny (random tiny models, a few
 requests, one torch thread: the cores are shared), each in its own process as a user runs it. Each test
 checks that the tool printed measured numbers in its table's shape, not only that it exited 0.
 
@@ -36,10 +36,10 @@ def home(tmp_path_factory) -> Path:
 
 
 def tool(home: Path, module: str, *args: str, timeout: float = 600) -> str:
-    """Run `python -m loadtests.<module> args`; its stdout (fails with the output on a non-zero exit)."""
+    """Run `python -m benchmarks.<module> args`; its stdout (fails with the output on a non-zero exit)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(PYTHONPATH=str(ROOT), ATTNSERVE_HOME=str(home), OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", f"loadtests.{module}", *args], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"{module} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout

@@ -254,7 +254,7 @@ def bench_home(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("tool", sorted(BENCH_TOOLS))
 def test_bench_tools_count_their_points(tool, bench_home, mode):
     args, desc, unit = BENCH_TOOLS[tool]
-    r = run_tool([f"loadtests.{tool}", "--tiny", "--threads", "1", *args],
+    r = run_tool([f"benchmarks.{tool}", "--tiny", "--threads", "1", *args],
                  env={"ATTNSERVE_HOME": str(bench_home), "OMP_NUM_THREADS": "1"})
     check_progress(r.stderr, mode, desc, unit)
     assert r.stdout.strip() and "\r" not in r.stdout and f"{desc}:" not in r.stdout  # results alone on stdout

@@ -28,6 +28,6 @@ def test_ratio_table_pairs_each_stream_count():
 
 
 def test_build_is_native_and_names_no_registry_host():
-    script = (ROOT / "loadtests" / "build_llama_server.sh").read_text()
+    script = (ROOT / "benchmarks" / "build_llama_server.sh").read_text()
     assert "-DGGML_NATIVE=ON" in script and "GGML_AVX512=ON" not in script
     assert "pip download" in script and "http" not in script

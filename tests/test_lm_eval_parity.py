@@ -1,6 +1,6 @@
 """lm-eval (PyPI) `local-completions` against the served app equals lm-eval scoring the same SmolLM2 weights
 in-process (full forwards, no engine) on the shipped multiple-choice and generate-until tasks: every item
-scored the same, so the accuracies agree well within 1 item in 500 (loadtests/lm_eval_parity.py).
+scored the same, so the accuracies agree well within 1 item in 500 (benchmarks/lm_eval_parity.py).
 
 Slow: the real SmolLM2 (converted checkpoint), the first items of each task only."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests import lm_eval_parity
+from benchmarks import lm_eval_parity
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent

@@ -118,7 +118,7 @@ def test_transformers_generate_equals_our_greedy(trained, sources, tmp_path):
 def _ct2_model(model, tmp_path):
     import ctranslate2
 
-    from loadtests.ct2_convert import convert
+    from benchmarks.ct2_convert import convert
 
     export_marian(model, None, tmp_path / "hf")
     ct_dir = convert(tmp_path / "hf", tmp_path / "ct2")

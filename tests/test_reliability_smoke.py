@@ -33,8 +33,8 @@ class Run:
         env.update(PYTHONPATH=str(ROOT), ATTNSERVE_HOME=str(tmp / "home"), ATTNSERVE_ALLOW_OTHER_RAY="1",
                    RAY_USAGE_STATS_ENABLED="0")
         self.log = open(self.log_path, "w")  # noqa: SIM115  (closed in finish)
-        args = (*args, "--out", str(self.out)) if module.startswith("reliability.") else args
-        self.proc = subprocess.Popen([sys.executable, "-m", f"loadtests.{module}", *args], cwd=ROOT, env=env,
+        args = (*args, "--out", str(self.out)) if module.startswith("loadtests.reliability.") else args
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def finish(self, timeout: float = 600) -> str:
@@ -62,11 +62,11 @@ class Run:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reliability")
     started = {
-        "disconnects": Run(tmp, "disconnects", "reliability.disconnects", "-n", "12", "--concurrency", "6"),
-        "overload": Run(tmp, "overload", "reliability.overload", "--calibrate-s", "2", "--duration-s", "3"),
-        "replica_kill": Run(tmp, "replica_kill", "reliability.replica_kill", "--users", "4", "--kill-at-s", "3",
-                            "--duration-s", "25"),
-        "overhead": Run(tmp, "overhead", "bench_overhead", "--tiny", "--clients", "2", "--requests", "4",
+        "disconnects": Run(tmp, "disconnects", "loadtests.reliability.disconnects", "-n", "12", "--concurrency", "6"),
+        "overload": Run(tmp, "overload", "loadtests.reliability.overload", "--calibrate-s", "2", "--duration-s", "3"),
+        "replica_kill": Run(tmp, "replica_kill", "loadtests.reliability.replica_kill", "--users", "4",
+                            "--kill-at-s", "3", "--duration-s", "25"),
+        "overhead": Run(tmp, "overhead", "benchmarks.bench_overhead", "--tiny", "--clients", "2", "--requests", "4",
                         "--max-tokens", "8", "--port", str(free_port()), "--serve-log", str(tmp / "serve.log")),
     }
     yield started

@@ -1,7 +1,7 @@
 """Our EncoderDecoder -> the Hugging Face Marian layout (config.json + model.safetensors, `MarianMTModel`).
 
 The exported folder loads in `transformers` as `MarianMTModel` and converts to CTranslate2
-(loadtests/ct2_convert.py) with the very same weights. Differences handled here:
+(benchmarks/ct2_convert.py) with the very same weights. Differences handled here:
 
 - Positions: our sinusoidal table interleaves sin (even dims) and cos (odd dims); Marian puts every
   sin first and every cos second, with the same frequencies. Marian computes its table itself (it is

@@ -76,5 +76,5 @@ def _export_marian(args) -> int:
         print(f"cannot export {src}: {e}")
         return 1
     print(f"wrote {out}: load with transformers.MarianMTModel.from_pretrained({str(out)!r}); "
-          f"CTranslate2: python -m loadtests.ct2_convert {out} OUT_CT2")
+          f"CTranslate2: python -m benchmarks.ct2_convert {out} OUT_CT2")
     return 0

@@ -200,7 +200,7 @@ class TranslationEngine(EngineLoop):
     def _compact(self) -> list[tuple[int, int, int]]:
         """Move hypotheses in slots >= R into the free slots below R (R = running hypotheses), so a step's
         rows are slots [0, R) in order and the cache reads views: gathering K/V of scattered slots was 34 %
-        of a 64-client step's CPU time (loadtests/profile_translate.py). Returns (src, dst, positions)
+        of a 64-client step's CPU time (benchmarks/profile_translate.py). Returns (src, dst, positions)
         copies for the worker thread; hypotheses not yet encoded move without a copy."""
         r = self.last_batch_size
         used = {s for it in self.running for s in it.slots}

@@ -2,7 +2,7 @@
 TranslationEngine eagerly and compiled (same weights, dtype, batching), and compare: how many outputs
 are identical, and sacreBLEU of each against the references (zh output with sacreBLEU's zh tokenizer).
 
-    python -m loadtests.check_compiled_translator --sentences 400 --dtype bfloat16 --beam 1
+    python -m benchmarks.check_compiled_translator --sentences 400 --dtype bfloat16 --beam 1
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 async def translate_all(jobs, checkpoint: Path, dtype: str, beam: int, compile_: bool, clients: int,
                         threads: int = 2):
-    from loadtests.bench_translate import load
+    from benchmarks.bench_translate import load
     from model.progress import progress
     from service.engine.config import EngineConfig
     from service.engine.translation import TranslationEngine
@@ -76,7 +76,7 @@ def main() -> None:
 def check(args) -> None:
     import sacrebleu
 
-    from loadtests.bench_translate import load, workload
+    from benchmarks.bench_translate import load, workload
     from model import paths
     from service.engine.cpu_runtime import single_threaded_caller
 

@@ -10,8 +10,8 @@ Prompts are the user messages of loadtests/data/prompts.jsonl (raw text, cycled)
 for exactly --max-tokens greedy tokens. Output tok/s = completion tokens / wall time of the phase
 (after one warm-up request). Prints both, TTFT p50, and the ratio (issue 6's goal: >= 80 %).
 
-    python -m loadtests.bench_overhead --clients 16 --requests 64 --max-tokens 128
-    python -m loadtests.bench_overhead --tiny --clients 2 --requests 4 --max-tokens 8   # validation only
+    python -m benchmarks.bench_overhead --clients 16 --requests 64 --max-tokens 128
+    python -m benchmarks.bench_overhead --tiny --clients 2 --requests 4 --max-tokens 8   # validation only
 
 Refuses to start when another Ray instance is running on this machine (it would share the cores, and
 a stray `ray.init` must never attach to someone else's cluster); ATTNSERVE_ALLOW_OTHER_RAY=1 starts a
@@ -226,7 +226,7 @@ def main() -> int:
         if args.tiny:
             args.config = str(tiny_config(Path(args.config), Path(tmp)))
         bar.set_postfix_str("engine only")
-        child = [sys.executable, "-m", "loadtests.bench_overhead", "--phase", "engine", "--config", args.config,
+        child = [sys.executable, "-m", "benchmarks.bench_overhead", "--phase", "engine", "--config", args.config,
                  "--clients", str(args.clients), "--requests", str(args.requests), "--max-tokens", str(args.max_tokens)]
         proc = subprocess.run(child, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:

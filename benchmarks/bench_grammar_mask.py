@@ -8,7 +8,7 @@ finishes starts over with the next schema. Libraries alternate round by round (a
 
 Also reported: the tokenizer set-up, and the compile time of every schema (cold; the engine caches).
 
-    python -m loadtests.bench_grammar_mask --rows 16 --steps 300 --rounds 3
+    python -m benchmarks.bench_grammar_mask --rows 16 --steps 300 --rounds 3
 """
 
 from __future__ import annotations

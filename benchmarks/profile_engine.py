@@ -5,7 +5,7 @@ converted, else random weights of its shape) with N closed-loop clients and repo
 wall time split into prefill forward, decode forward, sampling, and the rest of the step (planning,
 delivery, the event loop); then torch.profiler's top operators by self CPU time over a window of steps.
 
-    python -m loadtests.profile_engine --clients 16 --requests 32 --dtype bfloat16 --threads 2
+    python -m benchmarks.profile_engine --clients 16 --requests 32 --dtype bfloat16 --threads 2
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import asyncio
 import time
 from collections import defaultdict
 
-from loadtests.bench_engine import load_model, workload
+from benchmarks.bench_engine import load_model, workload
 from model.progress import progress
 
 

@@ -5,13 +5,13 @@
 The service: the app (the same FastAPI object Ray Serve runs) on loopback with SmolLM2-135M-Instruct in
 float32, served by uvicorn in this process. lm-eval sends token ids (`tokenized_requests`), scoring with
 echo + logprobs + max_tokens 1; its tokenizer is ours, loaded by transformers from the converted
-checkpoint's tokenizer.json (no hub download). The reference: loadtests/lm_eval_reference.py, full forwards
+checkpoint's tokenizer.json (no hub download). The reference: benchmarks/lm_eval_reference.py, full forwards
 of the same weights, no engine. Prints each task's metrics for both, the items where they differ, and exits
 1 if a metric differs by more than 1/500.
 
 Run from the repository root (the task files name their data relative to it):
 
-    python -m loadtests.lm_eval_parity [--limit N] [--num-concurrent 8]
+    python -m benchmarks.lm_eval_parity [--limit N] [--num-concurrent 8]
 
 The same local-completions run by lm-eval's command line against `make serve` (or this app):
 
@@ -31,7 +31,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-TASKS_DIR = Path(__file__).parent / "data" / "lm_eval"
+TASKS_DIR = Path(__file__).resolve().parents[1] / "loadtests" / "data" / "lm_eval"
 TASKS = ["attnserve_mc", "attnserve_gen"]
 TOLERANCE = 1 / 500
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tokenizer and the datasets are local files
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from loadtests.lm_eval_reference import ReferenceLM
+    from benchmarks.lm_eval_reference import ReferenceLM
     from model.checkpoint import load_checkpoint, load_tokenizer
     from model.importers.smollm2 import ensure_smollm2
     from service.config import GENERATOR_ID

@@ -3,7 +3,7 @@
 Prints prefill tokens/s (one forward over the prompt) and decode tokens/s (greedy, one token per
 forward with a KV cache) for fp32 and bf16. Not a test: numbers depend on the machine and its load.
 
-    PYTHONPATH=. .venv/bin/python loadtests/bench_smollm2.py --threads 2
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_smollm2.py --threads 2
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class _ByteTok:  # --tiny: token ids are the prompt's bytes
 def tiny_models(with_hf: bool, workdir: str):
     """--tiny: a random tiny Llama (bench_engine's TINY shape) and, with `with_hf`, the same weights loaded by
     transformers from an export to the Hugging Face layout in `workdir`."""
-    from loadtests.bench_engine import TINY
+    from benchmarks.bench_engine import TINY
     from model.config import DecoderConfig
     from model.decoder import DecoderLM
 

@@ -1,6 +1,6 @@
 """K/V slot copies alone (beam reorders, compaction): `KVCache.copy_slots`'s two ways of copying.
 
-    python -m loadtests.bench_slot_copies
+    python -m benchmarks.bench_slot_copies
 
 Disjoint source and target slots (every copy the engines make) take one `copy_` per slot over all
 layers (`_copy_per_slot`); overlapping ones gather each layer's slots first (`_copy_gathered`). Both are

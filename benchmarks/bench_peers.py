@@ -1,4 +1,4 @@
-"""Peers for `loadtests/bench_engine.py`: transformers `generate()` and CTranslate2 `generate_batch` run
+"""Peers for `benchmarks/bench_engine.py`: transformers `generate()` and CTranslate2 `generate_batch` run
 the same decoder-only workload on the same weights, in static batches.
 
 Weights: the DecoderLM that bench_engine benchmarks is exported once to the Hugging Face Llama layout

@@ -12,7 +12,7 @@ alternate for `--rounds` (a shared host drifts). Also timed in each run: the gra
 masks, applying them, advancing the matchers) against the whole of the engine's steps, a share that
 other jobs on a shared host disturb less than tok/s.
 
-    python -m loadtests.bench_structured --clients 16 --requests 3 --rounds 3
+    python -m benchmarks.bench_structured --clients 16 --requests 3 --rounds 3
 """
 
 from __future__ import annotations

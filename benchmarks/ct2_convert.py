@@ -7,7 +7,7 @@ every row is a real token. So the converter below loads the same `MarianMTModel`
 transformers and maps it with CTranslate2's BART loader (the same encoder-decoder mapping, post-LN,
 no embedding LayerNorm, decoder start = config.decoder_start_token_id), keeping every row.
 
-    python -m loadtests.ct2_convert EXPORTED_DIR OUT_DIR [--quantization int8]
+    python -m benchmarks.ct2_convert EXPORTED_DIR OUT_DIR [--quantization int8]
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 N concurrent closed-loop clients share R generation requests with prompt and output lengths drawn
 from fixed-seed ranges (greedy, ignore_eos, so every run does the same work). Each run (one mode and
 dtype of our GenerationEngine, or one peer: `hf:<dtype>` = transformers generate(), `ct2:<compute type>`
-= CTranslate2 generate_batch, see loadtests/bench_peers.py) goes in its own subprocess: honest peak
+= CTranslate2 generate_batch, see benchmarks/bench_peers.py) goes in its own subprocess: honest peak
 RSS, no thread settings or warm caches shared. Prints a markdown table: output tok/s, req/s, TTFT
 p50/p95, inter-token latency p50/p95, peak RSS. Uses the converted SmolLM2-135M-Instruct checkpoint
 when present, else random weights of the same shape (labelled as such); every run uses the same weights.
 
-    python -m loadtests.bench_engine --dtype float32 bfloat16 --peers hf:float32 hf:bfloat16 ct2:float32 ct2:int8
+    python -m benchmarks.bench_engine --dtype float32 bfloat16 --peers hf:float32 hf:bfloat16 ct2:float32 ct2:int8
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ async def run_ours(args, mode: str, dtype: str, quantization: str = "none") -> d
 
 
 def run_peer(args, peer: str, dtype: str) -> dict:
-    from loadtests import bench_peers
+    from benchmarks import bench_peers
 
     vocab = json.loads((args.hf_dir / "config.json").read_text())["vocab_size"]
     jobs = workload(args, vocab)
@@ -188,7 +188,7 @@ def run_one(args) -> dict:
 
 
 def child_cmd(args, spec: str, extra: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "loadtests.bench_engine", "--run", spec, "--clients", str(args.clients),
+    cmd = [sys.executable, "-m", "benchmarks.bench_engine", "--run", spec, "--clients", str(args.clients),
            "--requests", str(args.requests), "--prompt", *map(str, args.prompt), "--output", *map(str, args.output),
            "--threads", str(args.threads), "--prefill-chunk", str(args.prefill_chunk),
            "--prefill-budget", str(args.prefill_budget), "--seed", str(args.seed), "--kv-dtype", args.kv_dtype,
@@ -200,7 +200,7 @@ def prepare_peers(args) -> tuple[str, dict[str, list[str]]]:
     """Export / convert the weights the peers need (once, cached); the extra child arguments per peer."""
     from pathlib import Path
 
-    from loadtests import bench_peers
+    from benchmarks import bench_peers
 
     model, _, _, label, key = load_model("float32", args.tiny)
     hf_dir = bench_peers.ensure_hf(model, key)

@@ -1,6 +1,6 @@
 """Decode attention alone at one step's shape: model.attention._decode_attention on a strided slot-cache view.
 
-    python -m loadtests.bench_decode_attention --rows 38 --positions 500
+    python -m benchmarks.bench_decode_attention --rows 38 --positions 500
 
 Prints ms per layer (both products + softmax) and the K+V bytes read per second, next to two
 variants (scores as k @ q^T; a contiguous copy of K/V first). A benchmark: numbers, no assertions.

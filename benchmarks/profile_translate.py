@@ -6,7 +6,7 @@ per step: encoder pass, decoder forward, hypothesis advance (argmax / beam bookk
 copies, the rest of `_execute`, and time outside it (plan, deliver, event loop); then torch.profiler's
 top operators by self CPU time over a window of steps.
 
-    python -m loadtests.profile_translate --clients 64 --requests 256 --beam 1
+    python -m benchmarks.profile_translate --clients 64 --requests 256 --beam 1
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from loadtests.profile_engine import Timers
+from benchmarks.profile_engine import Timers
 from model.progress import progress
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 async def run(args) -> None:
     import torch
 
-    from loadtests.bench_translate import load, workload
+    from benchmarks.bench_translate import load, workload
     from model.decoding import BeamState
     from service.engine.config import EngineConfig
     from service.engine.cpu_runtime import single_threaded_caller

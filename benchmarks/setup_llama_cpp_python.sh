@@ -10,7 +10,7 @@ DEST="${ATTNSERVE_HOME:-$HOME/.cache/attnserve}/llama.cpp"
 PYTHON="${PYTHON:-python3}"
 SRC="$DEST/src/llama_cpp_python-$VERSION"
 VENV="$DEST/py-venv"
-[ -d "$SRC/llama_cpp" ] || { echo "run loadtests/build_llama_server.sh first ($SRC missing)" >&2; exit 2; }
+[ -d "$SRC/llama_cpp" ] || { echo "run benchmarks/build_llama_server.sh first ($SRC missing)" >&2; exit 2; }
 BIN_DIR="$(dirname "$(bash "$(dirname "$0")/build_llama_server.sh")")"  # this host's build (no-op when built)
 ls "$BIN_DIR/"libllama.so* >/dev/null 2>&1 || { echo "libllama.so not built: run build_llama_server.sh" >&2; exit 2; }
 if [ ! -x "$VENV/bin/python" ]; then

@@ -3,7 +3,7 @@ Translator.translate_batch, on the same weights and the same sentences, greedy a
 
 Weights: the translator checkpoint (default weights/attnserve-zh-en) exported once to the Hugging Face
 Marian layout (`model.importers.marian.export_marian`) and converted from there to CTranslate2
-(`loadtests/ct2_convert.py`), under `$ATTNSERVE_HOME/bench/`. Sentences: --requests lines of the held-out
+(`benchmarks/ct2_convert.py`), under `$ATTNSERVE_HOME/bench/`. Sentences: --requests lines of the held-out
 split (`$ATTNSERVE_HOME/data/translate/test.tsv`, fixed seed), alternately the English side (-> zh) and
 the Chinese side (-> en), each its own one-text request.
 
@@ -14,8 +14,8 @@ start -> batch end). Output tokens = target tokens without bos/eos. Each run in 
 (peak RSS = VmHWM of that process). Length penalty: ours is GNMT's ((5+len)/6)^alpha; transformers and
 CTranslate2 divide by len^alpha, so beam outputs may differ slightly; greedy outputs use no penalty.
 
-    python -m loadtests.bench_translate --beams 1 4 --peers hf:float32 ct2:float32 ct2:int8
-    python -m loadtests.bench_translate --beams 1 --peers ct2:float32 --compile compiled --repeat 3  # ratio per round
+    python -m benchmarks.bench_translate --beams 1 4 --peers hf:float32 ct2:float32 ct2:int8
+    python -m benchmarks.bench_translate --beams 1 --peers ct2:float32 --compile compiled --repeat 3  # ratio per round
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadtests.bench_engine import pct, peak_rss_mb
+from benchmarks.bench_engine import pct, peak_rss_mb
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,8 +159,8 @@ def _ct2(args, compute_type: str):
 
 def prepare(args, peers: list[str]) -> dict[str, list[str]]:
     """Export to Marian / convert to CTranslate2 once per checkpoint version; child arguments per peer."""
-    from loadtests.bench_peers import bench_dir
-    from loadtests.ct2_convert import convert
+    from benchmarks.bench_peers import bench_dir
+    from benchmarks.ct2_convert import convert
     from model.importers.marian import export_marian
 
     st = (args.checkpoint / "model.safetensors").stat()
@@ -244,7 +244,7 @@ def main() -> None:
                 order.reverse()
             for beam in args.beams:
                 for spec, extra in order:
-                    cmd = [sys.executable, "-m", "loadtests.bench_translate", "--run", spec, "--beam", str(beam),
+                    cmd = [sys.executable, "-m", "benchmarks.bench_translate", "--run", spec, "--beam", str(beam),
                            "--checkpoint", str(args.checkpoint), "--clients", str(args.clients), "--requests",
                            str(args.requests), "--threads", str(args.threads), "--workload", str(args.workload),
                            *extra]
