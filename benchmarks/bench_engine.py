@@ -116,7 +116,8 @@ async def run_ours(args, mode: str, dtype: str, quantization: str = "none") -> d
 
         quantize_decoder(model, tok, quantization)
         dtype = f"{dtype}+{quantization}"
-    cfg = EngineConfig(max_slots=args.clients, max_seq_len=args.prompt[1] + args.output[1] + 1, mode=mode,
+    # a compiled step needs >= 2 slots (service/engine/compiled.py); one client uses one of them
+    cfg = EngineConfig(max_slots=max(args.clients, 2), max_seq_len=args.prompt[1] + args.output[1] + 1, mode=mode,
                        dtype=dtype.split("+")[0], threads=args.threads, max_waiting=args.requests + 1,
                        prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
                        kv_dtype=args.kv_dtype, prefill_max_padding=args.prefill_max_padding, compile=args.compile)
