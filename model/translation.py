@@ -7,7 +7,6 @@ multilingual models do. Source = [tag] + pieces + [eos]; target = [bos] + pieces
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 LANGS = ("en", "zh")
 TAGS = {"en": "<2en>", "zh": "<2zh>"}
@@ -58,31 +57,3 @@ def encode_source(tokenizer, text: str, target_lang: str, max_len: int | None = 
     if max_len is not None:
         ids = ids[: max_len - 2]
     return [tag, *ids, tokenizer.eos_id]
-
-
-class Translator:
-    """Offline translator (CLI, evaluation): checkpoint + SentencePiece + greedy/beam search."""
-
-    def __init__(self, directory: str | Path, dtype=None):
-        from model.checkpoint import load_checkpoint, load_tokenizer
-
-        self.model = load_checkpoint(directory, dtype=dtype)
-        self.tok = load_tokenizer(directory)
-
-    def translate(self, texts: list[str], target_lang: str | None = None, beam_size: int = 4,
-                  batch_size: int = 32) -> list[str]:
-        from model.generate import beam_search, greedy
-        from model.punctuation import postprocess
-
-        out: list[str] = []
-        cap = self.model.cfg.max_src_len
-        for i in range(0, len(texts), batch_size):
-            chunk = texts[i: i + batch_size]
-            langs = [target_lang or other(detect_lang(t)) for t in chunk]
-            srcs = [encode_source(self.tok, t, lang, cap) for t, lang in zip(chunk, langs)]
-            if beam_size <= 1:
-                hyps = greedy(self.model, srcs)
-            else:
-                hyps = [h[0].tokens for h in beam_search(self.model, srcs, beam_size=beam_size)]
-            out.extend(postprocess(self.tok.decode(h), lang) for h, lang in zip(hyps, langs))
-        return out

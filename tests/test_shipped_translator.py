@@ -1,4 +1,5 @@
-"""The shipped zh<->en checkpoint (weights/attnserve-zh-en) loads and translates in-domain sentences."""
+"""The shipped zh<->en checkpoint (weights/attnserve-zh-en) loads and translates in-domain sentences through
+the engine that serves /v1/translate (service/local.py, as `attnserve translate` runs it)."""
 
 import pytest
 
@@ -7,11 +8,21 @@ from model import paths
 SHIPPED = paths.SHIPPED_WEIGHTS / "attnserve-zh-en"
 
 
+class _Engine:
+    def __init__(self):
+        from service import local
+
+        self.engine = local.load_translator(local.translator_spec(SHIPPED))
+
+    def translate(self, texts: list[str], **request) -> list[str]:
+        from service import local
+
+        return local.translate(self.engine, texts, **request).translations
+
+
 @pytest.fixture(scope="module")
 def translator():
-    from model.translation import Translator
-
-    return Translator(SHIPPED)
+    return _Engine()
 
 
 def test_card_and_size():

@@ -1,4 +1,6 @@
-"""The local streaming loop behind `attnserve generate`, on a tiny random model (fast)."""
+"""`attnserve generate`'s stream (the service's engine, serial mode), on a tiny random model (fast)."""
+
+import asyncio
 
 import pytest
 import torch
@@ -6,7 +8,9 @@ import torch
 from model.config import TINY_LLAMA
 from model.decoder import DecoderLM
 from service.commands.generate import stream
-from service.engine.types import SamplingParams
+from service.engine.config import EngineConfig
+from service.engine.generation import GenerationEngine
+from service.engine.types import GenerateRequest, RequestRejected, SamplingParams
 
 
 class ByteTok:
@@ -52,10 +56,35 @@ def test_seeded_sampling_reproducible_and_stops_at_stop_id(tiny):
     stats = {}
     text = "".join(stream(tiny, ByteTok(), [1, 2, 3], p, {stop}, stats))
     first = runs[0].index(stop)
-    assert stats["ids"] == runs[0][: first + 1]  # ends on the stop token, which is not printed
+    assert stats["ids"] == runs[0][:first]  # ends at the stop token, which is neither an output id nor printed
     assert text == ByteTok().decode(runs[0][:first])
 
 
-def test_too_long_request_is_refused(tiny):
-    with pytest.raises(ValueError, match="exceeds the model's context"):
+def test_too_long_request_is_refused_naming_the_field(tiny):
+    with pytest.raises(RequestRejected, match="max_new_tokens"):
         list(stream(tiny, ByteTok(), [1] * 100, SamplingParams(max_new_tokens=50), set()))
+
+
+async def _served(model, prompts, params):
+    """The same requests through a continuous-batching engine, all at once (as the service runs them)."""
+    engine = GenerationEngine(model, ByteTok(), EngineConfig(max_slots=4, max_seq_len=64), eos_ids=set())
+    await engine.start()
+
+    async def one(prompt):
+        out = []
+        async for ev in engine.submit(GenerateRequest(prompt, params)):
+            out.append(ev.text)
+        return "".join(out)
+
+    try:
+        return await asyncio.gather(*(one(p) for p in prompts))
+    finally:
+        await engine.stop()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=16, temperature=0),
+                                    SamplingParams(max_new_tokens=16, temperature=1.2, top_p=0.9, seed=3)])
+def test_cli_and_service_give_the_same_text(tiny, params):
+    prompts = [[5, 9, 2, 40, 7], [1, 2, 3], [60, 61, 62, 63, 64, 65, 66]]
+    cli = ["".join(stream(tiny, ByteTok(), p, params, set())) for p in prompts]
+    assert asyncio.run(_served(tiny, prompts, params)) == cli

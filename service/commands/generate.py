@@ -1,15 +1,18 @@
 """attnserve generate "prompt" [--chat] [--max-tokens N] [--temperature T] [--top-p P] [--seed S]
 
-Streams a completion from the local SmolLM2 model to the terminal, without Ray: one KV-cache slot,
-prefill the prompt in one forward pass, then one token per step, sampled by the engine's
-`sample_next` and printed through the incremental detokenizer (never half a UTF-8 character).
+Streams a completion from the local SmolLM2 model to the terminal, without Ray, through the service's
+own `GenerationEngine` (serial mode, one slot, eager): prefill, sampling, stop handling and
+detokenising are the code that serves `/v1/generate`, so the same request gives the same text here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections.abc import Iterator
+
+from model.quantize import QUANTIZATIONS
 
 
 def add_arguments(p):
@@ -24,81 +27,80 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    p.add_argument("--quantization", choices=["none", "int8", "int4", "auto"], default="none",
+    p.add_argument("--quantization", choices=[*QUANTIZATIONS, "auto"], default="none",
                    help="int8 / int4 linears (model/quantize.py); auto = the fastest on this CPU")
 
 
-def stream(model, tokenizer, prompt_ids: list[int], params, stop_ids: set[int],
-           stats: dict | None = None) -> Iterator[str]:
-    """Yield text deltas of one sequence. `stats` (if given) receives prefill_s, decode_s, tokens."""
-    import torch
+def stream(model, tokenizer, prompt_ids: list[int], params, stop_ids: set[int], stats: dict | None = None,
+           threads: int | None = None) -> Iterator[str]:
+    """Yield the text deltas of one sequence. `stats` (if given) receives prefill_s (submit -> first
+    token), decode_s, tokens (generated, a stop token included) and ids (the output's ids: no stop id).
+    A request that does not fit raises RequestRejected naming the field."""
+    from service.engine.config import DTYPES, EngineConfig
+    from service.engine.generation import GenerationEngine
+    from service.engine.types import GenerateRequest
 
-    from model.tokenizer import IncrementalDetokenizer
-    from service.engine.sampling import make_generator, sample_next
-
-    n = len(prompt_ids)
-    max_len = n + params.max_new_tokens
-    if max_len > model.cfg.max_seq_len:
-        raise ValueError(f"prompt ({n} tokens) + max tokens ({params.max_new_tokens}) exceeds the model's "
-                         f"context of {model.cfg.max_seq_len}")
-    cache = model.new_cache(1, max_len)
-    gen = make_generator(params.seed)
-    detok = IncrementalDetokenizer(tokenizer, skip_ids=stop_ids)
-    history: list[int] = list(prompt_ids)
+    dtype = next(name for name, dt in DTYPES.items() if dt == model.embed.weight.dtype)
+    max_len = min(len(prompt_ids) + params.max_new_tokens, model.cfg.max_seq_len)
+    cfg = EngineConfig(max_slots=1, max_seq_len=max(max_len, 1), max_waiting=1, mode="serial", dtype=dtype,
+                       threads=threads)
     stats = stats if stats is not None else {}
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        tokens = torch.tensor([prompt_ids])  # (1, T)
-        positions = torch.arange(n)[None]  # (1, T)
-        logits = model(tokens, positions, cache, [0], output_index=torch.tensor([n - 1]))  # (1, V)
-        stats["prefill_s"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        generated = 0
-        for step in range(params.max_new_tokens):
-            tok = sample_next(logits.float(), [params], [gen], [history])[0]
-            history.append(tok)
-            generated += 1
-            stats["tokens"] = generated
-            if tok in stop_ids and not params.ignore_eos:
+    loop = asyncio.new_event_loop()
+    engine = GenerationEngine(model, tokenizer, cfg, eos_ids=stop_ids, name="cli")
+    events = None
+    try:
+        loop.run_until_complete(engine.start())
+
+        async def submit():
+            return engine.submit(GenerateRequest(list(prompt_ids), params))
+
+        events = loop.run_until_complete(submit())
+        t0 = time.perf_counter()
+        ids: list[int] = []
+        stats.update(prefill_s=0.0, decode_s=0.0, tokens=0, ids=ids)
+        while True:
+            try:
+                ev = loop.run_until_complete(anext(events))
+            except StopAsyncIteration:
                 break
-            delta = detok.push(tok)
-            if delta:
-                yield delta
-            if step + 1 < params.max_new_tokens:
-                pos = torch.tensor([[n + step]])  # (1, 1)
-                logits = model(torch.tensor([[tok]]), pos, cache, [0], output_index=torch.tensor([0]))
-        stats["decode_s"] = time.perf_counter() - t1
-        stats["ids"] = history[n:]
-    tail = detok.flush()
-    if tail:
-        yield tail
+            now = time.perf_counter()
+            if not ids and ev.token_ids:
+                stats["prefill_s"], t1 = now - t0, now
+            ids.extend(ev.token_ids)
+            stats["tokens"] = len(ids)
+            if ids:
+                stats["decode_s"] = now - t1
+            if ev.text:
+                yield ev.text
+            if ev.finish_reason is not None:
+                stats["tokens"] = ev.usage.completion_tokens  # a stop token counts, as in the API's usage
+                break
+    finally:
+        if events is not None:
+            loop.run_until_complete(events.aclose())
+        loop.run_until_complete(engine.stop())
+        loop.close()
 
 
 def run(args) -> int:
-    import torch
-
     from model.chat import render_chat
     from model.importers.smollm2 import load_smollm2
-    from service.engine.types import SamplingParams
+    from service.engine.config import EngineConfig
+    from service.engine.cpu_runtime import single_threaded_caller
+    from service.engine.types import RequestRejected, SamplingParams
+    from service.models import quantize_generator
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         print("attnserve generate: empty prompt", file=sys.stderr)
         return 2
-    if args.max_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
-        print("attnserve generate: need --max-tokens >= 1, --temperature >= 0, 0 < --top-p <= 1", file=sys.stderr)
-        return 2
+    # load on this thread single-threaded: the engine's own thread runs the steps (service/engine/cpu_runtime.py)
+    single_threaded_caller()
     t0 = time.perf_counter()
     model, tok = load_smollm2(args.dtype, log=lambda m: print(m, file=sys.stderr))
-    label = args.dtype
-    if args.quantization != "none":
-        from model.quantize import choose_quantization, quantize_decoder
-
-        mode = choose_quantization(model.embed.weight.dtype) if args.quantization == "auto" else args.quantization
-        quantize_decoder(model, tok, mode)
-        label = f"{args.dtype}, {mode} linears"
+    mode = quantize_generator(model, tok, args.quantization, EngineConfig(dtype=args.dtype),
+                              log=lambda m: print(m, file=sys.stderr))
+    label = args.dtype if mode == "none" else f"{args.dtype}, {mode} linears"
     print(f"[loaded smollm2-135m-instruct {label} in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -109,10 +111,10 @@ def run(args) -> int:
                             top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     stats: dict = {}
     try:
-        for delta in stream(model, tok, ids, params, tok.stop_ids(), stats):
+        for delta in stream(model, tok, ids, params, tok.stop_ids(), stats, threads=args.threads):
             sys.stdout.write(delta)
             sys.stdout.flush()
-    except ValueError as e:
+    except RequestRejected as e:
         print(f"attnserve generate: {e}", file=sys.stderr)
         return 2
     sys.stdout.write("\n")
