@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_engine import pct, peak_rss_mb
+from model.paths import SHIPPED_TRANSLATOR
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,7 +186,7 @@ def prepare(args, peers: list[str]) -> dict[str, list[str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default=str(ROOT / "weights" / "attnserve-zh-en"))
+    ap.add_argument("--checkpoint", default=str(SHIPPED_TRANSLATOR))
     ap.add_argument("--clients", type=int, default=16, help="concurrent clients = peers' batch size")
     ap.add_argument("--requests", type=int, default=64, help="sentences (one per request)")
     ap.add_argument("--beams", type=int, nargs="+", default=[1, 4])

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from model.paths import SHIPPED_TRANSLATOR
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -54,7 +56,7 @@ async def translate_all(jobs, checkpoint: Path, dtype: str, beam: int, compile_:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default=str(ROOT / "weights" / "attnserve-zh-en"))
+    ap.add_argument("--checkpoint", default=str(SHIPPED_TRANSLATOR))
     ap.add_argument("--sentences", type=int, default=400)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--beam", type=int, default=1)

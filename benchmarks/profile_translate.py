@@ -21,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from benchmarks.profile_engine import Timers
+from model.paths import SHIPPED_TRANSLATOR
 from model.progress import progress
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +112,7 @@ async def run(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--checkpoint", default=str(ROOT / "weights" / "attnserve-zh-en"))
+    ap.add_argument("--checkpoint", default=str(SHIPPED_TRANSLATOR))
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--beam", type=int, default=1)

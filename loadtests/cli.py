@@ -25,6 +25,7 @@ from loadtests.records import read_records
 from loadtests.scenarios import SCENARIOS
 from loadtests.summary import Summary, format_table, summarize
 from model.progress import progress, write_line
+from service.config import GENERATOR_ID
 
 REPO = Path(__file__).resolve().parent.parent
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
@@ -106,7 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --max-tokens per answer")
     p.add_argument("--beam-size", type=int, default=4)
-    p.add_argument("--model", default="smollm2-135m-instruct", help="model id for the OpenAI endpoints")
+    p.add_argument("--model", default=GENERATOR_ID, help="model id for the OpenAI endpoints")
     p.add_argument("--translate-file", default="", help="JSONL of {text, source_lang, target_lang} for the "
                    "translate scenarios (default: 100 sentences of the held-out test split)")
     p.add_argument("--results-dir", default=str(REPO / "results"), help="parent folder of the timestamped results")

@@ -30,6 +30,7 @@ from loadtests import cli
 from loadtests.plots import plot_sweep
 from loadtests.summary import Summary, format_table
 from model.progress import progress, write_line
+from service.config import GENERATOR_ID
 
 HOME = Path(os.environ.get("ATTNSERVE_HOME", Path.home() / ".cache" / "attnserve"))
 LLAMA_CPP_PYTHON = HOME / "llama.cpp" / "py-venv" / "bin" / "python"  # made by setup_llama_cpp_python.sh
@@ -100,7 +101,7 @@ def start_llama_server(binary: Path, gguf: Path, parallel: int, log: Path) -> tu
 
 def start_llama_cpp_python(python: Path, gguf: Path, log: Path) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "smollm2-135m-instruct",
+    cmd = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", GENERATOR_ID,
            "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2", "--n_threads_batch", "2",
            "--n_ctx", "4096", "--interrupt_requests", "False"]
     return _start(cmd, f"http://127.0.0.1:{port}", "/v1/models", log, "llama_cpp.server")
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     def sweep(label: str, host: str, user_list: list[int]) -> None:
         for u in user_list:
             ns = argparse.Namespace(host=host, scenario=a.scenario, rate=0.0, max_tokens=a.max_tokens,
-                                    temperature=0.0, ignore_eos=False, beam_size=1, model="smollm2-135m-instruct",
+                                    temperature=0.0, ignore_eos=False, beam_size=1, model=GENERATOR_ID,
                                     translate_file="", label=label)
             bar.set_postfix_str(f"{label}, users={u}")
             rows.append((label, cli.run_once(ns, u, duration_s, out / f"{label}-users-{u}", tick=bar.refresh)))

@@ -31,6 +31,7 @@ from requests.adapters import HTTPAdapter
 from loadtests.datasets import by_direction, load_prompts, load_translate_inputs, read_jsonl
 from loadtests.records import RecordWriter, RequestRecord
 from loadtests.sse import parse_sse_line
+from service.config import GENERATOR_ID
 
 PROMPTS = load_prompts()
 TRANSLATE: dict[str, list[str]] = {}  # target language -> source sentences, loaded at init
@@ -43,7 +44,7 @@ def _add_arguments(parser):
     parser.add_argument("--records-file", default="", help="append one JSON line per request here")
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of generation requests")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="model id sent to the OpenAI endpoints")
+    parser.add_argument("--model", default=GENERATOR_ID, help="model id sent to the OpenAI endpoints")
     parser.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (benchmarks)")
     parser.add_argument("--beam-size", type=int, default=4, help="beam size of translation requests")
     parser.add_argument("--arrival-rate", type=float, default=0.0, help="open loop: Poisson arrivals per second")

@@ -11,12 +11,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from model.strict_fields import reject_unknown
+
 
 def _from_dict(cls, data: dict[str, Any]):
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown config field(s) {unknown}")
+    reject_unknown(data, (f.name for f in dataclasses.fields(cls)), cls.__name__)
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     for name, value in data.items():
         d = defaults[name]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_WEIGHTS = REPO_ROOT / "weights"
+SHIPPED_TRANSLATOR = SHIPPED_WEIGHTS / "attnserve-zh-en"  # the translator we train and serve
 
 
 def home() -> Path:

@@ -11,21 +11,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-GENERATOR_ID = "smollm2-135m-instruct"
-TRANSLATOR_ID = "attnserve-zh-en"
-DEFAULT_TRANSLATOR_DIR = "weights/attnserve-zh-en"  # relative to the repo root
+from model.importers.smollm2 import MODEL_NAME as SMOLLM2_ID
+from model.paths import REPO_ROOT, SHIPPED_TRANSLATOR
+from model.strict_fields import from_dict
 
-
-def _from_dict(cls, data: dict[str, Any] | None, nested: dict[str, type] | None = None):
-    data = dict(data or {})
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; known: {sorted(names)}")
-    for key, sub in (nested or {}).items():
-        if key in data and not isinstance(data[key], sub):
-            data[key] = sub.from_dict(data[key])
-    return cls(**data)
+GENERATOR_ID = SMOLLM2_ID
+TRANSLATOR_ID = SHIPPED_TRANSLATOR.name
+DEFAULT_TRANSLATOR_DIR = str(SHIPPED_TRANSLATOR.relative_to(REPO_ROOT))  # as Serve configs spell it
 
 
 @dataclass
@@ -50,7 +42,7 @@ class ApiLimits:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> ApiLimits:
-        return _from_dict(cls, data)
+        return from_dict(cls, data)
 
 
 @dataclass
@@ -85,7 +77,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> ModelSpec:
-        return _from_dict(cls, data)
+        return from_dict(cls, data)
 
 
 @dataclass
@@ -108,4 +100,4 @@ class ServiceConfig:
         data = dict(data or {})
         if "translator" in data and data["translator"] is not None and "checkpoint" not in data["translator"]:
             data["translator"] = {"checkpoint": DEFAULT_TRANSLATOR_DIR, **data["translator"]}
-        return _from_dict(cls, data, {"generator": ModelSpec, "translator": ModelSpec, "limits": ApiLimits})
+        return from_dict(cls, data, nested={"generator": ModelSpec, "translator": ModelSpec, "limits": ApiLimits})

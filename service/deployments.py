@@ -17,6 +17,7 @@ import logging
 
 from ray import serve
 
+from model.strict_fields import reject_unknown
 from service.api.app import create_app
 from service.api.backends import Backends
 from service.config import GENERATOR_ID, TRANSLATOR_ID, ApiLimits, ServiceConfig
@@ -82,9 +83,7 @@ class AttnServe:
 
     def reconfigure(self, user_config: dict | None) -> None:
         """`user_config: {limits: {...}}` in the Serve config: API limits, applied without a restart."""
-        unknown = sorted(set(user_config or {}) - {"limits"})
-        if unknown:
-            raise ValueError(f"user_config: unknown key(s) {unknown}; known: ['limits']")
+        reject_unknown(user_config or {}, ["limits"], "user_config")
         self.limits = ApiLimits.from_dict((user_config or {}).get("limits"))
         if self.fastapi is not None:
             self.fastapi.state.limits = self.limits

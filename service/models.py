@@ -12,7 +12,7 @@ from pathlib import Path
 
 from model.paths import REPO_ROOT
 from service.api.backends import Backends, GeneratorBackend, TranslatorBackend
-from service.config import GENERATOR_ID, TRANSLATOR_ID, ModelSpec, ServiceConfig
+from service.config import DEFAULT_TRANSLATOR_DIR, GENERATOR_ID, TRANSLATOR_ID, ModelSpec, ServiceConfig
 from service.engine.config import EngineConfig
 
 
@@ -118,7 +118,7 @@ def load_translator(spec: ModelSpec, sink=None) -> TranslatorBackend:
     from model.checkpoint import load_checkpoint, load_tokenizer
     from service.engine.translation import TranslationEngine
 
-    d = _resolve(spec.checkpoint or "weights/attnserve-zh-en")
+    d = _resolve(spec.checkpoint or DEFAULT_TRANSLATOR_DIR)
     if not (d / "config.json").is_file():
         raise ModelUnavailable(f"no translator checkpoint at {d}; train one (`attnserve train translate`) "
                                f"or point translator.checkpoint at a checkpoint folder")

@@ -76,6 +76,7 @@ def main() -> None:
     import uvicorn
     from api_util import backends, translator  # tests/ is on sys.path when run as a script
 
+    from model.paths import SHIPPED_TRANSLATOR
     from service import models
     from service.api.app import create_app
     from service.config import ModelSpec
@@ -86,7 +87,7 @@ def main() -> None:
     if args.generator == "smollm2":
         engine = {"max_slots": 8, "max_seq_len": 1024}
         b.generator = models.load_generator(ModelSpec(device="cpu", dtype="float32", engine=engine), EngineMetrics())
-    if (models.REPO_ROOT / "weights" / "attnserve-zh-en" / "config.json").is_file():
+    if (SHIPPED_TRANSLATOR / "config.json").is_file():
         b.translator = models.load_translator(ModelSpec(device="cpu", dtype="float32"), EngineMetrics())
     elif b.translator is None:
         b.translator = translator()

@@ -36,6 +36,7 @@ import torch
 import yaml
 from live_service import free_port, live_service
 
+from model import paths
 from service.cli import COMMANDS, main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -193,7 +194,7 @@ def test_weights_fetch_reports_the_converted_checkpoint(standin, capsys):
 
 # --- translate -------------------------------------------------------------------------------------
 
-SHIPPED = ROOT / "weights" / "attnserve-zh-en"
+SHIPPED = paths.SHIPPED_TRANSLATOR
 needs_shipped = pytest.mark.skipif(not (SHIPPED / "model.safetensors").is_file(), reason="no shipped translator")
 
 

@@ -81,7 +81,7 @@ def test_eval_bleu_matches_sacrebleu(data, tmp_path, monkeypatch):
 def test_eval_of_the_shipped_translator_matches_sacrebleu(data, tmp_path):
     """The real path: the shipped checkpoint, greedy, the HK split name."""
     out = tmp_path / "report.json"
-    model = paths.SHIPPED_WEIGHTS / "attnserve-zh-en"
+    model = paths.SHIPPED_TRANSLATOR
     assert cli.main(["eval", "translate", "--model", str(model), "--data", str(data), "--beams", "1",
                      "--out", str(out)]) == 0
     report = json.loads(out.read_text())

@@ -5,7 +5,7 @@ import pytest
 
 from model import paths
 
-SHIPPED = paths.SHIPPED_WEIGHTS / "attnserve-zh-en"
+SHIPPED = paths.SHIPPED_TRANSLATOR
 
 
 class _Engine:

@@ -25,6 +25,7 @@ from model import paths
 from model.checkpoint import build_model, save_checkpoint
 from model.config import Seq2SeqConfig
 from model.progress import progress, write_line
+from model.strict_fields import from_dict
 from model.tokenizer import SentencePieceTokenizer
 from model.training import translate_data
 from model.translation import LANGS, TAGS, encode_source, other
@@ -57,12 +58,7 @@ class TrainConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> TrainConfig:
-        data = json.loads(Path(path).read_text())
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"{path}: unknown training config field(s) {unknown}")
-        return cls(**data)
+        return from_dict(cls, json.loads(Path(path).read_text()), where=str(path))
 
 
 def lr_at(step: int, d_model: int, warmup: int, factor: float) -> float:
@@ -381,7 +377,7 @@ def checkpoint(run: Path, model, opt, meta: dict, cfg: TrainConfig) -> None:
 
 def export(run: Path, model, tok, cfg: TrainConfig, meta: dict, export_to, log) -> Path:
     used = average_snapshots(run, model, cfg.avg_last)
-    out = Path(export_to or paths.SHIPPED_WEIGHTS / "attnserve-zh-en")
+    out = Path(export_to or paths.SHIPPED_TRANSLATOR)
     save_checkpoint(model, out, tokenizer=tok, dtype=torch.bfloat16,
                     extra={"training": {"steps": meta["step"], "epochs": meta["epoch"],
                                         "hours": round(meta["train_seconds"] / 3600, 3),

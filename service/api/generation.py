@@ -69,12 +69,14 @@ def logit_bias_ids(gen: GeneratorBackend, bias: dict[str, float] | None) -> dict
 
 
 def build_request(gen: GeneratorBackend, body: Sampling, prompt_ids: list[int], *, prompt_param: str,
-                  max_tokens: int | None, default_max_tokens: int, limits: ApiLimits, top_k: int = 0,
+                  max_tokens: int | None, default_max_tokens: int, limits: ApiLimits,
+                  max_tokens_param: str = "max_tokens", top_k: int = 0,
                   repetition_penalty: float = 1.0, ignore_eos: bool = False, request_id: str = "",
                   n: int = 1, logprobs: int | None = None, prompt_logprobs: int | None = None,
                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                   logit_bias: dict[str, float] | None = None, json_schema: dict | None = None) -> GenerateRequest:
-    """An engine request whose prompt + output fits the model's context, or a 400 naming the field."""
+    """An engine request whose prompt + output fits the model's context, or a 400 naming the field
+    (`prompt_param`, `max_tokens_param`: the names the client used)."""
     stop = body.stop_list()
     check_stop(stop, limits)
     bias = logit_bias_ids(gen, logit_bias)
@@ -88,8 +90,9 @@ def build_request(gen: GeneratorBackend, body: Sampling, prompt_ids: list[int], 
         raise ApiError(400, f"{prompt_param} is {len(prompt_ids)} tokens; the context holds "
                             f"{gen.max_context} tokens including the output", prompt_param)
     if max_tokens is not None and max_tokens > room:
-        raise ApiError(400, f"max_tokens={max_tokens} does not fit: the prompt is {len(prompt_ids)} tokens "
-                            f"and the context holds {gen.max_context}; use max_tokens <= {room}", "max_tokens")
+        raise ApiError(400, f"{max_tokens_param}={max_tokens} does not fit: the prompt is {len(prompt_ids)} "
+                            f"tokens and the context holds {gen.max_context}; use {max_tokens_param} <= {room}",
+                       max_tokens_param)
     params = SamplingParams(
         max_new_tokens=max_tokens if max_tokens is not None else min(default_max_tokens, room),
         temperature=body.temperature, top_k=top_k, top_p=body.top_p, repetition_penalty=repetition_penalty,

@@ -164,15 +164,10 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
     ids = encode_messages(gen, body.messages, limits)
     track = (body.top_logprobs or 0) if body.logprobs else None
     schema = await response_schema(gen, body.response_format)
-    try:
-        req = build_request(gen, body, ids, prompt_param="messages", max_tokens=max_tokens,
-                            default_max_tokens=CHAT_DEFAULT_MAX_TOKENS, limits=limits,
-                            ignore_eos=body.ignore_eos, request_id=rid, **_penalties(body), n=body.n, logprobs=track,
-                            json_schema=schema)
-    except ApiError as e:  # name the field the client actually sent
-        if e.param == "max_tokens":
-            e.param, e.message = param, e.message.replace("max_tokens", param)
-        raise
+    req = build_request(gen, body, ids, prompt_param="messages", max_tokens=max_tokens,
+                        default_max_tokens=CHAT_DEFAULT_MAX_TOKENS, limits=limits, max_tokens_param=param,
+                        ignore_eos=body.ignore_eos, request_id=rid, **_penalties(body), n=body.n, logprobs=track,
+                        json_schema=schema)
     events = gen.submit(req)
     texts = TokenTexts(gen.decode)
     if body.stream:

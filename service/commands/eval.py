@@ -22,7 +22,7 @@ def run(args) -> int:
     from model.training.eval_translate import evaluate
     from service import local
 
-    checkpoint = args.model or paths.SHIPPED_WEIGHTS / "attnserve-zh-en"
+    checkpoint = args.model or paths.SHIPPED_TRANSLATOR
     engine = local.load_translator(local.translator_spec(checkpoint))
     options = {} if args.no_repeat_ngram is None else {"no_repeat_ngram": args.no_repeat_ngram}
 

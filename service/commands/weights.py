@@ -55,13 +55,13 @@ def _export_marian(args) -> int:
 
     from model.checkpoint import CheckpointError, load_checkpoint, load_tokenizer
     from model.importers.marian import MarianExportError, export_marian
-    from model.paths import SHIPPED_WEIGHTS
+    from model.paths import SHIPPED_TRANSLATOR
     from model.seq2seq import EncoderDecoder
 
     if not args.out:
         print("attnserve weights export-marian: --out DIR is required")
         return 2
-    src = Path(args.model_dir) if args.model_dir else SHIPPED_WEIGHTS / "attnserve-zh-en"
+    src = Path(args.model_dir) if args.model_dir else SHIPPED_TRANSLATOR
     if not (src / "config.json").is_file():
         print(f"no checkpoint at {src} (expected config.json + model.safetensors; the shipped translator "
               "appears at weights/attnserve-zh-en once trained)")

@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 import torch
 
+from model.strict_fields import from_dict
+
 MODES = ("continuous", "static", "serial")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,8 +70,4 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"EngineConfig: unknown field(s) {unknown}; known: {sorted(names)}")
-        return cls(**data)
+        return from_dict(cls, data)

@@ -28,6 +28,7 @@ import torch
 
 from model.decoder import DecoderLM
 from model.tokenizer import IncrementalDetokenizer
+from service.config import GENERATOR_ID
 from service.engine.compiled import CompiledDecoder
 from service.engine.config import EngineConfig
 from service.engine.logprobs import prompt_logprobs, sampled_logprobs
@@ -88,7 +89,7 @@ class _Plan:
 
 class GenerationEngine(EngineLoop):
     def __init__(self, model: DecoderLM, tokenizer, config: EngineConfig, *, eos_ids: set[int],
-                 name: str = "smollm2-135m-instruct", sink: MetricsSink | None = None):
+                 name: str = GENERATOR_ID, sink: MetricsSink | None = None):
         super().__init__(config, name, sink)
         if config.max_seq_len > model.cfg.max_seq_len:
             config.max_seq_len = model.cfg.max_seq_len  # a slot can never hold more than the model

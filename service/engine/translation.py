@@ -21,6 +21,7 @@ from model.generate import pad_batch
 from model.punctuation import postprocess
 from model.seq2seq import EncoderDecoder
 from model.translation import TAGS, detect_lang, encode_source, join_sentences, other, split_sentences
+from service.config import TRANSLATOR_ID
 from service.engine.beam import reassign_slots
 from service.engine.compiled import CompiledTranslator
 from service.engine.config import EngineConfig
@@ -67,7 +68,7 @@ class _Step:
 
 class TranslationEngine(EngineLoop):
     def __init__(self, model: EncoderDecoder, tokenizer, config: EngineConfig, *,
-                 name: str = "attnserve-zh-en", sink: MetricsSink | None = None):
+                 name: str = TRANSLATOR_ID, sink: MetricsSink | None = None):
         super().__init__(config, name, sink)
         self.model = model.to(device=config.device, dtype=config.torch_dtype).eval()
         self.tokenizer = tokenizer
