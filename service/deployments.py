@@ -93,10 +93,10 @@ class AttnServe:
         started engine stopped."""
         if self.startup.error:
             raise RuntimeError(f"start-up failed: {self.startup.error}")
-        gen = self.backends.generator
-        engine = getattr(gen, "engine", None)
-        if self.startup.ready and engine is not None and not engine.started:
-            raise RuntimeError("generator engine is not running")
+        gen, translator = self.backends.generator, self.backends.translator
+        for engine in (gen.engine if gen is not None else None, translator):
+            if self.startup.ready and engine is not None and not engine.started:
+                raise RuntimeError(f"engine {engine.name} is not running")
 
 
 def build(args: dict | None = None):

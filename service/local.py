@@ -42,7 +42,7 @@ def load_translator(spec: ModelSpec):
     from service.models import load_translator as load_backend
 
     single_threaded_caller()
-    return load_backend(spec).engine
+    return load_backend(spec)
 
 
 async def translate_async(engine, texts: list[str], *, progress: Callable[[int], None] | None = None,

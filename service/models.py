@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 from model.paths import REPO_ROOT
-from service.api.backends import Backends, GeneratorBackend, TranslatorBackend
+from service.api.backends import Backends, GeneratorBackend
 from service.config import DEFAULT_TRANSLATOR_DIR, GENERATOR_ID, TRANSLATOR_ID, ModelSpec, ServiceConfig
 from service.engine.config import EngineConfig
+from service.engine.translation import TranslationEngine
 
 
 class ModelUnavailable(RuntimeError):
@@ -114,9 +115,8 @@ def quantize_generator(model, tok, mode: str, cfg: EngineConfig, log=print) -> s
     return mode
 
 
-def load_translator(spec: ModelSpec, sink=None) -> TranslatorBackend:
+def load_translator(spec: ModelSpec, sink=None) -> TranslationEngine:
     from model.checkpoint import load_checkpoint, load_tokenizer
-    from service.engine.translation import TranslationEngine
 
     d = _resolve(spec.checkpoint or DEFAULT_TRANSLATOR_DIR)
     if not (d / "config.json").is_file():
@@ -126,9 +126,8 @@ def load_translator(spec: ModelSpec, sink=None) -> TranslatorBackend:
         raise ValueError(f"translator.quantization {spec.quantization!r}: the translator is served in full "
                          f"precision (its quality in int8/int4 is not measured); use none")
     cfg = engine_config(spec)
-    engine = TranslationEngine(load_checkpoint(d, dtype=cfg.torch_dtype), load_tokenizer(d), cfg, name=TRANSLATOR_ID,
-                               sink=sink)
-    return TranslatorBackend(engine, name=TRANSLATOR_ID)
+    return TranslationEngine(load_checkpoint(d, dtype=cfg.torch_dtype), load_tokenizer(d), cfg, name=TRANSLATOR_ID,
+                             sink=sink)
 
 
 def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Backends:
@@ -158,6 +157,6 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Bac
         setattr(backends, attr, backend)
         if startup is not None:
             seconds = max(time.perf_counter() - t0, 1e-6)
-            mb = sum(p.numel() * p.element_size() for p in backend.engine.model.parameters()) / 2**20
+            mb = sum(p.numel() * p.element_size() for p in backend.model.parameters()) / 2**20
             startup.model(name, f"weights loaded: {mb:.0f} MB in {seconds:.1f} s ({mb / seconds:.0f} MB/s)")
     return backends

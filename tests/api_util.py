@@ -10,7 +10,7 @@ import httpx
 from engine_util import CharTokenizer, tiny_llama
 
 from service.api.app import create_app
-from service.api.backends import Backends, GeneratorBackend, TranslatorBackend
+from service.api.backends import Backends, GeneratorBackend
 from service.config import TRANSLATOR_ID, ApiLimits
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
@@ -27,13 +27,13 @@ def generator(**engine_kw) -> GeneratorBackend:
     return GeneratorBackend(engine, TOK, chat_template=TEMPLATE)
 
 
-def translator(**engine_kw) -> TranslatorBackend | None:
+def translator(**engine_kw):
     from engine_util import tiny_seq2seq
 
     from service.engine.translation import TranslationEngine
 
     cfg = EngineConfig(**{"max_slots": 8, "max_seq_len": 64, **engine_kw})
-    return TranslatorBackend(TranslationEngine(tiny_seq2seq(), TOK, cfg, sink=EngineMetrics()))
+    return TranslationEngine(tiny_seq2seq(), TOK, cfg, sink=EngineMetrics())
 
 
 def backends(gen_kw: dict | None = None, with_translator: bool = True) -> Backends:

@@ -16,7 +16,7 @@ from model.generate import beam_search
 from model.translation import encode_source
 from service import cli, local
 from service.api.app import create_app
-from service.api.backends import Backends, TranslatorBackend
+from service.api.backends import Backends
 from service.engine.config import EngineConfig
 from service.engine.translation import TranslationEngine
 from service.engine.types import TranslateRequest
@@ -32,7 +32,7 @@ TEXTS = [
 
 def _http_translations(texts: list[str], **body) -> list[str]:
     engine = local.load_translator(local.translator_spec())
-    backends = Backends(translator=TranslatorBackend(engine, name=engine.name))
+    backends = Backends(translator=engine)
 
     async def main():
         app = create_app(backends, static_dir=None)

@@ -1,4 +1,5 @@
-"""What the HTTP routes talk to: a generator (engine + tokenizer + chat template) and a translator.
+"""What the HTTP routes talk to: a generator (engine + tokenizer + chat template) and a translator (the
+`TranslationEngine` itself: it takes text, detects languages, splits and joins sentences).
 
 A model that could not be loaded is represented by its reason, so routes answer 503 naming it
 instead of the service failing to start.
@@ -11,12 +12,17 @@ from dataclasses import dataclass, field
 
 from service.api.errors import ApiError
 from service.config import GENERATOR_ID, TRANSLATOR_ID
-from service.engine.types import GenerateRequest, GenerationEvent, TranslateRequest, TranslationResult
+from service.engine.translation import TranslationEngine
+from service.engine.types import GenerateRequest, GenerationEvent
 
 
 class GeneratorBackend:
     def __init__(self, engine, tokenizer, *, name: str = GENERATOR_ID, chat_template: str | None = None):
         self.engine, self.tokenizer, self.name, self.chat_template = engine, tokenizer, name, chat_template
+
+    @property
+    def model(self):
+        return self.engine.model
 
     @property
     def max_context(self) -> int:
@@ -63,26 +69,12 @@ class GeneratorBackend:
         await self.engine.stop()
 
 
-class TranslatorBackend:
-    def __init__(self, engine, *, name: str = TRANSLATOR_ID):
-        self.engine, self.name = engine, name
-
-    async def translate(self, req: TranslateRequest) -> TranslationResult:
-        return await self.engine.translate(req)
-
-    async def start(self) -> None:
-        await self.engine.start()
-
-    async def stop(self) -> None:
-        await self.engine.stop()
-
-
 @dataclass
 class Backends:
     """The loaded models, and for each missing one the reason it is missing."""
 
     generator: GeneratorBackend | None = None
-    translator: TranslatorBackend | None = None
+    translator: TranslationEngine | None = None
     unavailable: dict[str, str] = field(default_factory=dict)  # model id -> why it is not served
 
     def ids(self) -> list[str]:
@@ -91,7 +83,7 @@ class Backends:
     def need_generator(self, model: str | None) -> GeneratorBackend:
         return self._need(model, self.generator, GENERATOR_ID, "completions/generation")
 
-    def need_translator(self, model: str | None) -> TranslatorBackend:
+    def need_translator(self, model: str | None) -> TranslationEngine:
         return self._need(model, self.translator, TRANSLATOR_ID, "translation")
 
     def _need(self, model, backend, default_id: str, what: str):
