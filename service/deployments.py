@@ -59,7 +59,8 @@ class AttnServe:
                 backend = getattr(loaded, attr)
                 if backend is None:
                     continue
-                engine = getattr(backend, "engine", None)  # (a serve_batch wrapper has none)
+                # the translator backend is its engine; a serve_batch generator wrapper has none
+                engine = backend if attr == "translator" else getattr(backend, "engine", None)
                 compiling = engine is not None and engine.config.compile
                 self.startup.set(f"{'compiling' if compiling else 'starting'} the {attr} engine", model_id,
                                  "compiling the decode step (torch.compile)" if compiling else "starting")

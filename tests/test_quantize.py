@@ -119,13 +119,15 @@ torch.set_num_threads(1)
 m = _tiny_llama()
 quantize_decoder(m, _Tok(), "int8")
 CompiledDecoder(m, m.new_cache(8, 64)).warm_up()
-print(use_persistent_cache(), dict(counters["inductor"]).get("fxgraph_cache_hit", 0))
+print(use_persistent_cache(), dict(counters["inductor"]).get("fxgraph_cache_hit", 0),
+      dict(counters["aot_autograd"]).get("autograd_cache_hit", 0))
 """
 
 
 def test_second_start_loads_compiled_quantized_step_from_attnserve_home(tmp_path):
     """A compiled step with quantized linears is stored under $ATTNSERVE_HOME/compile and found again by
-    the next process (float linears prepacked by oneDNN are not cacheable: inductor bypasses them)."""
+    the next process, by inductor's graph cache and by AOTAutograd's (which skips re-tracing the graph; it
+    refuses frozen graphs, so a quantized step is compiled without freezing)."""
     import os
     import subprocess
     import sys
@@ -139,6 +141,6 @@ def test_second_start_loads_compiled_quantized_step_from_attnserve_home(tmp_path
             for _ in range(2)]
     for r in runs:
         assert r.returncode == 0, r.stderr[-2000:]
-    (first_dir, first_hits), (second_dir, second_hits) = (r.stdout.split()[-2:] for r in runs)
+    (first_dir, *first_hits), (second_dir, *second_hits) = (r.stdout.split()[-3:] for r in runs)
     assert first_dir == second_dir and first_dir.startswith(str(tmp_path / "compile" / "torch-"))
-    assert int(first_hits) == 0 and int(second_hits) >= 1
+    assert [int(h) for h in first_hits] == [0, 0] and min(int(h) for h in second_hits) >= 1

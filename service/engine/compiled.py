@@ -3,7 +3,8 @@
 In eager mode a decode step pays per-op overhead (the translator: ~150 ops of a few to tens of
 microseconds around matmuls of 15 x 256) and unfused elementwise passes over activations and K/V
 (SmolLM2: masks, softmax, RMSNorm, RoPE, SwiGLU over 30 layers). Inductor fuses the elementwise work into
-generated C++ and, with `freezing`, treats the weights as constants (prepacked oneDNN linears). The
+generated C++ and, with `freezing`, treats the weights as constants (prepacked oneDNN linears; only where
+float linears are left, see `_wants_freezing`). The
 compiled functions are pure (`model/seq2seq_step.py`, `model/decoder_step.py`): the translator's
 `decode_step` and `encode_cross` (encoder + every decoder layer's cross K/V for newly admitted
 sources), and the decoder-only LM's `decoder_step`. Prompt prefill stays eager (long, few calls).
@@ -46,7 +47,8 @@ def use_persistent_cache() -> Path:
     user set TORCHINDUCTOR_CACHE_DIR), so a second start, or a replica Ray restarts, loads the generated
     code instead of compiling it again. Inductor keys each entry by the graph and its config itself; the
     folder name keeps hosts apart where ATTNSERVE_HOME is shared. Graphs with oneDNN-prepacked float
-    linears cannot be cached (inductor bypasses them); quantized linears can (docs/performance.md)."""
+    linears cannot be cached (inductor bypasses them); a quantized model's step is compiled without
+    freezing, so both inductor's and AOTAutograd's caches hold it (docs/performance.md)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     # inductor writes its default into the environment on first use: only a different value is the user's
@@ -84,6 +86,13 @@ def _compile(fn):
     Guards on the inputs (sizes, dtypes) stay."""
     skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
     return torch.compile(fn, dynamic=None, options={"guard_filter_fn": skip})
+
+
+def _wants_freezing(model: torch.nn.Module) -> bool:
+    """Freeze (weights as constants, float linears prepacked for oneDNN) only where a float `nn.Linear`
+    is left: a graph compiled with freezing cannot enter AOTAutograd's cache, so every start would trace
+    it again, while a quantized model's linears are opaque ops that freezing does not change."""
+    return any(isinstance(m, torch.nn.Linear) for m in model.modules())
 
 
 def _mark_dynamic(*spec) -> None:
@@ -176,7 +185,7 @@ class CompiledDecoder:
     def warm_up(self) -> float:
         t0 = time.perf_counter()
         rows, length = _hint_sizes((31, self.cache.n_slots - 1), (300, self.cache.max_len - 1))
-        with torch.inference_mode(), torch._inductor.config.patch(freezing=True):
+        with torch.inference_mode(), torch._inductor.config.patch(freezing=_wants_freezing(self.model)):
             tokens = torch.zeros(rows, dtype=torch.long, device=self.dev)
             positions = torch.zeros(rows, dtype=torch.long, device=self.dev)
             k, v = self.cache.prefix_views(rows, length)
