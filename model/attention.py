@@ -85,16 +85,16 @@ class Attention(nn.Module):
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """One query per row (a decode step): grouped matmuls instead of SDPA.
 
-    On CPU, SDPA's flash kernel is slow for a single query (15x slower than this in bf16, 1.5x in
-    fp32, measured with 64 rows x 200 keys); grouping the query heads that share a K/V head needs no
-    copy of K/V. q (B, H, 1, D); k, v (B, Hkv, L, D); mask broadcastable to (B, 1, 1, L).
+    On CPU, SDPA's flash kernel is slow for a single query (docs/decisions.md); grouping the query
+    heads that share a K/V head needs no copy of K/V. q (B, H, 1, D); k, v (B, Hkv, L, D); mask
+    broadcastable to (B, 1, 1, L).
     """
     b, h, _, d = q.shape
     hkv = k.shape[1]
     if k.device.type == "cpu" and k.dtype != torch.float32 and not k.is_contiguous():
         # A cache slice (B, Hkv, :length, D) is strided by the cache's max_len. oneDNN's bf16 batched
         # matmul then makes a transposing copy of K (and a copy of V) itself, far slower than a plain
-        # copy first: 463 -> 211 us per layer at 16 rows x 376 keys. fp32 takes the strides as they are.
+        # copy first (docs/decisions.md). fp32 takes the strides as they are.
         k, v = k.contiguous(), v.contiguous()
     qg = q.view(b, hkv, h // hkv, d)  # (B, Hkv, G, D): query heads grouped by their K/V head
     scores = (qg @ k.transpose(-1, -2)) * d ** -0.5  # (B, Hkv, G, L)

@@ -75,9 +75,8 @@ class KVCache:
 
     @staticmethod
     def _copy_per_slot(bufs: list[tuple[torch.Tensor, list[int]]], src: list[int], dst: list[int]) -> None:
-        """One copy_ per slot of the positions it uses, all layers in one view: 2.7-3.8x faster than
-        gathering at 8-64 copies of ~60 positions, 1.2-2.2x at ~24 (benchmarks/bench_slot_copies.py).
-        Disjoint src/dst only."""
+        """One copy_ per slot of the positions it uses, all layers in one view: faster than gathering
+        (docs/decisions.md, benchmarks/bench_slot_copies.py). Disjoint src/dst only."""
         for buf, lengths in bufs:
             for s, d, k in zip(src, dst, lengths, strict=True):
                 if k:
@@ -157,8 +156,8 @@ class CacheContext:
     def _read(self, buf: torch.Tensor, n: int) -> torch.Tensor:
         """buf (S, Hkv, L, D) -> these rows' slots, first n positions: (B, Hkv, n, D).
 
-        A view when the slots are contiguous; else index_select (4.8x faster than advanced indexing on
-        CPU: 177 vs 847 us for 40 of 64 slots x 400 positions in bf16).
+        A view when the slots are contiguous; else index_select (faster than advanced indexing on CPU,
+        docs/decisions.md).
         """
         if isinstance(self.sel, slice):
             return buf[self.sel, :, :n]

@@ -65,7 +65,7 @@ MIN_SIZE = 2  # dynamo specialises sizes 0 and 1
 
 def _hint_sizes(*wanted: tuple[int, int]) -> list[int]:
     """Warm-up sizes: close to what serving sees (inductor tunes the generated code for the sizes of the
-    first call: warming up a SmolLM2 step with 3 rows x 5 positions made it 1.3x slower at 38 x 500), at
+    first call: a step warmed up at tiny sizes ran slower at serving sizes), at
     least MIN_SIZE, at most the given limit, and pairwise distinct (equal sizes would share a symbol and
     recompile when they differ). Rows and lengths stay below the cache's: where a view spans a whole
     dimension, dynamo traces its strides as functions of the sizes, and every later view recompiles."""
@@ -82,7 +82,7 @@ def _hint_sizes(*wanted: tuple[int, int]) -> list[int]:
 
 def _compile(fn):
     """torch.compile without guards on the model's modules: an engine's weights and modules never change
-    while it serves, and checking them costs every call (~0.8 ms of a SmolLM2 step, docs/decisions.md).
+    while it serves, and checking them costs every call (docs/decisions.md).
     Guards on the inputs (sizes, dtypes) stay."""
     skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
     return torch.compile(fn, dynamic=None, options={"guard_filter_fn": skip})

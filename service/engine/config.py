@@ -24,8 +24,8 @@ class EngineConfig:
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # KV cache dtype; "auto" = the weights' dtype. float32 under bf16 weights lets CPU batched matmuls read
-    # the strided slot prefixes without a copy (a decode step alone: 185 -> 79 ms at 38 rows x 500
-    # positions), but end to end it measured no faster on SmolLM2 and doubles the cache (docs/decisions.md).
+    # the strided slot prefixes without a copy, but end to end it measured no faster on SmolLM2 and doubles
+    # the cache (docs/decisions.md).
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     threads: int | None = None  # torch threads of the engine thread; None = torch default (the cores it sees)
     default_deadline_s: float | None = None  # per-request time limit when the request has none
@@ -35,7 +35,8 @@ class EngineConfig:
     # real tokens (length-sorted groups); a huge value = one padded forward for all of them
     prefill_max_padding: float = 0.25
     # torch.compile the decode step (and the translator's encoder) before serving (service/engine/compiled.py):
-    # 20-65 s at start on 2 cores, then faster steps on CPU. Falls back to eager, with a warning, if it fails.
+    # time at start (cached for the next start where it can be), faster steps on CPU (docs/performance.md).
+    # Falls back to eager, with a warning, if it fails.
     compile: bool = False
 
     def __post_init__(self):

@@ -4,8 +4,8 @@
 torch's CPU ops run on libgomp (GNU OpenMP), which keeps a separate pool of worker threads for each
 thread that starts parallel regions. Once a second pool exists (say, the model was loaded on the main
 thread with 2 torch threads, and the engine steps on its own worker thread with 2 threads), every
-parallel region pays for it: a SmolLM2 bf16 decode step of 16 rows went from 33-37 ms to 60-81 ms on
-this 2-core machine, slower than one thread (53 ms). So: an engine sets its thread count *inside* its
+parallel region pays for it: a decode step on two threads became slower than on one (docs/decisions.md).
+So: an engine sets its thread count *inside* its
 worker thread (`init_engine_thread`), and loaders run torch single-threaded in the calling thread
 (`single_threaded_caller`), so that no other thread ever creates a pool. Two engines in one process
 with threads > 1 each bring the problem back: give each engine 1 thread there (the Serve default).
@@ -13,8 +13,7 @@ with threads > 1 each bring the problem back: give each engine 1 thread there (t
 ## Large allocations from the heap
 glibc serves allocations above its mmap threshold with a new mmap and returns them to the kernel on
 free, so every decode step that allocates multi-MB activations (the K/V slices of 30 layers, logits)
-pays page faults on freshly zeroed pages. Measured here (SmolLM2-135M, bf16, 2 threads, one decode
-step): 16 rows 73 -> 40 ms, 64 rows 131-176 -> 122 ms with the thresholds below. The usual fix for
+pays page faults on freshly zeroed pages (the step time they cost: docs/decisions.md). The usual fix for
 PyTorch CPU inference is jemalloc/tcmalloc via LD_PRELOAD; `mallopt` gets the same effect for these
 sizes without a preload. The cost: up to TRIM_BYTES of freed memory stays mapped in the process.
 
