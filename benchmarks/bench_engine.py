@@ -152,10 +152,15 @@ async def run_ours(args, mode: str, dtype: str, quantization: str = "none") -> d
     await asyncio.gather(*(client() for _ in range(args.clients)))
     wall = time.perf_counter() - t0
     await engine.stop()
-    if cfg.compile and engine.compiled is None:
+    return result(engine_label(engine, mode), dtype, label, wall, out_tokens, len(jobs), ttft, itl)
+
+
+def engine_label(engine, mode: str) -> str:
+    """'attnserve <mode>', with the compile time when compiled; exits if compiling was asked for and failed."""
+    if engine.config.compile and engine.compiled is None:
         raise SystemExit("compiling the decode step failed (see the log above)")
-    name = f"attnserve {mode}" + (f" (compiled, {engine.compiled.compile_seconds:.0f} s)" if cfg.compile else "")
-    return result(name, dtype, label, wall, out_tokens, len(jobs), ttft, itl)
+    compiled = f" (compiled, {engine.compiled.compile_seconds:.0f} s)" if engine.config.compile else ""
+    return f"attnserve {mode}{compiled}"
 
 
 def run_peer(args, peer: str, dtype: str) -> dict:

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_engine import pct, peak_rss_mb
+from benchmarks.bench_engine import engine_label, pct, peak_rss_mb
 from model.paths import SHIPPED_TRANSLATOR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,10 +96,7 @@ async def run_ours(args, mode: str, dtype: str, step: str = "eager") -> dict:
     await asyncio.gather(*(client() for _ in range(args.clients)))
     wall = time.perf_counter() - t0
     await engine.stop()
-    if cfg.compile and engine.compiled is None:
-        raise SystemExit("compiling the decode step failed (see the log above)")
-    name = f"attnserve {mode}" + (f" (compiled, {engine.compiled.compile_seconds:.0f} s)" if cfg.compile else "")
-    return result(name, args.beam, dtype, wall, out, lat, len(jobs))
+    return result(engine_label(engine, mode), args.beam, dtype, wall, out, lat, len(jobs))
 
 
 def run_peer(args, peer: str, dtype: str) -> dict:

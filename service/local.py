@@ -39,10 +39,10 @@ def translator_spec(checkpoint: str | Path | None = None, *, config: str | Path 
 def load_translator(spec: ModelSpec):
     """A TranslationEngine for `spec` (not started)."""
     from service.engine.cpu_runtime import single_threaded_caller
-    from service.models import load_translator as load_backend
+    from service.models import load_translator as load_engine
 
     single_threaded_caller()
-    return load_backend(spec)
+    return load_engine(spec)
 
 
 async def translate_async(engine, texts: list[str], *, progress: Callable[[int], None] | None = None,

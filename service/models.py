@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from model.paths import REPO_ROOT
 from service.api.backends import Backends, GeneratorBackend
 from service.config import DEFAULT_TRANSLATOR_DIR, GENERATOR_ID, TRANSLATOR_ID, ModelSpec, ServiceConfig
 from service.engine.config import EngineConfig
-from service.engine.translation import TranslationEngine
+
+if TYPE_CHECKING:
+    from service.engine.translation import TranslationEngine
 
 
 class ModelUnavailable(RuntimeError):
@@ -117,6 +120,7 @@ def quantize_generator(model, tok, mode: str, cfg: EngineConfig, log=print) -> s
 
 def load_translator(spec: ModelSpec, sink=None) -> TranslationEngine:
     from model.checkpoint import load_checkpoint, load_tokenizer
+    from service.engine.translation import TranslationEngine
 
     d = _resolve(spec.checkpoint or DEFAULT_TRANSLATOR_DIR)
     if not (d / "config.json").is_file():

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from service.api.errors import ApiError
 from service.config import GENERATOR_ID, TRANSLATOR_ID
-from service.engine.translation import TranslationEngine
 from service.engine.types import GenerateRequest, GenerationEvent
+
+if TYPE_CHECKING:  # the engine (torch, the model) loads only where a replica builds it
+    from service.engine.translation import TranslationEngine
 
 
 class GeneratorBackend:
