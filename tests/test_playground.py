@@ -14,6 +14,7 @@ from live_service import ROOT, live_service
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(600)]
 from selenium import webdriver  # noqa: E402  (a test extra; `make test` installs it)
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -67,7 +68,9 @@ def _running(url: str) -> float:
 
 def test_chat_streams_stop_cancels_translate_and_errors(browser, url):
     ARTIFACTS.mkdir(exist_ok=True)
-    drv, wait = browser, WebDriverWait(browser, 240, poll_frequency=0.05)
+    # the engine panel re-renders its rows on every refresh: an element found just before may be gone
+    drv, wait = browser, WebDriverWait(browser, 240, poll_frequency=0.05,
+                                       ignored_exceptions=(StaleElementReferenceException,))
     drv.get(url + "/")
     assert drv.find_element(By.LINK_TEXT, "API docs").get_attribute("href").endswith("/docs")
     assert drv.find_element(By.LINK_TEXT, "Metrics").get_attribute("href").endswith("/metrics")
