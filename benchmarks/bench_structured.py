@@ -24,33 +24,12 @@ import time
 
 import torch
 
+from benchmarks.step_profiler import WHOLE, StepProfiler
 from loadtests.schemas import load_schemas
 
 
 def pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
-class GrammarTimer:
-    """Wraps the engine's grammar calls (service/engine/structured.py) and its step to time them."""
-
-    def __init__(self, engine):
-        import service.engine.generation as gen
-
-        self.grammar_s = self.step_s = 0.0
-        g, apply, execute = engine.grammars, gen.apply_bitmask, engine._execute
-        g.fill, g.advance = self.timed(g.fill, "grammar_s"), self.timed(g.advance, "grammar_s")
-        gen.apply_bitmask = self.timed(apply, "grammar_s")
-        engine._execute = self.timed(execute, "step_s")
-
-    def timed(self, fn, field: str):
-        def call(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                setattr(self, field, getattr(self, field) + time.perf_counter() - t0)
-        return call
 
 
 def build(args):
@@ -109,18 +88,20 @@ async def run(engine, timer, work, args, mode: str, lengths: dict) -> dict:
             tokens += n
 
     t0 = time.perf_counter()
-    steps0, grammar0, step0 = engine.steps, timer.grammar_s, timer.step_s
+    steps0, grammar0, step0 = engine.steps, timer.total["grammar"], timer.total[WHOLE]
     await asyncio.gather(*[client(c) for c in range(len(work))])
     wall = time.perf_counter() - t0
     steps = engine.steps - steps0
     return {"mode": mode, "tok_s": tokens / wall, "tokens": tokens, "wall": wall, "steps": steps,
             "itl_p50": pct(itl, 0.5) * 1e3, "itl_p95": pct(itl, 0.95) * 1e3,
-            "step_ms": (timer.step_s - step0) / steps * 1e3, "grammar_ms": (timer.grammar_s - grammar0) / steps * 1e3}
+            "step_ms": (timer.total[WHOLE] - step0) / steps * 1e3,
+            "grammar_ms": (timer.total["grammar"] - grammar0) / steps * 1e3}
 
 
 async def main_async(args) -> None:
     engine, work = build(args)
-    timer = GrammarTimer(engine)
+    timer = StepProfiler()  # the engine's "grammar" phase (masks, matcher advance) and whole steps
+    engine.hooks = timer
     await engine.start()
     lengths: dict = {}
     try:

@@ -2,9 +2,9 @@
 
 Runs the TranslationEngine (continuous, greedy or beam) on bench_translate's workload (held-out
 sentences, alternately en->zh and zh->en, one per request) with N closed-loop clients and reports,
-per step: encoder pass, decoder forward, hypothesis advance (argmax / beam bookkeeping), beam slot
-copies, the rest of `_execute`, and time outside it (plan, deliver, event loop); then torch.profiler's
-top operators by self CPU time over a window of steps.
+per step (the engine's step hooks): encoder pass, decoder forward, hypothesis advance (argmax / beam
+bookkeeping), slot copies, the rest of the step, and time outside steps (plan, deliver, event loop);
+then torch.profiler's top operators by self CPU time over a window of steps.
 
     python -m benchmarks.profile_translate --clients 64 --requests 256 --beam 1
 """
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from benchmarks.profile_engine import Timers
+from benchmarks.step_profiler import StepProfiler
 from model.paths import SHIPPED_TRANSLATOR
 from model.progress import progress
 
@@ -28,10 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 async def run(args) -> None:
-    import torch
-
     from benchmarks.bench_translate import load, workload
-    from model.decoding import BeamState
     from service.engine.config import EngineConfig
     from service.engine.cpu_runtime import single_threaded_caller
     from service.engine.translation import TranslationEngine
@@ -43,40 +40,11 @@ async def run(args) -> None:
     cfg = EngineConfig(max_slots=args.clients * args.beam, max_seq_len=model.cfg.max_tgt_len, mode="continuous",
                        dtype=args.dtype, threads=args.threads, max_waiting=args.requests + 1, compile=args.compile)
     engine = TranslationEngine(model, tok, cfg)
-    t = Timers()
-    if not args.compile:  # (wrapping the model's methods would break the compiled graphs)
-        engine.model.encode = t.wrap(lambda *a, **kw: "encoder", engine.model.encode)
-        engine.model.set_cross = t.wrap(lambda *a, **kw: "cross K/V into slots", engine.model.set_cross)
-        engine.model.decode = t.wrap(lambda *a, **kw: "decoder forward", engine.model.decode)
-    engine.cache.copy_slots = t.wrap(lambda *a, **kw: "slot copies (beam, compaction)", engine.cache.copy_slots)
-    advance, push = BeamState.advance, BeamState.push
-    BeamState.advance = t.wrap(lambda *a, **kw: "advance (argmax / beam)", advance)
-    BeamState.push = t.wrap(lambda *a, **kw: "advance (argmax / beam)", push)
-    execute = engine._execute
-    rows: list[int] = []
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-    window = {"on": False}
-
-    def profiled_execute(step):
-        n = len(rows)
-        rows.append(sum(it.beam.k for it in getattr(step, "items", step)))
-        if n == args.profile_from:
-            prof.start()
-            window["on"] = True
-        elif n == args.profile_from + args.profile_steps and window["on"]:
-            prof.stop()
-            window["on"] = False
-        return execute(step)
-    engine._execute = t.wrap(lambda *a, **kw: "execute (whole)", profiled_execute)
-
+    hooks = StepProfiler(lambda step: sum(s.beam.k for s in step.sentences), args.profile_from, args.profile_steps)
+    engine.hooks = hooks
     await engine.start()
-    if engine.compiled is not None:  # compiled in start(): "encoder" includes the cross K/V
-        engine.compiled.encode = t.wrap(lambda *a, **kw: "encoder", engine.compiled.encode)
-        engine.compiled.decode = t.wrap(lambda *a, **kw: "decoder forward", engine.compiled.decode)
     await engine.translate(TranslateRequest(["warm-up"], target_lang="zh", beam_size=args.beam))
-    rows.clear()
-    for k in list(t.total):
-        t.total[k], t.count[k] = 0.0, 0
+    hooks.reset()
     queue = [(j["text"], j["tgt"]) for j in reversed(jobs)]
     out = 0
 
@@ -94,18 +62,16 @@ async def run(args) -> None:
     wall = time.perf_counter() - t0
     bar.close()
     await engine.stop()
-    BeamState.advance, BeamState.push = advance, push
-    if window["on"]:
-        prof.stop()
+    rows = hooks.rows
     steps = len(rows)
     print(f"translator {args.checkpoint}; dtype {args.dtype}; threads {args.threads}; clients {args.clients}; "
           f"beam {args.beam}; {len(jobs)} sentences, {out} output tokens in {wall:.1f} s = {out / wall:.0f} tok/s")
     print(f"{steps} steps, mean rows {sum(rows) / max(steps, 1):.1f}, {1000 * wall / max(steps, 1):.2f} ms/step")
-    t.report(("encoder", "cross K/V into slots", "decoder forward", "advance (argmax / beam)",
-              "slot copies (beam, compaction)"), "rest of _execute", steps, wall)
-    if steps > args.profile_from:  # else the profiler window never opened (e.g. --profile-from 100000)
+    hooks.report(("encoder", "decoder forward", "advance", "slot copies"), wall)
+    table = hooks.top_ops(args.top)
+    if table is not None:
         print(f"\ntorch.profiler, {args.profile_steps} steps from step {args.profile_from}, top operators by self CPU:")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+        print(table)
     if args.json:
         Path(args.json).write_text(json.dumps({"tok_s": out / wall, "steps": steps, "wall": wall}))
 

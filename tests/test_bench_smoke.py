@@ -139,7 +139,7 @@ def test_profile_engine(home):
     m = re.search(rf"4 requests, (\d+) output tokens in {NUM} s = {NUM} tok/s", out)
     assert m and 16 <= int(m[1]) <= 32 and float(m[3]) > 0  # 4 requests of 4-8 tokens
     assert re.search(rf"(\d+) steps, mean batch {NUM}, {NUM} ms/step", out)
-    _profile_table(out, ["prefill forward", "decode forward", "sampling"])
+    _profile_table(out, ["prefill forward", "decode forward", "sampling", "slot copies"])
 
 
 def test_profile_translate(home):
@@ -148,7 +148,7 @@ def test_profile_translate(home):
     m = re.search(rf"4 sentences, (\d+) output tokens in {NUM} s = {NUM} tok/s", out)
     assert m and int(m[1]) > 0
     assert re.search(rf"(\d+) steps, mean rows {NUM}, {NUM} ms/step", out)
-    _profile_table(out, ["encoder", "decoder forward", "advance (argmax / beam)"])
+    _profile_table(out, ["encoder", "decoder forward", "advance", "slot copies"])
 
 
 def test_check_compiled_translator(home):

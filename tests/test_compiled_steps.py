@@ -15,6 +15,7 @@ from model.decoder_step import decoder_step
 from model.generate import beam_search, greedy
 from model.seq2seq_step import decode_step, encode_cross
 from model.translation import encode_source
+from service.engine.compiled import CompiledTranslator
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
 from service.engine.translation import TranslationEngine
@@ -106,7 +107,7 @@ def test_compiled_engine_translates_as_offline_without_recompiling():
                 engine.translate(TranslateRequest(TEXTS, target_lang="zh", beam_size=4, no_repeat_ngram=0)),
                 *(engine.translate(TranslateRequest(t, target_lang="zh", beam_size=b, no_repeat_ngram=0))
                   for t, b in zip(company, beams, strict=True)))
-            return alone, single, mixed, counters["stats"]["unique_graphs"] - graphs, engine.slots.n_used
+            return alone, single, mixed, counters["stats"]["unique_graphs"] - graphs, engine.stats().slots_used
         finally:
             await engine.stop()
 
@@ -168,7 +169,7 @@ def test_compiled_generation_engine_matches_eager_alone_and_in_company():
                 graphs = counters["stats"]["unique_graphs"]
                 alone = [await collect(engine, r) for r in reqs[:2]]  # one row: a pad row joins it
                 together = await asyncio.gather(*(collect(engine, r) for r in reqs))  # queued, prefilling
-                return alone, together, counters["stats"]["unique_graphs"] - graphs, engine.slots.n_used
+                return alone, together, counters["stats"]["unique_graphs"] - graphs, engine.stats().slots_used
             finally:
                 await engine.stop()
         return asyncio.run(main())
@@ -183,7 +184,7 @@ def test_compiled_generation_engine_matches_eager_alone_and_in_company():
 def test_a_failed_compile_falls_back_to_eager(monkeypatch, caplog):
     def broken(self):
         raise RuntimeError("no C++ compiler")
-    monkeypatch.setattr(TranslationEngine, "_compile", broken)
+    monkeypatch.setattr(CompiledTranslator, "warm_up", broken)
 
     async def main():
         engine = TranslationEngine(MODEL, TOK, EngineConfig(max_slots=4, compile=True))

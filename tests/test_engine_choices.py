@@ -63,7 +63,7 @@ def sampled(n: int = 1, seed: int | None = 11, **kw) -> GenerateRequest:
 def test_choices_equal_single_requests_seeded_seed_plus_index_with_one_prefill():
     async def main(engine):
         counter = CountingModel(engine.model)
-        engine.model = counter
+        engine.runner.model = counter
         many = await by_choice(engine, sampled(n=4))
         prefilled = counter.prefilled
         singles = [(await by_choice(engine, sampled(seed=11 + i)))[0] for i in range(4)]
@@ -87,7 +87,7 @@ def test_choices_queue_for_all_their_slots_and_free_them():
                                        by_choice(engine, sampled(n=4, max_new_tokens=5, seed=1)),
                                        by_choice(engine, sampled(n=1, max_new_tokens=7, seed=2)))
         await asyncio.sleep(0.05)
-        return a, b, c, engine.slots.n_used, engine.stats().running
+        return a, b, c, engine.stats().slots_used, engine.stats().running
 
     a, b, c, used, running = run(main)
     assert [len(x) for x in (a, b, c)] == [4, 4, 1]
@@ -101,10 +101,10 @@ def test_closing_the_stream_cancels_every_choice():
         await stream.__anext__()
         await stream.aclose()
         for _ in range(100):
-            if engine.slots.n_used == 0:
+            if engine.stats().slots_used == 0:
                 break
             await asyncio.sleep(0.01)
-        return engine.slots.n_used, engine.stats().running
+        return engine.stats().slots_used, engine.stats().running
 
     assert run(main) == (0, 0)
 

@@ -11,6 +11,7 @@ from engine_util import CharTokenizer, run_engine, tiny_llama
 
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
+from service.engine.hooks import StepHooks
 from service.engine.types import (
     EngineOverloaded,
     EngineStopped,
@@ -93,17 +94,18 @@ def test_running_sequences_are_compacted_into_the_lowest_slots():
     [0, n): the cache reads views. Their output is unchanged by the moves."""
     seen = {"steps": 0, "moves": 0, "holes": 0}
 
-    async def main(engine):
-        plan = engine._plan
+    class Check(StepHooks):
+        def on_plan(self, p):  # record, never raise: an exception here would end the engine loop
+            running = engine_ref[0].scheduler.running
+            seen["holes"] += sorted(s.slot for s in running) != list(range(len(running)))
+            seen["steps"] += 1
+            seen["moves"] += len(p.moves)
 
-        def checked_plan():  # record, never raise: an exception here would end the engine loop
-            p = plan()
-            if p is not None:
-                seen["holes"] += sorted(s.slot for s in engine.running) != list(range(len(engine.running)))
-                seen["steps"] += 1
-                seen["moves"] += len(p.moves)
-            return p
-        engine._plan = checked_plan
+    engine_ref = []
+
+    async def main(engine):
+        engine_ref.append(engine)
+        engine.hooks = Check()
         return await _with_company(engine, TARGET)
 
     alone = run(lambda e: collect(e, TARGET))
@@ -313,15 +315,16 @@ def test_metrics_sink_sees_running_return_to_zero_when_idle():
 def test_prefill_groups_bound_padding_and_keep_every_chunk():
     import random
 
-    from service.engine.generation import _padding_bounded_groups
+    from service.engine.decoder_runner import padding_bounded_groups
 
     rng = random.Random(0)
     for _ in range(200):
         chunks = [(i, rng.randint(1, 256)) for i in range(rng.randint(1, 8))]
-        groups = _padding_bounded_groups(chunks, max_padding=0.25)
-        assert sorted(x for g in groups for x in g) == sorted(chunks)
+        lengths = [c for _, c in chunks]
+        groups = padding_bounded_groups(list(range(len(chunks))), lengths, max_padding=0.25)
+        assert sorted(x for g in groups for x in g) == list(range(len(chunks)))
         for g in groups:
-            width, real = max(c for _, c in g), sum(c for _, c in g)
+            width, real = max(lengths[i] for i in g), sum(lengths[i] for i in g)
             assert len(g) == 1 or width * len(g) <= 1.25 * real
-    assert len(_padding_bounded_groups([(0, 256), (1, 16)])) == 2  # 240 pad positions: apart
-    assert len(_padding_bounded_groups([(0, 256), (1, 250), (2, 240)])) == 1
+    assert len(padding_bounded_groups([0, 1], [256, 16])) == 2  # 240 pad positions: apart
+    assert len(padding_bounded_groups([0, 1, 2], [256, 250, 240])) == 1

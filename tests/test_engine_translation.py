@@ -13,6 +13,7 @@ from engine_util import CharTokenizer, tiny_seq2seq
 from model.generate import beam_search, greedy
 from model.translation import encode_source
 from service.engine.config import EngineConfig
+from service.engine.hooks import StepHooks
 from service.engine.translation import TranslationEngine
 from service.engine.types import EngineOverloaded, RequestRejected, TranslateRequest
 
@@ -91,18 +92,15 @@ def test_hypotheses_are_compacted_into_the_lowest_slots():
     rng = random.Random(11)
     reqs = [TranslateRequest([sentence(rng)], target_lang="zh", beam_size=rng.choice([1, 2, 3])) for _ in range(20)]
 
-    async def main(engine):
-        plan = engine._plan
+    class Check(StepHooks):
+        def on_plan(self, p):  # record, never raise: an exception here would end the engine loop
+            slots = sorted(s for it in p.sentences for s in it.slots)
+            seen["holes"] += slots != list(range(len(slots)))
+            seen["steps"] += 1
+            seen["moves"] += len(p.moves)
 
-        def checked_plan():  # record, never raise: an exception here would end the engine loop
-            p = plan()
-            if p is not None:
-                slots = sorted(s for it in p.items for s in it.slots)
-                seen["holes"] += slots != list(range(len(slots)))
-                seen["steps"] += 1
-                seen["moves"] += len(p.moves)
-            return p
-        engine._plan = checked_plan
+    async def main(engine):
+        engine.hooks = Check()
         return await asyncio.gather(*(engine.translate(r) for r in reqs))
 
     results = run(main, max_slots=12)
@@ -147,14 +145,12 @@ def test_survivors_are_unchanged_when_company_is_cancelled(beam):
     expected = offline(TEXTS, beam)
     seen = {"moves": 0}
 
-    async def main(engine):
-        plan = engine._plan
+    class Count(StepHooks):
+        def on_plan(self, p):
+            seen["moves"] += bool(p.moves)
 
-        def counting_plan():
-            p = plan()
-            seen["moves"] += bool(p is not None and p.moves)
-            return p
-        engine._plan = counting_plan
+    async def main(engine):
+        engine.hooks = Count()
         rng = random.Random(7)
         others = [TranslateRequest([sentence(rng) for _ in range(rng.randint(1, 3))], target_lang="zh",
                                    beam_size=rng.choice([1, 2, 4])) for _ in range(12)]

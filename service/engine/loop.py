@@ -3,7 +3,9 @@
 One task runs the schedule: between steps (on the event loop) it cancels, times out and admits
 requests; each step's forward pass, sampling and detokenization run in a single worker thread, so
 the event loop stays free to accept requests and stream events while the model computes.
-Subclasses implement `_has_work`, `_plan` (event loop), `_execute` (worker thread) and `_deliver`.
+The engine's parts: a `Scheduler` (which work runs next, over one `SlotTable`), a runner (the model's
+forwards over the slot cache, eager or compiled) and the engine's own output processing. Subclasses
+implement `_plan` (event loop), `_execute` (worker thread), `_deliver` (event loop) and the failure paths.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import torch
 
 from service.engine.config import EngineConfig
 from service.engine.cpu_runtime import init_engine_thread
-from service.engine.slots import SlotAllocator
+from service.engine.hooks import StepHooks
+from service.engine.scheduler import Scheduler
+from service.engine.slot_table import SlotTable
 from service.engine.stats import EngineStats, MetricsSink, NullSink
 from service.engine.types import EngineStopped
 
@@ -26,11 +30,13 @@ IDLE_REPORT_S = 2.0  # an idle engine re-reports its gauges this often
 
 
 class EngineLoop:
-    def __init__(self, config: EngineConfig, name: str, sink: MetricsSink | None):
+    def __init__(self, config: EngineConfig, name: str, sink: MetricsSink | None, runner: Any, noun: str):
         self.config = config
         self.name = name
         self.sink: MetricsSink = sink or NullSink()
-        self.slots = SlotAllocator(config.max_slots)
+        self.runner = runner
+        self.scheduler: Scheduler = Scheduler(config, SlotTable(runner.cache), noun)
+        self.hooks = StepHooks()
         self._pool: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
@@ -38,7 +44,6 @@ class EngineLoop:
         self.steps = 0
         self.last_batch_size = 0
         self.requests_finished = 0
-        self.compiled: Any = None  # the compiled step, once _prepare has built it
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -69,6 +74,11 @@ class EngineLoop:
                 self._pool = None
 
     @property
+    def compiled(self) -> Any:
+        """The runner's compiled step (with `compile_seconds`), None when running eagerly."""
+        return self.runner.compiled
+
+    @property
     def started(self) -> bool:
         return self._task is not None and not self._stopping
 
@@ -84,7 +94,7 @@ class EngineLoop:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._stopping:
-            if not self._has_work():
+            if not self.scheduler.has_work:
                 # idle: gauges at 0, re-reported while idle so every scrape finds them (Ray's metrics
                 # agent stops exporting a worker that has reported nothing for a while)
                 self.sink.on_step(self.name, 0, 0.0, 0, 0)
@@ -97,13 +107,14 @@ class EngineLoop:
             # one turn of the event loop first: callers that the last _deliver woke (a finished request's
             # client sending its next one) submit now and are admitted by this plan, not one step later
             await asyncio.sleep(0)
-            await self._before_plan()
+            await self.scheduler.wait_for_batch()
             plan = self._plan()
             if plan is None:
                 await asyncio.sleep(0)  # e.g. only cancelled requests were dropped
                 continue
+            self.hooks.on_plan(plan)
             try:
-                result = await loop.run_in_executor(self._pool, self._execute, plan)
+                result = await loop.run_in_executor(self._pool, self._step, plan)
             except Exception as e:  # a bug or a model error: fail this step's requests, keep serving
                 log.exception("engine %s step failed", self.name)
                 self._fail_plan(plan, e)
@@ -111,25 +122,22 @@ class EngineLoop:
             self.steps += 1
             self._deliver(result)
 
+    def _step(self, plan: Any) -> Any:
+        self.hooks.step_started(plan)
+        try:
+            return self._execute(plan)
+        finally:
+            self.hooks.step_finished(plan)
+
     def _prepare(self) -> None:
         """Run once on the worker thread before the first step: with `compile`, compile the step there
         (service/engine/compiled.py). A failure is logged and the engine runs eagerly."""
-        if not self.config.compile or self.compiled is not None:
+        if not self.config.compile or self.runner.compiled is not None:
             return
         try:
-            self.compiled = self._compile()
+            self.runner.compile()
         except Exception:  # no C++ compiler, an unsupported device...: serve eagerly rather than not at all
             log.warning("engine %s: torch.compile failed; running eagerly", self.name, exc_info=True)
-
-    def _compile(self) -> Any:
-        """Build and warm up the engine's compiled step (returns an object with `compile_seconds`)."""
-        raise NotImplementedError
-
-    async def _before_plan(self) -> None:
-        """Hook for policies that wait before admitting (static batching)."""
-
-    def _has_work(self) -> bool:
-        raise NotImplementedError
 
     def _plan(self) -> Any:
         raise NotImplementedError
@@ -149,7 +157,7 @@ class EngineLoop:
     def _stats(self, running: int, waiting: int, kv_used: int) -> EngineStats:
         total = self.config.max_slots * self.max_positions
         return EngineStats(running=running, waiting=waiting, slots_total=self.config.max_slots,
-                           slots_used=self.slots.n_used, kv_usage_ratio=kv_used / total if total else 0.0,
+                           slots_used=self.scheduler.table.n_used, kv_usage_ratio=kv_used / total if total else 0.0,
                            steps=self.steps, last_batch_size=self.last_batch_size,
                            requests_finished=self.requests_finished)
 

@@ -1,0 +1,86 @@
+"""Runs a `DecoderLM` over its slot cache for the generation engine: prompt chunks (prefill), one token
+per running sequence (decode), eager or compiled (service/engine/compiled.py), the choice hidden here."""
+
+from __future__ import annotations
+
+import torch
+
+from model.decoder import DecoderLM
+from service.engine.compiled import CompiledDecoder
+from service.engine.config import EngineConfig
+
+Chunk = tuple[int, list[int], int]  # (slot, prompt tokens, position of the first)
+
+
+class DecoderRunner:
+    def __init__(self, model: DecoderLM, config: EngineConfig):
+        self.model = model
+        self.config = config
+        self.device = config.device
+        self.cache = model.new_cache(config.max_slots, config.max_seq_len, dtype=config.kv_torch_dtype)
+        self.compiled: CompiledDecoder | None = None
+
+    def compile(self) -> None:
+        compiled = CompiledDecoder(self.model, self.cache)
+        compiled.warm_up()
+        self.compiled = compiled
+
+    def prefill(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Write the chunks' K/V -> each chunk's last-position logits (len(chunks), V), in order. Chunks
+        go in right-padded forwards whose padding stays within `prefill_max_padding` of their tokens."""
+        out: list[torch.Tensor | None] = [None] * len(chunks)
+        for group in padding_bounded_groups(list(range(len(chunks))), [len(chunks[i][1]) for i in range(len(chunks))],
+                                            self.config.prefill_max_padding):
+            logits = self._forward([chunks[i] for i in group], last_only=True)  # (P, V)
+            for row, i in enumerate(group):
+                out[i] = logits[row]
+        return torch.stack(out)  # (len(chunks), V)
+
+    def score(self, chunk: Chunk) -> torch.Tensor:
+        """Write one chunk's K/V -> the logits at every one of its positions (C, V)."""
+        return self._forward([chunk], last_only=False)[0]
+
+    def _forward(self, chunks: list[Chunk], last_only: bool) -> torch.Tensor:
+        dev = self.device
+        width = max(len(t) for _, t, _ in chunks)
+        top = self.config.max_seq_len - 1
+        tokens = torch.zeros(len(chunks), width, dtype=torch.long)  # (P, W) right-padded
+        positions = torch.empty(len(chunks), width, dtype=torch.long)  # (P, W)
+        ar = torch.arange(width)
+        for i, (_, toks, start) in enumerate(chunks):
+            tokens[i, :len(toks)] = torch.tensor(toks)
+            # pad positions go past the chunk (clamped to the last cache row, never a real one)
+            positions[i] = (ar + start).clamp_(max=top)
+        slots = [slot for slot, _, _ in chunks]
+        if not last_only:
+            return self.model(tokens.to(dev), positions.to(dev), self.cache, slots)  # (P, W, V)
+        last = torch.tensor([len(t) - 1 for _, t, _ in chunks], device=dev)
+        return self.model(tokens.to(dev), positions.to(dev), self.cache, slots, output_index=last)  # (P, V)
+
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One token per row (`slots` ascending), its K/V written -> logits (len(slots), V)."""
+        if self.compiled is not None:
+            return self.compiled.decode(slots, tokens, positions)
+        dev = self.device
+        tokens_t = torch.tensor(tokens, device=dev)[:, None]  # (D, 1)
+        positions_t = torch.tensor(positions, device=dev)[:, None]  # (D, 1)
+        return self.model(tokens_t, positions_t, self.cache, slots)[:, -1]  # (D, V)
+
+
+def padding_bounded_groups(items: list, lengths: list[int], max_padding: float = 0.25) -> list[list]:
+    """Split items of the given lengths into forwards whose right padding stays within `max_padding` of
+    their real tokens: a 16-token prompt batched with a 256-token one would otherwise compute 240 pad
+    positions through every layer. Longest first; an item joins the current group while the group's
+    padded size stays within bounds."""
+    groups: list[list] = []
+    widths: list[int] = []
+    reals: list[int] = []
+    for item, n in sorted(zip(items, lengths, strict=True), key=lambda x: -x[1]):
+        if groups and widths[-1] * (len(groups[-1]) + 1) <= (1 + max_padding) * (reals[-1] + n):
+            groups[-1].append(item)
+            reals[-1] += n
+            continue
+        groups.append([item])
+        widths.append(n)
+        reals.append(n)
+    return groups

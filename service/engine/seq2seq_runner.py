@@ -1,0 +1,45 @@
+"""Runs an `EncoderDecoder` over its slot cache for the translation engine: encoding newly admitted
+sources (their cross K/V into their slots) and one decoder token per running hypothesis, eager or
+compiled (service/engine/compiled.py), the choice hidden here."""
+
+from __future__ import annotations
+
+import torch
+
+from model.generate import pad_batch
+from model.seq2seq import EncoderDecoder
+from service.engine.compiled import CompiledTranslator
+from service.engine.config import EngineConfig
+
+
+class Seq2SeqRunner:
+    def __init__(self, model: EncoderDecoder, config: EngineConfig):
+        self.model = model
+        self.device = config.device
+        self.max_tgt = min(config.max_seq_len, model.cfg.max_tgt_len)
+        self.cache = model.new_cache(config.max_slots, self.max_tgt, dtype=config.kv_torch_dtype)
+        self.compiled: CompiledTranslator | None = None
+
+    def compile(self) -> None:
+        compiled = CompiledTranslator(self.model, self.cache)
+        compiled.warm_up()
+        self.compiled = compiled
+
+    def encode(self, sources: list[list[int]], copies: list[int], slots: list[int]) -> None:
+        """Encode `sources` and store their cross K/V in `slots`: source i fills the next copies[i] slots
+        (a beam's hypotheses share their source)."""
+        if self.compiled is not None:
+            self.compiled.encode(sources, copies, slots)
+            return
+        src, mask = pad_batch(sources, self.model.cfg.pad_id, self.device)  # (N, S)
+        memory = self.model.encode(src, mask)  # (N, S, d)
+        rep = torch.tensor([i for i, c in enumerate(copies) for _ in range(c)], device=self.device)
+        self.model.set_cross(memory[rep], mask[rep], self.cache, slots)
+
+    def decode(self, tokens: list[int], positions: list[int], src_lengths: list[int]) -> torch.Tensor:
+        """Rows are slots [0, R): each takes its token at its position -> logits (R, V); K/V written."""
+        if self.compiled is not None:
+            return self.compiled.decode(tokens, positions, src_lengths)
+        tokens_t = torch.tensor(tokens, device=self.device)[:, None]  # (R, 1)
+        positions_t = torch.tensor(positions, device=self.device)[:, None]  # (R, 1)
+        return self.model.decode(tokens_t, positions_t, self.cache, list(range(len(tokens))))[:, -1]  # (R, V)
