@@ -97,3 +97,19 @@ def test_limits_reload_live():
         c.app.state.limits = ApiLimits(max_prompt_chars=1000)
         assert (await c.post("/v1/generate", json={"prompt": "a" * 100, "max_tokens": 1})).status_code == 200
     run(main, backends(with_translator=False), LIMITS)
+
+
+def test_beam_and_length_limits_are_the_lower_of_api_limits_and_the_translator():
+    """One bound per field, named with both of its sources: ApiLimits (the operator's) and the translator's
+    slots / target positions (8 slots, 63 positions here); within both, the request runs."""
+    async def main(c):
+        got = {}
+        for body in ({"beam_size": 9}, {"beam_size": 8}, {"max_length": 64}, {"max_length": 63}):
+            r = await c.post("/v1/translate", json={"text": "hi", **body})
+            got[next(iter(body.items()))] = (r.status_code, r.json().get("error", {}))
+        assert got["beam_size", 9][0] == 400 and got["beam_size", 9][1]["param"] == "beam_size"
+        assert "must be <= 8" in got["beam_size", 9][1]["message"] and "8 slots" in got["beam_size", 9][1]["message"]
+        assert got["max_length", 64][0] == 400 and got["max_length", 64][1]["param"] == "max_length"
+        assert "must be <= 63" in got["max_length", 64][1]["message"]
+        assert got["beam_size", 8][0] == 200 and got["max_length", 63][0] == 200
+    run(main, backends(), ApiLimits(max_beam_size=64, max_translate_length=4096))

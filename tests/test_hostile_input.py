@@ -41,7 +41,7 @@ CASES = [
     ("/v1/generate", {"prompt": "a", "max_tokens": 10**30}, 400, "max_tokens", "less than"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 8192}, 400, "max_tokens", "does not fit"),
     ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 2**31}, 400, "max_completion_tokens", ""),
-    ("/v1/translate", {"text": "a", "max_length": 10**9}, 400, "max_length", "less than"),
+    ("/v1/translate", {"text": "a", "max_length": 10**9}, 400, "max_length", "must be <="),
     ("/v1/translate", {"text": "a", "beam_size": -3}, 400, "beam_size", ""),
     ("/v1/generate", {"prompt": "a", "seed": 2**64}, 400, "seed", ""),
     ("/v1/generate", {"prompt": 5}, 400, "prompt", "string"),

@@ -38,7 +38,7 @@ def engine_error(e: EngineError) -> ApiError:
     headers = None
     if isinstance(e, EngineOverloaded):
         headers = {"Retry-After": str(max(1, round(e.retry_after)))}
-    return ApiError(status, str(e) or type(e).__name__, None, headers)
+    return ApiError(status, str(e) or type(e).__name__, getattr(e, "param", None), headers)
 
 
 def _unparsable_body(cause: BaseException | None) -> str:

@@ -64,10 +64,14 @@ async def translate(body: TranslateBody, request: Request):
             raise ApiError(400, f"text[{i}] is empty", "text")
         if len(t) > limits.max_text_chars:
             raise ApiError(400, f"text[{i}] is {len(t)} characters; the limit is {limits.max_text_chars}", "text")
-    if body.beam_size > limits.max_beam_size:
-        raise ApiError(400, f"beam_size must be <= {limits.max_beam_size}", "beam_size")
-    if body.max_length is not None and body.max_length > limits.max_translate_length:
-        raise ApiError(400, f"max_length must be <= {limits.max_translate_length}", "max_length")
+    # one bound per field: the operator's limit (ApiLimits) or what the translator can hold, the lower
+    for field, value, limit_name, engine_limit, what in (
+            ("beam_size", body.beam_size, "max_beam_size", tr.max_beam_size, "slots"),
+            ("max_length", body.max_length, "max_translate_length", tr.max_length, "target positions")):
+        limit = getattr(limits, limit_name)
+        if value is not None and value > min(limit, engine_limit):
+            raise ApiError(400, f"{field} must be <= {min(limit, engine_limit)} (ApiLimits.{limit_name} {limit}; "
+                                f"the translator has {engine_limit} {what}), got {value}", field)
     target = body.target_lang
     if body.source_lang is not None:
         if target == body.source_lang:

@@ -201,8 +201,9 @@ class TranslateBody(Strict):
     text: Text | list[Text] = Field(max_length=MAX_CHARS)
     source_lang: Literal["en", "zh"] | None = None
     target_lang: Literal["en", "zh"] | None = None
-    beam_size: int = Field(DEFAULT_BEAM_SIZE, ge=1, le=64)
-    max_length: int | None = Field(None, ge=1, le=4096)
+    # upper bounds: ApiLimits and the translator's slots and positions, checked together in the route
+    beam_size: int = Field(DEFAULT_BEAM_SIZE, ge=1)
+    max_length: int | None = Field(None, ge=1)
     length_penalty: float = Field(DEFAULT_LENGTH_PENALTY, ge=0.0, le=2.0)
     no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, ge=0, le=16,
                                  description="forbid repeating any n-gram of this size in an output (0 = off)")

@@ -92,6 +92,16 @@ class TranslationEngine(EngineLoop):
     def max_positions(self) -> int:
         return self.max_tgt
 
+    @property
+    def max_beam_size(self) -> int:
+        """A beam's hypotheses each hold a slot."""
+        return self.config.max_slots
+
+    @property
+    def max_length(self) -> int:
+        """Most target tokens per sentence (the cache's positions, one for the start token)."""
+        return self.max_tgt - 1
+
     def stats(self) -> EngineStats:
         running = self.scheduler.running
         used = sum(s.beam.k * (s.beam.step + 1) for s in running)
@@ -100,13 +110,13 @@ class TranslationEngine(EngineLoop):
     # --- submit ------------------------------------------------------------------------------
     def _sentences(self, req: TranslateRequest, request: _Request) -> list[_Sentence]:
         if not req.texts:
-            raise RequestRejected("texts is empty")
-        if not 1 <= req.beam_size <= self.config.max_slots:
-            raise RequestRejected(f"beam_size must be in [1, {self.config.max_slots}], got {req.beam_size}")
+            raise RequestRejected("texts is empty", "text")
+        if not 1 <= req.beam_size <= self.max_beam_size:
+            raise RequestRejected(f"beam_size must be in [1, {self.max_beam_size}], got {req.beam_size}", "beam_size")
         if req.target_lang is not None and req.target_lang not in TAGS:
-            raise RequestRejected(f"target_lang must be one of {sorted(TAGS)}, got {req.target_lang!r}")
-        if req.max_length is not None and not 1 <= req.max_length <= self.max_tgt - 1:
-            raise RequestRejected(f"max_length must be in [1, {self.max_tgt - 1}], got {req.max_length}")
+            raise RequestRejected(f"target_lang must be one of {sorted(TAGS)}, got {req.target_lang!r}", "target_lang")
+        if req.max_length is not None and not 1 <= req.max_length <= self.max_length:
+            raise RequestRejected(f"max_length must be in [1, {self.max_length}], got {req.max_length}", "max_length")
         out = []
         for i, text in enumerate(req.texts):
             src_lang = detect_lang(text)
@@ -122,7 +132,7 @@ class TranslationEngine(EngineLoop):
                 src = encode_source(self.tokenizer, sentence, tgt)
                 if len(src) > self.cfg.max_src_len:
                     raise RequestRejected(f"text {i} has a sentence of {len(src) - 2} tokens; the translator takes "
-                                          f"at most {self.cfg.max_src_len - 2} tokens per sentence")
+                                          f"at most {self.cfg.max_src_len - 2} tokens per sentence", "text")
                 limit = req.max_length or max_len_for(len(src), 1.5, 10, self.max_tgt - 1)
                 beam = BeamState(src, req.beam_size, limit, self.cfg.bos_id, self.cfg.eos_id, self.cfg.pad_id,
                                  alpha=req.length_penalty, no_repeat_ngram=req.no_repeat_ngram)

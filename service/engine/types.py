@@ -28,9 +28,13 @@ class EngineOverloaded(EngineError):
 
 class RequestRejected(EngineError):
     """A request that can never run (prompt too long, max_new_tokens cannot fit, ...): HTTP 400.
-    The message names the limit."""
+    The message names the limit; `param`, where set, the request field at fault."""
 
     status_code = 400
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class EngineStopped(EngineError):
