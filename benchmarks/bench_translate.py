@@ -72,12 +72,14 @@ async def run_ours(args, mode: str, dtype: str, step: str = "eager") -> dict:
     from service.engine.config import EngineConfig
     from service.engine.translation import TranslationEngine
     from service.engine.types import TranslateRequest
+    from service.frontend.translator import TranslationFrontend
 
     model, tok = load(args.checkpoint)
     jobs = [(j["text"], j["tgt"]) for j in json.loads(args.workload.read_text())]
     cfg = EngineConfig(max_slots=args.clients * args.beam, max_seq_len=model.cfg.max_tgt_len, mode=mode, dtype=dtype,
                        threads=args.threads, max_waiting=args.requests + 1, compile=step == "compiled")
-    engine = TranslationEngine(model, tok, cfg)
+    engine = TranslationEngine(model, cfg)
+    translator = TranslationFrontend(engine, tok)
     await engine.start()
     queue = list(reversed(jobs))
     lat, out = [], 0
@@ -87,11 +89,11 @@ async def run_ours(args, mode: str, dtype: str, step: str = "eager") -> dict:
         while queue:
             text, tgt = queue.pop()
             t0 = time.perf_counter()
-            r = await engine.translate(TranslateRequest([text], target_lang=tgt, beam_size=args.beam))
+            r = await translator.translate(TranslateRequest([text], target_lang=tgt, beam_size=args.beam))
             lat.append(time.perf_counter() - t0)
             out += r.usage.completion_tokens
 
-    await engine.translate(TranslateRequest(["warm-up"], target_lang="zh", beam_size=args.beam))
+    await translator.translate(TranslateRequest(["warm-up"], target_lang="zh", beam_size=args.beam))
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(args.clients)))
     wall = time.perf_counter() - t0

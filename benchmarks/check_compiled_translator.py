@@ -27,11 +27,13 @@ async def translate_all(jobs, checkpoint: Path, dtype: str, beam: int, compile_:
     from service.engine.config import EngineConfig
     from service.engine.translation import TranslationEngine
     from service.engine.types import TranslateRequest
+    from service.frontend.translator import TranslationFrontend
 
     model, tok = load(checkpoint)
     cfg = EngineConfig(max_slots=clients * beam, max_seq_len=model.cfg.max_tgt_len, dtype=dtype, threads=threads,
                        max_waiting=len(jobs) + 1, compile=compile_)
-    engine = TranslationEngine(model, tok, cfg)
+    engine = TranslationEngine(model, cfg)
+    translator = TranslationFrontend(engine, tok)
     await engine.start()
     if compile_ and engine.compiled is None:
         raise SystemExit("compiling failed (see the log)")
@@ -41,7 +43,8 @@ async def translate_all(jobs, checkpoint: Path, dtype: str, beam: int, compile_:
     async def client():
         while queue:
             i = queue.pop()
-            r = await engine.translate(TranslateRequest([jobs[i]["text"]], target_lang=jobs[i]["tgt"], beam_size=beam))
+            req = TranslateRequest([jobs[i]["text"]], target_lang=jobs[i]["tgt"], beam_size=beam)
+            r = await translator.translate(req)
             out[i] = r.translations[0]
             bar.update(1)
 

@@ -46,14 +46,15 @@ def serve(model, tok, threads: int):
     import uvicorn
 
     from service.api.app import create_app
-    from service.api.backends import Backends, GeneratorBackend
+    from service.api.backends import Backends
     from service.config import GENERATOR_ID, TRANSLATOR_ID
     from service.engine.config import EngineConfig
     from service.engine.generation import GenerationEngine
+    from service.frontend.generator import GeneratorFrontend
 
     engine = GenerationEngine(model, tok, EngineConfig(max_slots=16, max_seq_len=2048, threads=threads),
                               eos_ids=tok.stop_ids(), name=GENERATOR_ID)
-    backends = Backends(generator=GeneratorBackend(engine, tok, name=GENERATOR_ID, chat_template=tok.chat_template),
+    backends = Backends(generator=GeneratorFrontend(engine, tok, name=GENERATOR_ID, chat_template=tok.chat_template),
                         unavailable={TRANSLATOR_ID: "not needed here"})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

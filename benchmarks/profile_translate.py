@@ -33,17 +33,19 @@ async def run(args) -> None:
     from service.engine.cpu_runtime import single_threaded_caller
     from service.engine.translation import TranslationEngine
     from service.engine.types import TranslateRequest
+    from service.frontend.translator import TranslationFrontend
 
     single_threaded_caller()
     model, tok = load(Path(args.checkpoint))
     jobs = workload(SimpleNamespace(requests=args.requests, seed=args.seed), tok, model.cfg)
     cfg = EngineConfig(max_slots=args.clients * args.beam, max_seq_len=model.cfg.max_tgt_len, mode="continuous",
                        dtype=args.dtype, threads=args.threads, max_waiting=args.requests + 1, compile=args.compile)
-    engine = TranslationEngine(model, tok, cfg)
+    engine = TranslationEngine(model, cfg)
+    translator = TranslationFrontend(engine, tok)
     hooks = StepProfiler(lambda step: sum(s.beam.k for s in step.sentences), args.profile_from, args.profile_steps)
     engine.hooks = hooks
     await engine.start()
-    await engine.translate(TranslateRequest(["warm-up"], target_lang="zh", beam_size=args.beam))
+    await translator.translate(TranslateRequest(["warm-up"], target_lang="zh", beam_size=args.beam))
     hooks.reset()
     queue = [(j["text"], j["tgt"]) for j in reversed(jobs)]
     out = 0
@@ -52,7 +54,7 @@ async def run(args) -> None:
         nonlocal out
         while queue:
             text, tgt = queue.pop()
-            r = await engine.translate(TranslateRequest([text], target_lang=tgt, beam_size=args.beam))
+            r = await translator.translate(TranslateRequest([text], target_lang=tgt, beam_size=args.beam))
             out += r.usage.completion_tokens
             bar.update(1)
 

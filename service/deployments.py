@@ -59,9 +59,8 @@ class AttnServe:
                 backend = getattr(loaded, attr)
                 if backend is None:
                     continue
-                # the translator backend is its engine; a serve_batch generator wrapper has none
-                engine = backend if attr == "translator" else getattr(backend, "engine", None)
-                compiling = engine is not None and engine.config.compile
+                engine = backend.engine
+                compiling = engine.config.compile
                 self.startup.set(f"{'compiling' if compiling else 'starting'} the {attr} engine", model_id,
                                  "compiling the decode step (torch.compile)" if compiling else "starting")
                 await backend.start()
@@ -95,8 +94,8 @@ class AttnServe:
         if self.startup.error:
             raise RuntimeError(f"start-up failed: {self.startup.error}")
         gen, translator = self.backends.generator, self.backends.translator
-        for engine in (gen.engine if gen is not None else None, translator):
-            if self.startup.ready and engine is not None and not engine.started:
+        for engine in (b.engine for b in (gen, translator) if b is not None):
+            if self.startup.ready and not engine.started:
                 raise RuntimeError(f"engine {engine.name} is not running")
 
 

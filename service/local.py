@@ -37,7 +37,7 @@ def translator_spec(checkpoint: str | Path | None = None, *, config: str | Path 
 
 
 def load_translator(spec: ModelSpec):
-    """A TranslationEngine for `spec` (not started)."""
+    """The translator's frontend over a TranslationEngine for `spec` (not started), as a replica builds it."""
     from service.engine.cpu_runtime import single_threaded_caller
     from service.models import load_translator as load_engine
 
@@ -45,12 +45,12 @@ def load_translator(spec: ModelSpec):
     return load_engine(spec)
 
 
-async def translate_async(engine, texts: list[str], *, progress: Callable[[int], None] | None = None,
+async def translate_async(translator, texts: list[str], *, progress: Callable[[int], None] | None = None,
                           **request) -> TranslationResult:
-    """Translate `texts` through a started engine, one request per text with as many in flight as the
-    engine queues, results in input order. `request`: TranslateRequest fields (target_lang, beam_size,
+    """Translate `texts` through a started translator frontend, one request per text with as many in flight
+    as the engine queues, results in input order. `request`: TranslateRequest fields (target_lang, beam_size,
     no_repeat_ngram, ...). `progress(n)` is called with the number of texts finished so far."""
-    window = max(1, min(64, engine.config.max_waiting // 4))  # texts in flight; a text may be many sentences
+    window = max(1, min(64, translator.engine.config.max_waiting // 4))  # texts in flight; a text may be many sentences
     results: list[TranslationResult | None] = [None] * len(texts)
     done = 0
     sem = asyncio.Semaphore(window)
@@ -60,7 +60,7 @@ async def translate_async(engine, texts: list[str], *, progress: Callable[[int],
         async with sem:
             while True:
                 try:
-                    results[i] = await engine.translate(TranslateRequest(texts=[texts[i]], **request))
+                    results[i] = await translator.translate(TranslateRequest(texts=[texts[i]], **request))
                     break
                 except EngineOverloaded as e:  # long texts filled the queue: wait as an HTTP client would
                     await asyncio.sleep(e.retry_after or 0.1)
@@ -79,14 +79,14 @@ async def translate_async(engine, texts: list[str], *, progress: Callable[[int],
     return out
 
 
-def translate(engine, texts: list[str], *, progress: Callable[[int], None] | None = None,
+def translate(translator, texts: list[str], *, progress: Callable[[int], None] | None = None,
               **request) -> TranslationResult:
-    """Start `engine`, translate `texts` (see translate_async), stop it."""
+    """Start `translator`, translate `texts` (see translate_async), stop it."""
     async def main() -> TranslationResult:
-        await engine.start()
+        await translator.start()
         try:
-            return await translate_async(engine, texts, progress=progress, **request)
+            return await translate_async(translator, texts, progress=progress, **request)
         finally:
-            await engine.stop()
+            await translator.stop()
 
     return asyncio.run(main())

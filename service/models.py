@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from model.paths import REPO_ROOT
-from service.api.backends import Backends, GeneratorBackend
+from service.api.backends import Backends
 from service.config import DEFAULT_TRANSLATOR_DIR, GENERATOR_ID, TRANSLATOR_ID, ModelSpec, ServiceConfig
 from service.engine.config import EngineConfig
+from service.frontend.generator import GeneratorFrontend
 
 if TYPE_CHECKING:
-    from service.engine.translation import TranslationEngine
+    from service.frontend.translator import TranslationFrontend
 
 
 class ModelUnavailable(RuntimeError):
@@ -75,7 +76,7 @@ def _resolve(path: str) -> Path:
     return p if p.is_absolute() else REPO_ROOT / p
 
 
-def load_generator(spec: ModelSpec, sink=None) -> GeneratorBackend:
+def load_generator(spec: ModelSpec, sink=None) -> GeneratorFrontend:
     from model.checkpoint import load_checkpoint, load_tokenizer
     from service.engine.generation import GenerationEngine
 
@@ -90,7 +91,7 @@ def load_generator(spec: ModelSpec, sink=None) -> GeneratorBackend:
     quantize_generator(model, tok, spec.quantization, cfg)
     eos = tok.stop_ids() if hasattr(tok, "stop_ids") else {tok.eos_id} - {None}
     engine = GenerationEngine(model, tok, cfg, eos_ids=eos, name=GENERATOR_ID, sink=sink)
-    return GeneratorBackend(engine, tok, name=GENERATOR_ID,
+    return GeneratorFrontend(engine, tok, name=GENERATOR_ID,
                             chat_template=spec.chat_template or getattr(tok, "chat_template", None))
 
 
@@ -118,9 +119,10 @@ def quantize_generator(model, tok, mode: str, cfg: EngineConfig, log=print) -> s
     return mode
 
 
-def load_translator(spec: ModelSpec, sink=None) -> TranslationEngine:
+def load_translator(spec: ModelSpec, sink=None) -> TranslationFrontend:
     from model.checkpoint import load_checkpoint, load_tokenizer
     from service.engine.translation import TranslationEngine
+    from service.frontend.translator import TranslationFrontend
 
     d = _resolve(spec.checkpoint or DEFAULT_TRANSLATOR_DIR)
     if not (d / "config.json").is_file():
@@ -130,8 +132,8 @@ def load_translator(spec: ModelSpec, sink=None) -> TranslationEngine:
         raise ValueError(f"translator.quantization {spec.quantization!r}: the translator is served in full "
                          f"precision (its quality in int8/int4 is not measured); use none")
     cfg = engine_config(spec)
-    return TranslationEngine(load_checkpoint(d, dtype=cfg.torch_dtype), load_tokenizer(d), cfg, name=TRANSLATOR_ID,
-                             sink=sink)
+    engine = TranslationEngine(load_checkpoint(d, dtype=cfg.torch_dtype), cfg, name=TRANSLATOR_ID, sink=sink)
+    return TranslationFrontend(engine, load_tokenizer(d))
 
 
 def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Backends:
@@ -161,6 +163,6 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Bac
         setattr(backends, attr, backend)
         if startup is not None:
             seconds = max(time.perf_counter() - t0, 1e-6)
-            mb = sum(p.numel() * p.element_size() for p in backend.model.parameters()) / 2**20
+            mb = sum(p.numel() * p.element_size() for p in backend.engine.model.parameters()) / 2**20
             startup.model(name, f"weights loaded: {mb:.0f} MB in {seconds:.1f} s ({mb / seconds:.0f} MB/s)")
     return backends

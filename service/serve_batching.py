@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from service.api.backends import GeneratorBackend
 from service.engine.types import EngineError, GenerateRequest, GenerationEvent
+from service.frontend.generator import GeneratorFrontend
 
 
-class ServeBatchGenerator(GeneratorBackend):
-    def __init__(self, inner: GeneratorBackend, batch_size: int, wait_s: float):
+class ServeBatchGenerator(GeneratorFrontend):
+    def __init__(self, inner: GeneratorFrontend, batch_size: int, wait_s: float):
         super().__init__(inner.engine, inner.tokenizer, name=inner.name, chat_template=inner.chat_template)
         self._batched = serve.batch(max_batch_size=batch_size, batch_wait_timeout_s=wait_s)(self._run_batch)
 

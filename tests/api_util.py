@@ -10,10 +10,11 @@ import httpx
 from engine_util import CharTokenizer, tiny_llama
 
 from service.api.app import create_app
-from service.api.backends import Backends, GeneratorBackend
+from service.api.backends import Backends
 from service.config import TRANSLATOR_ID, ApiLimits
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
+from service.frontend.generator import GeneratorFrontend
 from service.metrics import EngineMetrics
 
 TOK = CharTokenizer()
@@ -21,19 +22,20 @@ TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }} | {% endfor %}
             "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
-def generator(**engine_kw) -> GeneratorBackend:
+def generator(**engine_kw) -> GeneratorFrontend:
     cfg = EngineConfig(**{"max_slots": 4, "max_seq_len": 128, "prefill_chunk": 32, **engine_kw})
     engine = GenerationEngine(tiny_llama(), TOK, cfg, eos_ids={TOK.eos_id}, sink=EngineMetrics())
-    return GeneratorBackend(engine, TOK, chat_template=TEMPLATE)
+    return GeneratorFrontend(engine, TOK, chat_template=TEMPLATE)
 
 
 def translator(**engine_kw):
     from engine_util import tiny_seq2seq
 
     from service.engine.translation import TranslationEngine
+    from service.frontend.translator import TranslationFrontend
 
     cfg = EngineConfig(**{"max_slots": 8, "max_seq_len": 64, **engine_kw})
-    return TranslationEngine(tiny_seq2seq(), TOK, cfg, sink=EngineMetrics())
+    return TranslationFrontend(TranslationEngine(tiny_seq2seq(), cfg, sink=EngineMetrics()), TOK)
 
 
 def backends(gen_kw: dict | None = None, with_translator: bool = True) -> Backends:

@@ -26,6 +26,7 @@ from service.engine.config import EngineConfig  # noqa: E402
 from service.engine.generation import GenerationEngine  # noqa: E402
 from service.engine.translation import TranslationEngine  # noqa: E402
 from service.engine.types import GenerateRequest, SamplingParams, TranslateRequest  # noqa: E402
+from service.frontend.translator import TranslationFrontend  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "engine_golden.json"
 N_REQUESTS = 50
@@ -33,6 +34,11 @@ WORDS = "the cat sat on a mat while dogs ran far away from home and back again".
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                                "maximum": 9}},
           "required": ["ok", "n"], "additionalProperties": False}
+
+
+def translate(engine, req):
+    """Through the translator's frontend, as a replica and the CLI build it."""
+    return TranslationFrontend(engine, CharTokenizer()).translate(req)
 
 
 def _text(rng: random.Random, lo: int, hi: int) -> str:
@@ -122,10 +128,10 @@ def translation_requests() -> list[TranslateRequest]:
 
 
 def run_translation() -> list[dict]:
-    engine = TranslationEngine(tiny_seq2seq(), CharTokenizer(), EngineConfig(max_slots=12, max_waiting=512))
+    engine = TranslationEngine(tiny_seq2seq(), EngineConfig(max_slots=12, max_waiting=512))
 
     async def go(e):
-        results = await asyncio.gather(*(e.translate(r) for r in translation_requests()))
+        results = await asyncio.gather(*(translate(e, r) for r in translation_requests()))
         return [{"translations": r.translations, "target_langs": r.target_langs,
                  "usage": [r.usage.prompt_tokens, r.usage.completion_tokens]} for r in results]
     return run_engine(engine, go)

@@ -20,10 +20,16 @@ from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
 from service.engine.translation import TranslationEngine
 from service.engine.types import GenerateRequest, SamplingParams, TranslateRequest
+from service.frontend.translator import TranslationFrontend
 
 torch.set_num_threads(1)
 TOK = CharTokenizer()
 MODEL = tiny_seq2seq()
+
+
+def translate(engine, req):
+    """Through the translator's frontend, as a replica and the CLI build it."""
+    return TranslationFrontend(engine, TOK).translate(req)
 
 
 def _sources(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,18 +100,18 @@ def test_compiled_engine_translates_as_offline_without_recompiling():
     expected_company = [offline(t, b) for t, b in zip(company, beams, strict=True)]
 
     async def main():
-        engine = TranslationEngine(MODEL, TOK, EngineConfig(max_slots=24, max_waiting=256, compile=True))
+        engine = TranslationEngine(MODEL, EngineConfig(max_slots=24, max_waiting=256, compile=True))
         await engine.start()
         try:
             assert engine.compiled is not None, "compilation failed (see the warning in the log)"
             graphs = counters["stats"]["unique_graphs"]
-            alone = [await engine.translate(TranslateRequest(TEXTS, target_lang="zh", beam_size=b, no_repeat_ngram=0))
+            alone = [await translate(engine, TranslateRequest(TEXTS, target_lang="zh", beam_size=b, no_repeat_ngram=0))
                      for b in (1, 4)]
             # one row, one source
-            single = await engine.translate(TranslateRequest(["cat"], target_lang="zh", no_repeat_ngram=0))
+            single = await translate(engine, TranslateRequest(["cat"], target_lang="zh", no_repeat_ngram=0))
             mixed = await asyncio.gather(
-                engine.translate(TranslateRequest(TEXTS, target_lang="zh", beam_size=4, no_repeat_ngram=0)),
-                *(engine.translate(TranslateRequest(t, target_lang="zh", beam_size=b, no_repeat_ngram=0))
+                translate(engine, TranslateRequest(TEXTS, target_lang="zh", beam_size=4, no_repeat_ngram=0)),
+                *(translate(engine, TranslateRequest(t, target_lang="zh", beam_size=b, no_repeat_ngram=0))
                   for t, b in zip(company, beams, strict=True)))
             return alone, single, mixed, counters["stats"]["unique_graphs"] - graphs, engine.stats().slots_used
         finally:
@@ -187,11 +193,11 @@ def test_a_failed_compile_falls_back_to_eager(monkeypatch, caplog):
     monkeypatch.setattr(CompiledTranslator, "warm_up", broken)
 
     async def main():
-        engine = TranslationEngine(MODEL, TOK, EngineConfig(max_slots=4, compile=True))
+        engine = TranslationEngine(MODEL, EngineConfig(max_slots=4, compile=True))
         await engine.start()
         try:
             req = TranslateRequest(TEXTS[:2], target_lang="zh", beam_size=1, no_repeat_ngram=0)
-            return engine.compiled, await engine.translate(req)
+            return engine.compiled, await translate(engine, req)
         finally:
             await engine.stop()
 

@@ -64,7 +64,7 @@ def test_generation_past_its_deadline_times_out_and_frees_its_slot():
 def test_translation_past_its_deadline_is_a_504_and_frees_its_slots():
     b = backends(with_translator=False)
     b.translator = translator(default_deadline_s=DEADLINE_S)
-    engine = b.translator
+    engine = b.translator.engine
     _slow(engine.model, "decode")
 
     async def main(c):

@@ -16,11 +16,17 @@ from service.engine.config import EngineConfig
 from service.engine.hooks import StepHooks
 from service.engine.translation import TranslationEngine
 from service.engine.types import EngineOverloaded, RequestRejected, TranslateRequest
+from service.frontend.translator import TranslationFrontend
 
 torch.set_num_threads(1)
 TOK = CharTokenizer()
 MODEL = tiny_seq2seq()
 WORDS = "the cat sat on a mat while dogs ran far away from home and back again".split()
+
+
+def translate(engine, req):
+    """Through the translator's frontend, as a replica and the CLI build it."""
+    return TranslationFrontend(engine, TOK).translate(req)
 
 
 def sentence(rng: random.Random) -> str:
@@ -30,7 +36,7 @@ def sentence(rng: random.Random) -> str:
 def make_engine(**kw) -> TranslationEngine:
     cfg = dict(max_slots=24, max_waiting=256)
     cfg.update(kw)
-    return TranslationEngine(MODEL, TOK, EngineConfig(**cfg))
+    return TranslationEngine(MODEL, EngineConfig(**cfg))
 
 
 def run(fn, **kw):
@@ -59,7 +65,7 @@ def test_engine_equals_offline_alone_and_in_company(beam):
     expected = offline(TEXTS, beam)
     assert len(set(expected)) > 1 and all(expected)
 
-    alone = run(lambda e: e.translate(TranslateRequest(TEXTS, target_lang="zh", beam_size=beam)))
+    alone = run(lambda e: translate(e, TranslateRequest(TEXTS, target_lang="zh", beam_size=beam)))
     assert alone.translations == expected
     assert alone.target_langs == ["zh"] * 4 and alone.source_langs == ["en"] * 4
 
@@ -71,12 +77,12 @@ def test_engine_equals_offline_alone_and_in_company(beam):
         async def late(req, steps):
             while engine.steps < steps:
                 await asyncio.sleep(0.0005)
-            return await engine.translate(req)
+            return await translate(engine, req)
 
         tasks = [asyncio.create_task(late(r, i)) for i, r in enumerate(others)]
         while engine.steps < 2:
             await asyncio.sleep(0.0005)
-        result = await engine.translate(TranslateRequest(TEXTS, target_lang="zh", beam_size=beam))
+        result = await translate(engine, TranslateRequest(TEXTS, target_lang="zh", beam_size=beam))
         other_results = await asyncio.gather(*tasks)
         for r, res in zip(others, other_results, strict=True):  # company is right too
             assert res.translations == offline(r.texts, r.beam_size)
@@ -101,7 +107,7 @@ def test_hypotheses_are_compacted_into_the_lowest_slots():
 
     async def main(engine):
         engine.hooks = Check()
-        return await asyncio.gather(*(engine.translate(r) for r in reqs))
+        return await asyncio.gather(*(translate(engine, r) for r in reqs))
 
     results = run(main, max_slots=12)
     assert seen["holes"] == 0 and seen["moves"] > 0 and seen["steps"] > 0
@@ -112,19 +118,19 @@ def test_hypotheses_are_compacted_into_the_lowest_slots():
 def test_static_and_serial_modes_agree():
     expected = offline(TEXTS, 2)
     for mode in ("static", "serial"):
-        res = run(lambda e: e.translate(TranslateRequest(TEXTS, target_lang="zh", beam_size=2)), mode=mode)
+        res = run(lambda e: translate(e, TranslateRequest(TEXTS, target_lang="zh", beam_size=2)), mode=mode)
         assert res.translations == expected
 
 
 def test_empty_text_kept_in_place():
-    res = run(lambda e: e.translate(TranslateRequest(["", "the cat", "  "], target_lang="zh", beam_size=1)))
+    res = run(lambda e: translate(e, TranslateRequest(["", "the cat", "  "], target_lang="zh", beam_size=1)))
     assert res.translations[0] == "" and res.translations[2] == ""
     assert res.translations[1] == offline(["the cat"], 1)[0]
 
 
 def test_cancellation_frees_slots():
     async def main(engine):
-        task = asyncio.create_task(engine.translate(TranslateRequest(TEXTS * 3, target_lang="zh", beam_size=2)))
+        task = asyncio.create_task(translate(engine, TranslateRequest(TEXTS * 3, target_lang="zh", beam_size=2)))
         while engine.stats().slots_used == 0:
             await asyncio.sleep(0.0005)
         task.cancel()
@@ -154,8 +160,8 @@ def test_survivors_are_unchanged_when_company_is_cancelled(beam):
         rng = random.Random(7)
         others = [TranslateRequest([sentence(rng) for _ in range(rng.randint(1, 3))], target_lang="zh",
                                    beam_size=rng.choice([1, 2, 4])) for _ in range(12)]
-        tasks = [asyncio.create_task(engine.translate(r)) for r in others]
-        mine = asyncio.create_task(engine.translate(TranslateRequest(TEXTS, target_lang="zh", beam_size=beam)))
+        tasks = [asyncio.create_task(translate(engine, r)) for r in others]
+        mine = asyncio.create_task(translate(engine, TranslateRequest(TEXTS, target_lang="zh", beam_size=beam)))
         while engine.steps < 3:
             await asyncio.sleep(0.0005)
         for t in tasks[::2]:
@@ -173,14 +179,14 @@ def test_survivors_are_unchanged_when_company_is_cancelled(beam):
 def test_overload_and_rejections():
     async def main(engine):
         with pytest.raises(RequestRejected, match="at most 62 tokens"):
-            await engine.translate(TranslateRequest(["a" * 100], target_lang="zh"))
+            await translate(engine, TranslateRequest(["a" * 100], target_lang="zh"))
         with pytest.raises(RequestRejected, match="beam_size"):
-            await engine.translate(TranslateRequest(["a"], beam_size=99))
+            await translate(engine, TranslateRequest(["a"], beam_size=99))
         with pytest.raises(RequestRejected, match="target_lang"):
-            await engine.translate(TranslateRequest(["a"], target_lang="fr"))
+            await translate(engine, TranslateRequest(["a"], target_lang="fr"))
         with pytest.raises(EngineOverloaded):
-            await engine.translate(TranslateRequest(["the cat"] * 5, target_lang="zh"))
-        return (await engine.translate(TranslateRequest(["the cat"] * 4, target_lang="zh"))).translations
+            await translate(engine, TranslateRequest(["the cat"] * 5, target_lang="zh"))
+        return (await translate(engine, TranslateRequest(["the cat"] * 4, target_lang="zh"))).translations
     assert len(run(main, max_waiting=4)) == 4
 
 
@@ -191,7 +197,7 @@ def test_no_slot_leaks_with_random_cancellations():
         async def client(i):
             req = TranslateRequest([sentence(rng) for _ in range(rng.randint(1, 3))], target_lang="zh",
                                    beam_size=rng.choice([1, 2, 3]))
-            task = asyncio.create_task(engine.translate(req))
+            task = asyncio.create_task(translate(engine, req))
             if rng.random() < 0.3:
                 await asyncio.sleep(rng.random() * 0.01)
                 task.cancel()
@@ -217,7 +223,7 @@ def test_multi_sentence_text_is_split_and_reassembled_in_order():
     expected = offline(parts, 4)
 
     async def main(engine):
-        return await engine.translate(TranslateRequest(texts=[" ".join(parts), "home"], target_lang="zh",
+        return await translate(engine, TranslateRequest(texts=[" ".join(parts), "home"], target_lang="zh",
                                                        beam_size=4))
     res = run(main)
     assert res.translations[0] == "".join(expected)  # zh output: sentences joined without spaces

@@ -22,10 +22,11 @@ from openai_sdk_util import MODEL, chat, completion
 from pydantic import BaseModel, Field
 
 from service.api.app import create_app
-from service.api.backends import Backends, GeneratorBackend
+from service.api.backends import Backends
 from service.config import TRANSLATOR_ID
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
+from service.frontend.generator import GeneratorFrontend
 from service.metrics import EngineMetrics
 
 torch.set_num_threads(1)
@@ -50,7 +51,7 @@ def served():
     engine = GenerationEngine(tiny_llama(vocab_size=TOK.vocab_size), TOK,
                               EngineConfig(max_slots=4, max_seq_len=128, prefill_chunk=32),
                               eos_ids={TOK.eos_id}, sink=EngineMetrics())
-    backends = Backends(generator=GeneratorBackend(engine, TOK, chat_template=TEMPLATE),
+    backends = Backends(generator=GeneratorFrontend(engine, TOK, chat_template=TEMPLATE),
                         unavailable={TRANSLATOR_ID: "not in this test"})
     with serve_in_thread(create_app(backends, None, manage_engines=True, api_keys=[])) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)

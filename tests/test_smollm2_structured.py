@@ -20,10 +20,11 @@ from loadtests.schemas import chat_messages, load_schemas
 from model.checkpoint import load_checkpoint, load_tokenizer
 from model.importers.smollm2 import ensure_smollm2
 from service.api.app import create_app
-from service.api.backends import Backends, GeneratorBackend
+from service.api.backends import Backends
 from service.config import GENERATOR_ID, TRANSLATOR_ID
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
+from service.frontend.generator import GeneratorFrontend
 
 pytestmark = pytest.mark.slow
 SCHEMAS = load_schemas()
@@ -37,7 +38,7 @@ def client():
     engine = GenerationEngine(load_checkpoint(d, dtype=torch.float32), tok,
                               EngineConfig(max_slots=16, max_seq_len=2048, threads=1), eos_ids=tok.stop_ids(),
                               name=GENERATOR_ID)
-    backends = Backends(generator=GeneratorBackend(engine, tok, name=GENERATOR_ID, chat_template=tok.chat_template),
+    backends = Backends(generator=GeneratorFrontend(engine, tok, name=GENERATOR_ID, chat_template=tok.chat_template),
                         unavailable={TRANSLATOR_ID: "not in this test"})
     with serve_in_thread(create_app(backends, None, manage_engines=True, api_keys=[])) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)

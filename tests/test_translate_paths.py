@@ -20,6 +20,7 @@ from service.api.backends import Backends
 from service.engine.config import EngineConfig
 from service.engine.translation import TranslationEngine
 from service.engine.types import TranslateRequest
+from service.frontend.translator import TranslationFrontend
 
 TEXTS = [
     "本基金亦可投资于货币市场工具和持有现金。",
@@ -82,8 +83,8 @@ def test_no_repeat_ngram_in_the_engine_equals_offline_and_never_repeats(beam):
     torch.manual_seed(0)
     model, tok = tiny_seq2seq(), CharTokenizer()
     texts = ["hello there", "abcabcabc", "the cat sat on the mat", "xyz"]
-    engine = TranslationEngine(model, tok, EngineConfig(max_slots=16, max_seq_len=64))
-    got = local.translate(engine, texts, target_lang="en", beam_size=beam, no_repeat_ngram=2, max_length=20)
+    translator = TranslationFrontend(TranslationEngine(model, EngineConfig(max_slots=16, max_seq_len=64)), tok)
+    got = local.translate(translator, texts, target_lang="en", beam_size=beam, no_repeat_ngram=2, max_length=20)
     srcs = [encode_source(tok, t, "en") for t in texts]
     off = beam_search(model, srcs, beam_size=beam, no_repeat_ngram=2, max_len_a=0, max_len_b=20)
     assert got.translations == [tok.decode(h[0].tokens) for h in off]

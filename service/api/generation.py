@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import uuid
 
-from service.api.backends import GeneratorBackend
 from service.api.errors import ApiError
 from service.api.schemas import ChatMessage, Sampling
 from service.config import ApiLimits
 from service.engine.types import GenerateRequest, SamplingParams
+from service.frontend.generator import GeneratorFrontend
 
 
 def new_id(prefix: str) -> str:
@@ -21,7 +21,7 @@ def check_prompt(text: str, limits: ApiLimits, param: str) -> None:
         raise ApiError(400, f"{param} is {len(text)} characters; the limit is {limits.max_prompt_chars}", param)
 
 
-def encode_messages(gen: GeneratorBackend, messages: list[ChatMessage], limits: ApiLimits,
+def encode_messages(gen: GeneratorFrontend, messages: list[ChatMessage], limits: ApiLimits,
                     add_generation_prompt: bool = True) -> list[int]:
     if len(messages) > limits.max_messages:
         raise ApiError(400, f"messages has {len(messages)} entries; the limit is {limits.max_messages}", "messages")
@@ -30,7 +30,7 @@ def encode_messages(gen: GeneratorBackend, messages: list[ChatMessage], limits: 
     return gen.encode_chat(plain, add_generation_prompt)
 
 
-def check_token_ids(gen: GeneratorBackend, ids: list[int], param: str) -> list[int]:
+def check_token_ids(gen: GeneratorFrontend, ids: list[int], param: str) -> list[int]:
     """A prompt given as token ids: each within the model's vocabulary, or a 400 naming the field."""
     bad = [t for t in ids if t >= gen.vocab_size]
     if bad:
@@ -47,7 +47,7 @@ def check_stop(stop: list[str], limits: ApiLimits) -> None:
             raise ApiError(400, f"each stop string must have 1..{limits.max_stop_chars} characters", "stop")
 
 
-def check_choices(gen: GeneratorBackend, n: int, limits: ApiLimits, param: str) -> None:
+def check_choices(gen: GeneratorFrontend, n: int, limits: ApiLimits, param: str) -> None:
     """n (or best_of) choices: within ApiLimits.max_n and the engine's slots, or a 400 naming the field."""
     most = min(limits.max_n, gen.max_choices)
     if n > most:
@@ -56,7 +56,7 @@ def check_choices(gen: GeneratorBackend, n: int, limits: ApiLimits, param: str) 
         raise ApiError(400, f"{param}={n}: {why}; use {param} <= {most}", param)
 
 
-def logit_bias_ids(gen: GeneratorBackend, bias: dict[str, float] | None) -> dict[int, float]:
+def logit_bias_ids(gen: GeneratorFrontend, bias: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's {"token id": bias} -> {id: bias}, or a 400 naming logit_bias and the bad key."""
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
@@ -68,7 +68,7 @@ def logit_bias_ids(gen: GeneratorBackend, bias: dict[str, float] | None) -> dict
     return out
 
 
-def build_request(gen: GeneratorBackend, body: Sampling, prompt_ids: list[int], *, prompt_param: str,
+def build_request(gen: GeneratorFrontend, body: Sampling, prompt_ids: list[int], *, prompt_param: str,
                   max_tokens: int | None, default_max_tokens: int, limits: ApiLimits,
                   max_tokens_param: str = "max_tokens", top_k: int = 0,
                   repetition_penalty: float = 1.0, ignore_eos: bool = False, request_id: str = "",

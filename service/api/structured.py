@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import asyncio
 
-from service.api.backends import GeneratorBackend
 from service.api.errors import ApiError
 from service.api.schemas import ResponseFormat
 from service.engine.structured import JSON_OBJECT
 from service.engine.types import RequestRejected
+from service.frontend.generator import GeneratorFrontend
 
 
-async def response_schema(gen: GeneratorBackend, fmt: ResponseFormat | None) -> dict | None:
+async def response_schema(gen: GeneratorFrontend, fmt: ResponseFormat | None) -> dict | None:
     """The JSON schema the output must follow (None for plain text), checked and compiled."""
     if fmt is None or fmt.type == "text":
         return None

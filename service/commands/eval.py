@@ -23,12 +23,12 @@ def run(args) -> int:
     from service import local
 
     checkpoint = args.model or paths.SHIPPED_TRANSLATOR
-    engine = local.load_translator(local.translator_spec(checkpoint))
+    translator = local.load_translator(local.translator_spec(checkpoint))
     options = {} if args.no_repeat_ngram is None else {"no_repeat_ngram": args.no_repeat_ngram}
 
     def translate(texts: list[str], target_lang: str, beam_size: int, done) -> list[str]:
-        """The engine behind /v1/translate, with the served decoding defaults; done(n) as texts finish."""
-        return local.translate(engine, texts, target_lang=target_lang, beam_size=beam_size, progress=done,
+        """The translator behind /v1/translate, with the served decoding defaults; done(n) as texts finish."""
+        return local.translate(translator, texts, target_lang=target_lang, beam_size=beam_size, progress=done,
                                **options).translations
 
     evaluate(checkpoint, args.out, translate=translate, beams=tuple(int(b) for b in args.beams.split(",")),

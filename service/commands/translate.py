@@ -29,8 +29,8 @@ def run(args) -> int:
         print("attnserve translate: no text given", file=sys.stderr)
         return 2
     try:
-        engine = local.load_translator(local.translator_spec(args.model, config=args.config))
-        result = local.translate(engine, texts, target_lang=args.to, beam_size=args.beam,
+        translator = local.load_translator(local.translator_spec(args.model, config=args.config))
+        result = local.translate(translator, texts, target_lang=args.to, beam_size=args.beam,
                                  no_repeat_ngram=args.no_repeat_ngram)
     except (ModelUnavailable, RequestRejected, ValueError) as e:
         print(f"attnserve translate: {e}", file=sys.stderr)

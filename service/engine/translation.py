@@ -1,12 +1,12 @@
 """Continuous-batching translation engine for the encoder-decoder (greedy and beam search).
 
-Every sentence of every text of a request is a unit of work that batches on its own; a beam of k
-hypotheses holds k cache slots. The scheduler (service/engine/scheduler.py) admits sentences into free
-slots and packs them into slots [0, R); each step, in the worker thread, the runner encodes the newly
-admitted sources (their cross-attention K/V into their slots) and runs ONE decoder forward over every
-running hypothesis; each sentence's `BeamState` (model/decoding.py) picks its tokens, and beam reorders
-copy K/V between the sentence's slots. A request's result is put together when all its sentences are
-done (punctuation of the target language, sentences joined).
+It takes model-ready sources (`SourceBatch`: one tagged sentence each; texts are the frontend's,
+service/frontend/translator.py) and returns each one's best hypothesis. Every sentence is a unit of work
+that batches on its own; a beam of k hypotheses holds k cache slots. The scheduler
+(service/engine/scheduler.py) admits sentences into free slots and packs them into slots [0, R); each
+step, in the worker thread, the runner encodes the newly admitted sources (their cross-attention K/V into
+their slots) and runs ONE decoder forward over every running hypothesis; each sentence's `BeamState`
+(model/decoding.py) picks its tokens, and beam reorders copy K/V between the sentence's slots.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.decoding import BeamState, max_len_for
-from model.punctuation import postprocess
 from model.seq2seq import EncoderDecoder
-from model.translation import TAGS, detect_lang, encode_source, join_sentences, other, split_sentences
 from service.config import TRANSLATOR_ID
 from service.engine.beam import reassign_slots
 from service.engine.config import EngineConfig
@@ -29,19 +27,18 @@ from service.engine.scheduler import Expiry
 from service.engine.seq2seq_runner import Seq2SeqRunner
 from service.engine.slot_table import Move
 from service.engine.stats import EngineStats, MetricsSink
-from service.engine.types import RequestRejected, TranslateRequest, TranslationResult, Usage
+from service.engine.types import RequestRejected, SourceBatch
 
 
 @dataclass(eq=False)
 class _Request:
-    req: TranslateRequest
+    batch: SourceBatch
     future: asyncio.Future
-    outputs: list[list[str | None]]  # per text: its sentences' translations
-    source_langs: list[str]
-    target_langs: list[str]
+    outputs: list[list[int] | None]  # per source: its best hypothesis
     t_submit: float
     deadline: float | None
-    usage: Usage = field(default_factory=Usage)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
     left: int = 0  # sentences not finished
     cancelled: bool = False
 
@@ -51,8 +48,7 @@ class _Sentence:
     """One sentence to translate: the scheduler's unit of work, holding a slot per beam hypothesis."""
 
     request: _Request
-    index: int  # position of the text in the request
-    part: int  # position of the sentence in the text
+    index: int  # position of the source in the request
     beam: BeamState
     slots: list[int] = field(default_factory=list)
     encoded: bool = False
@@ -79,12 +75,11 @@ class _Step:
 
 
 class TranslationEngine(EngineLoop):
-    def __init__(self, model: EncoderDecoder, tokenizer, config: EngineConfig, *,
-                 name: str = TRANSLATOR_ID, sink: MetricsSink | None = None):
+    def __init__(self, model: EncoderDecoder, config: EngineConfig, *, name: str = TRANSLATOR_ID,
+                 sink: MetricsSink | None = None):
         model = model.to(device=config.device, dtype=config.torch_dtype).eval()
         super().__init__(config, name, sink, Seq2SeqRunner(model, config), "sentences")
         self.model = model
-        self.tokenizer = tokenizer
         self.cfg = model.cfg
         self.max_tgt = self.runner.max_tgt
 
@@ -102,68 +97,55 @@ class TranslationEngine(EngineLoop):
         """Most target tokens per sentence (the cache's positions, one for the start token)."""
         return self.max_tgt - 1
 
+    @property
+    def max_source_len(self) -> int:
+        """Longest source, its tag and end token included."""
+        return self.cfg.max_src_len
+
     def stats(self) -> EngineStats:
         running = self.scheduler.running
         used = sum(s.beam.k * (s.beam.step + 1) for s in running)
         return self._stats(len(running), len(self.scheduler.waiting), used)
 
     # --- submit ------------------------------------------------------------------------------
-    def _sentences(self, req: TranslateRequest, request: _Request) -> list[_Sentence]:
-        if not req.texts:
-            raise RequestRejected("texts is empty", "text")
-        if not 1 <= req.beam_size <= self.max_beam_size:
-            raise RequestRejected(f"beam_size must be in [1, {self.max_beam_size}], got {req.beam_size}", "beam_size")
-        if req.target_lang is not None and req.target_lang not in TAGS:
-            raise RequestRejected(f"target_lang must be one of {sorted(TAGS)}, got {req.target_lang!r}", "target_lang")
-        if req.max_length is not None and not 1 <= req.max_length <= self.max_length:
-            raise RequestRejected(f"max_length must be in [1, {self.max_length}], got {req.max_length}", "max_length")
+    def _sentences(self, batch: SourceBatch, request: _Request) -> list[_Sentence]:
+        if not 1 <= batch.beam_size <= self.max_beam_size:
+            raise RequestRejected(f"beam_size must be in [1, {self.max_beam_size}], got {batch.beam_size}",
+                                  "beam_size")
+        if batch.max_length is not None and not 1 <= batch.max_length <= self.max_length:
+            raise RequestRejected(f"max_length must be in [1, {self.max_length}], got {batch.max_length}", "max_length")
         out = []
-        for i, text in enumerate(req.texts):
-            src_lang = detect_lang(text)
-            tgt = req.target_lang or other(src_lang)
-            request.source_langs.append(src_lang)
-            request.target_langs.append(tgt)
-            if not text.strip():
-                request.outputs.append([""])
-                continue
-            sentences = split_sentences(text)
-            request.outputs.append([None] * len(sentences))
-            for j, sentence in enumerate(sentences):
-                src = encode_source(self.tokenizer, sentence, tgt)
-                if len(src) > self.cfg.max_src_len:
-                    raise RequestRejected(f"text {i} has a sentence of {len(src) - 2} tokens; the translator takes "
-                                          f"at most {self.cfg.max_src_len - 2} tokens per sentence", "text")
-                limit = req.max_length or max_len_for(len(src), 1.5, 10, self.max_tgt - 1)
-                beam = BeamState(src, req.beam_size, limit, self.cfg.bos_id, self.cfg.eos_id, self.cfg.pad_id,
-                                 alpha=req.length_penalty, no_repeat_ngram=req.no_repeat_ngram)
-                out.append(_Sentence(request, i, j, beam))
-                request.usage.prompt_tokens += len(src)
+        for i, src in enumerate(batch.sources):
+            if not 2 <= len(src) <= self.max_source_len:
+                raise RequestRejected(f"source {i} has {len(src)} tokens; the translator takes 2 to "
+                                      f"{self.max_source_len} (tag and end token included)", "text")
+            limit = batch.max_length or max_len_for(len(src), 1.5, 10, self.max_length)
+            beam = BeamState(src, batch.beam_size, limit, self.cfg.bos_id, self.cfg.eos_id, self.cfg.pad_id,
+                             alpha=batch.length_penalty, no_repeat_ngram=batch.no_repeat_ngram)
+            out.append(_Sentence(request, i, beam))
+            request.prompt_tokens += len(src)
         return out
 
-    async def translate(self, req: TranslateRequest) -> TranslationResult:
-        """Translate every text of the request (RequestRejected / EngineOverloaded / EngineStopped are
-        raised before any work). Cancelling the awaiting task frees the request's slots."""
+    async def run(self, batch: SourceBatch) -> list[list[int]]:
+        """Each source's best hypothesis, in order (RequestRejected / EngineOverloaded / EngineStopped are
+        raised before any work; TimeoutError past the deadline). Cancelling the awaiting task frees the
+        request's slots."""
         self._check_started()
         now = time.monotonic()
-        limit = req.deadline_s if req.deadline_s is not None else self.config.default_deadline_s
-        request = _Request(req, asyncio.get_running_loop().create_future(), [], [], [], now,
+        limit = batch.deadline_s if batch.deadline_s is not None else self.config.default_deadline_s
+        request = _Request(batch, asyncio.get_running_loop().create_future(), [None] * len(batch.sources), now,
                            now + limit if limit is not None else None)
-        sentences = self._sentences(req, request)
+        sentences = self._sentences(batch, request)
+        if not sentences:
+            return []
         self.scheduler.add([[s] for s in sentences])
         request.left = len(sentences)
-        if not sentences:
-            return self._result(request)
         self._wake()
         try:
             return await request.future
         finally:
             request.cancelled = True  # no-op once the result is set; frees the slots if we were cancelled
             self._wake()
-
-    def _result(self, request: _Request) -> TranslationResult:
-        texts = [join_sentences(parts, lang) for parts, lang in zip(request.outputs, request.target_langs)]
-        return TranslationResult(translations=texts, source_langs=request.source_langs,
-                                 target_langs=request.target_langs, usage=request.usage)
 
     # --- schedule (event loop) -----------------------------------------------------------------
     def _plan(self) -> _Step | None:
@@ -172,10 +154,10 @@ class TranslationEngine(EngineLoop):
         for sentence, why in sched.sweep(now):
             request = sentence.request
             if why == "timeout" and not request.future.done():
-                limit = request.req.deadline_s or self.config.default_deadline_s
+                limit = request.batch.deadline_s or self.config.default_deadline_s
                 request.future.set_exception(TimeoutError(f"translation exceeded its deadline of {limit} s"))
-                self.sink.on_finish(self.name, "timeout", request.usage.prompt_tokens,
-                                    request.usage.completion_tokens, now - request.t_submit)
+                self.sink.on_finish(self.name, "timeout", request.prompt_tokens, request.completion_tokens,
+                                    now - request.t_submit)
         sched.admit()
         if not sched.running:
             return None
@@ -232,15 +214,14 @@ class TranslationEngine(EngineLoop):
             self.scheduler.release(s)
             request = s.request
             tokens = s.beam.best()
-            request.outputs[s.index][s.part] = postprocess(self.tokenizer.decode(tokens),
-                                                           request.target_langs[s.index])
-            request.usage.completion_tokens += len(tokens)
+            request.outputs[s.index] = tokens
+            request.completion_tokens += len(tokens)
             request.left -= 1
             if request.left == 0 and not request.future.done():
-                request.future.set_result(self._result(request))
+                request.future.set_result(request.outputs)
                 self.requests_finished += 1
-                self.sink.on_finish(self.name, "stop", request.usage.prompt_tokens,
-                                    request.usage.completion_tokens, time.monotonic() - request.t_submit)
+                self.sink.on_finish(self.name, "stop", request.prompt_tokens, request.completion_tokens,
+                                    time.monotonic() - request.t_submit)
         self.scheduler.drop_released()
 
     def _fail_plan(self, step: _Step, error: Exception) -> None:

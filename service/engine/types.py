@@ -75,6 +75,20 @@ class GenerateRequest:
 
 
 @dataclass
+class SourceBatch:
+    """Model-ready input of the translation engine: one tagged source per sentence ([tag] + ids + [eos],
+    model/translation.py), decoded with the same settings (the frontend turns texts into this)."""
+
+    sources: list[list[int]]
+    beam_size: int = DEFAULT_BEAM_SIZE  # 1 = greedy
+    length_penalty: float = DEFAULT_LENGTH_PENALTY
+    no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM
+    max_length: int | None = None  # target tokens per sentence; None = relative to the source
+    request_id: str = ""
+    deadline_s: float | None = None
+
+
+@dataclass
 class TranslateRequest:
     texts: list[str]
     target_lang: str | None = None  # "en" | "zh"; None = the other language, detected per text

@@ -1,0 +1,63 @@
+"""The generator's request boundary, for the HTTP routes and `attnserve generate`: prompts and chat
+messages in (the model's chat template, tokenising), model-ready ids to the engine; the engine streams
+text back (detokenising is its output processing, service/engine/generation_output.py)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from service.config import GENERATOR_ID
+from service.engine.types import GenerateRequest, GenerationEvent, RequestRejected
+
+
+class GeneratorFrontend:
+    def __init__(self, engine, tokenizer, *, name: str = GENERATOR_ID, chat_template: str | None = None):
+        self.engine, self.tokenizer, self.name, self.chat_template = engine, tokenizer, name, chat_template
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    @property
+    def max_choices(self) -> int:
+        """Most choices (n) one request can have: each holds a KV slot."""
+        return self.engine.max_choices
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model scores: [0, vocab_size)."""
+        return self.engine.vocab_size
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        if not self.chat_template:
+            raise RequestRejected(f"model {self.name} has no chat template; send 'prompt' instead", "messages")
+        from model.chat import ChatTemplateError, render_chat
+
+        try:
+            return self.tokenizer.encode(render_chat(self.chat_template, messages, add_generation_prompt))
+        except ChatTemplateError as e:
+            raise RequestRejected(f"messages: {e}", "messages") from None
+
+    def submit(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
+        return self.engine.submit(req)
+
+    def compile_schema(self, schema: dict) -> None:
+        """Compile a structured-output schema into the engine's cache (RequestRejected if unsupported);
+        blocking: call it from a worker thread."""
+        self.engine.grammars.compile(schema)
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def stop(self) -> None:
+        await self.engine.stop()
