@@ -201,10 +201,15 @@ def test_cancellation_frees_slots():
 def test_overload_and_rejections():
     async def main(engine):
         p = SamplingParams(max_new_tokens=5)
-        with pytest.raises(RequestRejected, match="context is 128"):
+        with pytest.raises(RequestRejected, match="context holds 128"):
             engine.submit(GenerateRequest(prompt_ids=[7] * 200, params=p))
-        with pytest.raises(RequestRejected, match="max_new_tokens can be at most 28"):
+        with pytest.raises(RequestRejected, match="max_new_tokens <= 28") as e:
             engine.submit(GenerateRequest(prompt_ids=[7] * 100, params=SamplingParams(max_new_tokens=50)))
+        assert e.value.param == "max_new_tokens"
+        with pytest.raises(RequestRejected, match="max_completion_tokens=50 does not fit") as e:  # the client's name
+            engine.submit(GenerateRequest(prompt_ids=[7] * 100, params=SamplingParams(max_new_tokens=50),
+                                          field_names={"max_new_tokens": "max_completion_tokens"}))
+        assert e.value.param == "max_completion_tokens"
         with pytest.raises(RequestRejected, match="empty"):
             engine.submit(GenerateRequest(prompt_ids=[], params=p))
         streams = [engine.submit(GenerateRequest(prompt_ids=[7] * 10, params=p)) for _ in range(3)]

@@ -1,4 +1,4 @@
-"""Turning a validated body into an engine request: limits, tokenization, "max_tokens fits",
+"""Turning a validated body into an engine request: limits, tokenization (the engine checks what fits),
 logit_bias ids, the number of choices."""
 
 from __future__ import annotations
@@ -75,31 +75,22 @@ def build_request(gen: GeneratorFrontend, body: Sampling, prompt_ids: list[int],
                   n: int = 1, logprobs: int | None = None, prompt_logprobs: int | None = None,
                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                   logit_bias: dict[str, float] | None = None, json_schema: dict | None = None) -> GenerateRequest:
-    """An engine request whose prompt + output fits the model's context, or a 400 naming the field
-    (`prompt_param`, `max_tokens_param`: the names the client used)."""
+    """The engine request for a validated body, checked by the engine (`GenerationEngine.validate`) right
+    here: a 400 naming the field as the client named it (`prompt_param`, `max_tokens_param`)."""
     stop = body.stop_list()
     check_stop(stop, limits)
     bias = logit_bias_ids(gen, logit_bias)
-    if json_schema is not None and ignore_eos:
-        raise ApiError(400, "ignore_eos cannot be combined with response_format: the output ends when the JSON "
-                            "is complete; remove one of them", "ignore_eos")
-    if not prompt_ids:
-        raise ApiError(400, f"{prompt_param} is empty", prompt_param)
     room = gen.max_context - len(prompt_ids)
-    if room < 1:
-        raise ApiError(400, f"{prompt_param} is {len(prompt_ids)} tokens; the context holds "
-                            f"{gen.max_context} tokens including the output", prompt_param)
-    if max_tokens is not None and max_tokens > room:
-        raise ApiError(400, f"{max_tokens_param}={max_tokens} does not fit: the prompt is {len(prompt_ids)} "
-                            f"tokens and the context holds {gen.max_context}; use {max_tokens_param} <= {room}",
-                       max_tokens_param)
     params = SamplingParams(
-        max_new_tokens=max_tokens if max_tokens is not None else min(default_max_tokens, room),
+        max_new_tokens=max_tokens if max_tokens is not None else max(1, min(default_max_tokens, room)),
         temperature=body.temperature, top_k=top_k, top_p=body.top_p, repetition_penalty=repetition_penalty,
         stop=stop, seed=body.seed, ignore_eos=ignore_eos, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logit_bias=bias, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, json_schema=json_schema)
-    return GenerateRequest(prompt_ids=prompt_ids, params=params, request_id=request_id, n=n)
+    names = {"prompt_ids": prompt_param, "max_new_tokens": max_tokens_param, "json_schema": "response_format"}
+    req = GenerateRequest(prompt_ids=prompt_ids, params=params, request_id=request_id, n=n, field_names=names)
+    gen.validate(req)
+    return req
 
 
 def usage_dict(usage) -> dict:

@@ -87,51 +87,58 @@ class GenerationEngine(EngineLoop):
         return self._stats(len(running), len(self.scheduler.waiting), sum(s.n_cached for s in running))
 
     # --- submit ------------------------------------------------------------------------------
-    def _validate(self, req: GenerateRequest) -> None:
+    def validate(self, req: GenerateRequest) -> None:
+        """The one check of a request: RequestRejected naming the field (as the client named it) unless it
+        can run here, its prompt and output within the context."""
         p, n = req.params, len(req.prompt_ids)
+
+        def reject(field: str, message: str) -> RequestRejected:
+            name = req.field_names.get(field, field)
+            return RequestRejected(message.replace("{}", name), name)
+
         if n == 0:
-            raise RequestRejected("prompt is empty")
+            raise reject("prompt_ids", "{} is empty")
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= self.vocab_size:
-            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})")
+            raise reject("prompt_ids", f"{{}}: token ids must be in [0, {self.vocab_size})")
         if p.max_new_tokens < (0 if p.prompt_logprobs is not None else 1):
-            raise RequestRejected(f"max_new_tokens must be >= 1 (0 only to score the prompt with prompt_logprobs), "
-                                  f"got {p.max_new_tokens}")
-        if n >= self.max_context:
-            raise RequestRejected(f"prompt has {n} tokens; the model context is {self.max_context} tokens "
-                                  f"(max prompt {self.max_context - 1})")
-        if n + p.max_new_tokens > self.max_context:
-            raise RequestRejected(f"prompt ({n} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds the "
-                                  f"model context of {self.max_context} tokens; max_new_tokens can be at most "
-                                  f"{self.max_context - n}")
+            raise reject("max_new_tokens", f"{{}} must be >= 1 (0 only to score the prompt with prompt_logprobs), "
+                                           f"got {p.max_new_tokens}")
+        ctx = self.max_context
+        if n >= ctx:
+            raise reject("prompt_ids", f"{{}} is {n} tokens; the context holds {ctx} tokens including the output")
+        if n + p.max_new_tokens > ctx:
+            raise reject("max_new_tokens", f"{{}}={p.max_new_tokens} does not fit: the prompt is {n} tokens and the "
+                                           f"context holds {ctx}; use {{}} <= {ctx - n}")
         if p.temperature < 0:
-            raise RequestRejected(f"temperature must be >= 0, got {p.temperature}")
+            raise reject("temperature", f"{{}} must be >= 0, got {p.temperature}")
         if not 0 < p.top_p <= 1:
-            raise RequestRejected(f"top_p must be in (0, 1], got {p.top_p}")
+            raise reject("top_p", f"{{}} must be in (0, 1], got {p.top_p}")
         if p.top_k < 0:
-            raise RequestRejected(f"top_k must be >= 0, got {p.top_k}")
+            raise reject("top_k", f"{{}} must be >= 0, got {p.top_k}")
         if p.repetition_penalty <= 0:
-            raise RequestRejected(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
+            raise reject("repetition_penalty", f"{{}} must be > 0, got {p.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(p, name) <= 2.0:
-                raise RequestRejected(f"{name} must be in [-2, 2], got {getattr(p, name)}")
+                raise reject(name, f"{{}} must be in [-2, 2], got {getattr(p, name)}")
         bad = [t for t in p.logit_bias if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestRejected(f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            raise reject("logit_bias", f"{{}}: token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(p, name)
             if k is not None and not 0 <= k <= self.vocab_size:
-                raise RequestRejected(f"{name} must be in [0, {self.vocab_size}], got {k}")
+                raise reject(name, f"{{}} must be in [0, {self.vocab_size}], got {k}")
         if not 1 <= req.n <= self.max_choices:
-            raise RequestRejected(f"n={req.n}: each choice needs a KV slot; this engine has {self.max_choices}")
+            raise reject("n", f"{{}}={req.n}: each choice needs a KV slot; this engine has {self.max_choices}")
         if p.json_schema is not None and p.ignore_eos:
-            raise RequestRejected("ignore_eos cannot be combined with a JSON schema: the output ends when the "
-                                  "JSON is complete")
+            schema = req.field_names.get("json_schema", "json_schema")
+            raise reject("ignore_eos", f"{{}} cannot be combined with {schema}: the output ends when the JSON "
+                                       f"is complete; remove one of them")
 
     def submit(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
         """Queue a request (raises RequestRejected / EngineOverloaded / EngineStopped right here)
         and return its event stream. Closing the stream early cancels the request."""
         self._check_started()
-        self._validate(req)
+        self.validate(req)
         now = time.monotonic()
         limit = req.deadline_s if req.deadline_s is not None else self.config.default_deadline_s
         p, queue, prompt = req.params, asyncio.Queue(), list(req.prompt_ids)

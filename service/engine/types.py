@@ -72,6 +72,9 @@ class GenerateRequest:
     request_id: str = ""
     deadline_s: float | None = None  # per-request time limit; ends with finish_reason "timeout"
     n: int = 1  # choices: one prefill, its K/V copied to n slots; choice i samples with seed + i
+    # the client's names of fields whose names differ from ours ("prompt_ids" -> "messages",
+    # "max_new_tokens" -> "max_completion_tokens", ...): rejections name the field the client sent
+    field_names: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
