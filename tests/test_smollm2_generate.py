@@ -61,7 +61,7 @@ def test_seeded_sampling_reproducible_and_stops_at_stop_id(tiny):
 
 
 def test_too_long_request_is_refused_naming_the_field(tiny):
-    with pytest.raises(RequestRejected, match="max_new_tokens"):
+    with pytest.raises(RequestRejected, match="--max-tokens"):
         list(stream(tiny, ByteTok(), [1] * 100, SamplingParams(max_new_tokens=50), set()))
 
 

@@ -52,7 +52,9 @@ def stream(model, tokenizer, prompt_ids: list[int], params, stop_ids: set[int], 
         loop.run_until_complete(engine.start())
 
         async def submit():
-            return engine.submit(GenerateRequest(list(prompt_ids), params))
+            names = {"max_new_tokens": "--max-tokens", "prompt_ids": "the prompt", "top_p": "--top-p",
+                     "top_k": "--top-k", "temperature": "--temperature"}
+            return engine.submit(GenerateRequest(list(prompt_ids), params, field_names=names))
 
         events = loop.run_until_complete(submit())
         t0 = time.perf_counter()
