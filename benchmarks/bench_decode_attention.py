@@ -1,4 +1,4 @@
-"""Decode attention alone at one step's shape: model.attention._decode_attention on a strided slot-cache view.
+"""Decode attention alone at one step's shape: model.attention.decode_attention on a strided slot-cache view.
 
     python -m benchmarks.bench_decode_attention --rows 38 --positions 500
 
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from model.attention import _decode_attention
+from model.attention import decode_attention
 from model.progress import progress, write_line
 
 
@@ -26,9 +26,9 @@ def variants(q, k, v):
         scores = (k @ qg.transpose(-1, -2)).transpose(-1, -2) * d ** -0.5  # (B, Hkv, G, L)
         return (torch.softmax(scores, -1) @ v).view(b, h, 1, d)
 
-    return {"engine (_decode_attention)": lambda: _decode_attention(q, k, v, None),
+    return {"engine (decode_attention)": lambda: decode_attention(q, k, v, None),
             "k @ q^T": k_times_q,
-            "contiguous K/V first": lambda: _decode_attention(q, k.contiguous(), v.contiguous(), None)}
+            "contiguous K/V first": lambda: decode_attention(q, k.contiguous(), v.contiguous(), None)}
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
     cache = torch.randn(2, b, args.kv_heads, args.max_len, d)  # (K/V, S, Hkv, max_len, D)
     k, v = cache[0, :, :, :n], cache[1, :, :, :n]  # (B, Hkv, L, D) views, as the engine reads them
     q = torch.randn(b, args.heads, 1, d)  # (B, H, 1, D)
-    ref = _decode_attention(q, k, v, None)
+    ref = decode_attention(q, k, v, None)
     kv_bytes = 2 * k.numel() * k.element_size()
     print(f"{b} rows x {n} positions, {args.heads} / {args.kv_heads} heads of {d}, fp32, {args.threads} threads\n")
     print("| variant | ms per layer | K+V GB/s |\n|---|---|---|")

@@ -73,7 +73,7 @@ class Attention(nn.Module):
         if own is not None:
             y = prefix_attention(q, k, v, *own, mask)  # (B, H, 1, D)
         elif t == 1 and not self.training:
-            y = _decode_attention(q, k, v, mask)  # (B, H, 1, D)
+            y = decode_attention(q, k, v, mask)  # (B, H, 1, D)
         else:
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
@@ -82,7 +82,7 @@ class Attention(nn.Module):
         return self.o_proj(y)
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """One query per row (a decode step): grouped matmuls instead of SDPA.
 
     On CPU, SDPA's flash kernel is slow for a single query (docs/decisions.md); grouping the query
@@ -107,7 +107,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor,
                      v_new: torch.Tensor, prefix_ok: torch.Tensor) -> torch.Tensor:
     """One new query per row over its cached prefix plus its own new key, without writing the cache
-    first (a `StepContext`): as `_decode_attention` over the prefix with the new key appended, but
+    first (a `StepContext`): as `decode_attention` over the prefix with the new key appended, but
     without the copy of the prefix that appending would take. q (B, H, 1, D); k, v (B, Hkv, L, D)
     cached prefix views; k_new, v_new (B, Hkv, 1, D); prefix_ok (B, 1, 1, L) True for the cached keys a
     row may attend -> (B, H, 1, D)."""
@@ -115,7 +115,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: t
     hkv = k.shape[1]
     scale = d ** -0.5
     if k.device.type == "cpu" and k.dtype != torch.float32 and not k.is_contiguous():
-        k, v = k.contiguous(), v.contiguous()  # as in _decode_attention: oneDNN's own copy is slower
+        k, v = k.contiguous(), v.contiguous()  # as in decode_attention: oneDNN's own copy is slower
     qg = q.view(b, hkv, h // hkv, d)  # (B, Hkv, G, D): query heads grouped by their K/V head
     cached = (qg @ k.transpose(-1, -2)) * scale  # (B, Hkv, G, L)
     cached = cached.masked_fill(~prefix_ok, float("-inf"))

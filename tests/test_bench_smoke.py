@@ -71,7 +71,7 @@ def test_bench_cache(home):
 
 def test_bench_decode_attention(home):
     out = tool(home, "bench_decode_attention", "--tiny", "--threads", "1")
-    table = rows(out, r"engine \(_decode_attention\)|k @ q\^T|contiguous K/V first")
+    table = rows(out, r"engine \(decode_attention\)|k @ q\^T|contiguous K/V first")
     assert len(table) == 3
     for _, ms, gbs in table:
         assert float(ms) >= 0 and float(gbs) >= 0
