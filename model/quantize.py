@@ -24,6 +24,7 @@ Quality and speed per host are measured, not assumed: docs/performance.md ("Quan
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 import warnings
@@ -100,6 +101,10 @@ class Int8Linear(nn.Module):
             packed = torch.ops.quantized.linear_prepack(qw, None)
         self.handle = next(_handles)
         _packed[self.handle] = packed
+        # what a compiled step that calls the op by handle depends on (service/engine/aot_package.py)
+        h = hashlib.blake2b(qw.int_repr().numpy().tobytes(), digest_size=8)
+        h.update(scale.numpy().tobytes())
+        self.fingerprint = f"{self.handle}:{h.hexdigest()}"
         weakref.finalize(self, _packed.pop, self.handle, None)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.register_buffer("pins", torch.tensor([1.0, -1.0]), persistent=False)

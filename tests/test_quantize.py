@@ -109,25 +109,35 @@ def test_auto_picks_a_mode_and_service_config_validates():
 
 
 _COMPILE_TWICE = """
-import sys, torch
-from torch._dynamo.utils import counters
+import logging, sys, torch
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 sys.path.insert(0, {root!r})
 from tests.test_quantize import _tiny_llama, _Tok
+from tests.engine_util import tiny_seq2seq
 from model.quantize import quantize_decoder
-from service.engine.compiled import CompiledDecoder, use_persistent_cache
+from service.engine.compiled import CompiledDecoder, CompiledTranslator, use_persistent_cache
 torch.set_num_threads(1)
 m = _tiny_llama()
 quantize_decoder(m, _Tok(), "int8")
-CompiledDecoder(m, m.new_cache(8, 64)).warm_up()
-print(use_persistent_cache(), dict(counters["inductor"]).get("fxgraph_cache_hit", 0),
-      dict(counters["aot_autograd"]).get("autograd_cache_hit", 0))
+step = CompiledDecoder(m, m.new_cache(8, 64))
+step.warm_up()
+with torch.inference_mode():
+    logits = step.decode([0, 1, 2], [5, 6, 7], [0, 0, 0])
+t = tiny_seq2seq()
+tr = CompiledTranslator(t, t.new_cache(8, 32, cross_len=t.cfg.max_src_len + 1))
+tr.warm_up()
+with torch.inference_mode():
+    tr.encode([[3, 9, 10, 2], [4, 11, 2]], [1, 1], [0, 1])
+    out = tr.decode([1, 1], [0, 0], [4, 3])
+d = use_persistent_cache()
+print(d, len(list((d / "aoti").glob("*.pt2"))), repr(logits.float().sum().item()), repr(out.float().sum().item()))
 """
 
 
-def test_second_start_loads_compiled_quantized_step_from_attnserve_home(tmp_path):
-    """A compiled step with quantized linears is stored under $ATTNSERVE_HOME/compile and found again by
-    the next process, by inductor's graph cache and by AOTAutograd's (which skips re-tracing the graph; it
-    refuses frozen graphs, so a quantized step is compiled without freezing)."""
+def test_second_start_loads_compiled_steps_from_attnserve_home(tmp_path):
+    """Compiled steps (a quantized decoder's, the translator's frozen ones) are stored under
+    $ATTNSERVE_HOME/compile as AOTInductor packages and loaded, not compiled, by the next process, with
+    the same outputs."""
     import os
     import subprocess
     import sys
@@ -137,10 +147,30 @@ def test_second_start_loads_compiled_quantized_step_from_attnserve_home(tmp_path
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env.update(ATTNSERVE_HOME=str(tmp_path), OMP_NUM_THREADS="1")
     code = _COMPILE_TWICE.format(root=str(ROOT))
-    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
             for _ in range(2)]
     for r in runs:
         assert r.returncode == 0, r.stderr[-2000:]
-    (first_dir, *first_hits), (second_dir, *second_hits) = (r.stdout.split()[-3:] for r in runs)
-    assert first_dir == second_dir and first_dir.startswith(str(tmp_path / "compile" / "torch-"))
-    assert [int(h) for h in first_hits] == [0, 0] and min(int(h) for h in second_hits) >= 1
+    first, second = (r.stdout.split()[-4:] for r in runs)
+    assert first[0] == second[0] and first[0].startswith(str(tmp_path / "compile" / "torch-"))
+    assert first[1] == second[1] == "4"  # decoder step; translator step, encoder, lone-source encoder
+    assert first[2:] == second[2:]  # same logits from the built and the loaded packages
+    assert runs[0].stderr.count(": built ") == 4 and ": loaded " not in runs[0].stderr
+    assert runs[1].stderr.count(": loaded ") == 4 and ": built " not in runs[1].stderr
+    assert "AOTInductor failed" not in runs[0].stderr + runs[1].stderr
+
+
+def test_package_fingerprint_follows_weights_and_quantized_kernels():
+    """A compiled package holds the weights as constants: another weight, or int8 kernels under other
+    handles, must give another fingerprint (so another package, never a stale one)."""
+    from service.engine.aot_package import fingerprint
+
+    a, b = _tiny_llama(), _tiny_llama()
+    assert fingerprint(a) == fingerprint(b)
+    with torch.no_grad():
+        b.blocks[0].mlp.down.weight[0, 0] += 1e-3
+    assert fingerprint(a) != fingerprint(b)
+    c, d = _tiny_llama(), _tiny_llama()
+    quantize_decoder(c, _Tok(), "int8")
+    quantize_decoder(d, _Tok(), "int8")  # same weights, new handles
+    assert fingerprint(c) != fingerprint(d)

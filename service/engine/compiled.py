@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch._inductor.config
+from torch.export import Dim
 
 from model.cpu_features import cpu_flags
 from model.decoder import DecoderLM
@@ -38,6 +39,7 @@ from model.kv_cache import KVCache
 from model.paths import home
 from model.seq2seq import EncoderDecoder
 from model.seq2seq_step import decode_step, encode_cross
+from service.engine.aot_package import fingerprint, load_or_build
 
 log = logging.getLogger(__name__)
 
@@ -116,28 +118,57 @@ class CompiledTranslator:
         self.compile_seconds: float | None = None
 
     def warm_up(self) -> float:
-        """Compile both graphs now, at serving-like sizes (see _hint_sizes)."""
+        """Compile the decode step and both encoder graphs now, at serving-like sizes (see _hint_sizes): load
+        them from `$ATTNSERVE_HOME` as AOTInductor packages (service/engine/aot_package.py), else
+        torch.compile them."""
         t0 = time.perf_counter()
         c = self.cache
         rows, length, src, n_src = _hint_sizes((15, c.n_slots - 1), (47, c.max_len - 1), (41, c.cross_len - 1), (3, 64))
-        # freezing is read while compiling (the first call); as a torch.compile option it measured slower
-        with torch.inference_mode(), torch._inductor.config.patch(freezing=True):
-            tokens = torch.full((rows,), self.pad_id, dtype=torch.long, device=self.dev)
-            positions = torch.zeros(rows, dtype=torch.long, device=self.dev)
-            k, v, ck, cv, src_len = self.cache.prefix_views(rows, length, src)
-            src_len = src_len.clamp(min=1)
-            _mark_dynamic((tokens, (0,)), (positions, (0,)), (src_len, (0,)), (k, (1, 3)), (v, (1, 3)),
-                          (ck, (1, 3)), (cv, (1, 3)))
-            self._decode(tokens, positions, k, v, ck, cv, src_len)
-            for n, dims in ((n_src, (0, 1)), (1, (1,))):  # any number of sources >= 2; a lone source
-                sources = torch.full((n, src), self.pad_id, dtype=torch.long, device=self.dev)
-                sources[:, 0] = self.model.cfg.eos_id
-                mask = sources != self.pad_id
-                _mark_dynamic((sources, dims), (mask, dims))
-                self._encode(sources, mask)
+        tokens = torch.full((rows,), self.pad_id, dtype=torch.long, device=self.dev)
+        positions = torch.zeros(rows, dtype=torch.long, device=self.dev)
+        k, v, ck, cv, src_len = self.cache.prefix_views(rows, length, src)
+        src_len = src_len.clamp(min=1)
+        step_args = (tokens, positions, k, v, ck, cv, src_len)
+        encoder_args = []
+        for n in (n_src, 1):  # any number of sources >= 2; a lone source
+            sources = torch.full((n, src), self.pad_id, dtype=torch.long, device=self.dev)
+            sources[:, 0] = self.model.cfg.eos_id
+            encoder_args.append((sources, sources != self.pad_id))
+        try:
+            self._aot_load_or_build(step_args, encoder_args)
+        except Exception:  # torch.export or AOTInductor cannot take it: torch.compile (recompiled every start)
+            log.warning("translator: AOTInductor failed; compiling with torch.compile", exc_info=True)
+            # freezing is read while compiling (the first call); as a torch.compile option it measured slower
+            with torch.inference_mode(), torch._inductor.config.patch(freezing=True):
+                _mark_dynamic((tokens, (0,)), (positions, (0,)), (src_len, (0,)), (k, (1, 3)), (v, (1, 3)),
+                              (ck, (1, 3)), (cv, (1, 3)))
+                self._decode(*step_args)
+                for (sources, mask), dims in zip(encoder_args, ((0, 1), (1,)), strict=True):
+                    _mark_dynamic((sources, dims), (mask, dims))
+                    self._encode(sources, mask)
         self.compile_seconds = time.perf_counter() - t0
-        log.info("compiled the translator's encoder and decode step in %.1f s", self.compile_seconds)
+        log.info("translator's encoder and decode step ready in %.1f s", self.compile_seconds)
         return self.compile_seconds
+
+    def _aot_load_or_build(self, step_args: tuple, encoder_args: list[tuple]) -> None:
+        c = self.cache
+        # a view spanning a whole dimension has other strides: lengths stay below the cache's (positions are
+        # < max_len; the translator's runner allocates one spare source position)
+        rows, length = Dim("rows", min=MIN_SIZE, max=c.n_slots), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
+        src = Dim("src", min=MIN_SIZE, max=c.cross_len - 1)
+        key = (type(self.model).__name__, repr(self.model.cfg), fingerprint(self.model), c.n_slots, c.max_len,
+               c.cross_len, str(c.k.dtype), str(self.dev))
+        where = use_persistent_cache()
+        decode = load_or_build(where, "translator-decode", decode_step, self.model, step_args,
+                               ({0: rows}, {0: rows}, {1: rows, 3: length}, {1: rows, 3: length}, {1: rows, 3: src},
+                                {1: rows, 3: src}, {0: rows}), freezing=True, key=key)
+        n = Dim("sources", min=MIN_SIZE, max=c.n_slots)
+        width = Dim("width", min=MIN_SIZE, max=self.model.cfg.max_src_len)
+        many = load_or_build(where, "translator-encode", encode_cross, self.model, encoder_args[0],
+                             ({0: n, 1: width}, {0: n, 1: width}), freezing=True, key=key)
+        one = load_or_build(where, "translator-encode-one", encode_cross, self.model, encoder_args[1],
+                            ({1: width}, {1: width}), freezing=True, key=key)
+        self._decode, self._encode = decode, lambda src_, mask: (one if src_.shape[0] == 1 else many)(src_, mask)
 
     def encode(self, sources: list[list[int]], copies: list[int], slots: list[int]) -> None:
         """Encode `sources` and store their cross K/V in `slots`: source i fills the next copies[i] slots
@@ -183,16 +214,30 @@ class CompiledDecoder:
         self.compile_seconds: float | None = None
 
     def warm_up(self) -> float:
+        """Compile the decode step now, at serving-like sizes (see _hint_sizes): load it from
+        `$ATTNSERVE_HOME` as an AOTInductor package (service/engine/aot_package.py), else torch.compile it."""
         t0 = time.perf_counter()
-        rows, length = _hint_sizes((31, self.cache.n_slots - 1), (300, self.cache.max_len - 1))
-        with torch.inference_mode(), torch._inductor.config.patch(freezing=_wants_freezing(self.model)):
-            tokens = torch.zeros(rows, dtype=torch.long, device=self.dev)
-            positions = torch.zeros(rows, dtype=torch.long, device=self.dev)
-            k, v = self.cache.prefix_views(rows, length)
-            _mark_dynamic((tokens, (0,)), (positions, (0,)), (k, (1, 3)), (v, (1, 3)))
-            self._decode(tokens, positions, k, v)
+        c = self.cache
+        rows, length = _hint_sizes((31, c.n_slots - 1), (300, c.max_len - 1))
+        tokens = torch.zeros(rows, dtype=torch.long, device=self.dev)
+        positions = torch.zeros(rows, dtype=torch.long, device=self.dev)
+        k, v = c.prefix_views(rows, length)
+        freezing = _wants_freezing(self.model)
+        try:
+            # lengths below the cache's: a view spanning a whole dimension has other strides (positions < max_len)
+            r, n = Dim("rows", min=MIN_SIZE, max=c.n_slots), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
+            key = (type(self.model).__name__, repr(self.model.cfg), fingerprint(self.model), c.n_slots, c.max_len,
+                   str(c.k.dtype), str(self.dev))
+            self._decode = load_or_build(use_persistent_cache(), "decoder-decode", decoder_step, self.model,
+                                         (tokens, positions, k, v), ({0: r}, {0: r}, {1: r, 3: n}, {1: r, 3: n}),
+                                         freezing=freezing, key=key)
+        except Exception:  # torch.export or AOTInductor cannot take it: torch.compile (recompiled every start)
+            log.warning("decoder: AOTInductor failed; compiling with torch.compile", exc_info=True)
+            with torch.inference_mode(), torch._inductor.config.patch(freezing=freezing):
+                _mark_dynamic((tokens, (0,)), (positions, (0,)), (k, (1, 3)), (v, (1, 3)))
+                self._decode(tokens, positions, k, v)
         self.compile_seconds = time.perf_counter() - t0
-        log.info("compiled the decoder's decode step in %.1f s", self.compile_seconds)
+        log.info("decoder's decode step ready in %.1f s", self.compile_seconds)
         return self.compile_seconds
 
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:

@@ -17,7 +17,9 @@ class Seq2SeqRunner:
         self.model = model
         self.device = config.device
         self.max_tgt = min(config.max_seq_len, model.cfg.max_tgt_len)
-        self.cache = model.new_cache(config.max_slots, self.max_tgt, dtype=config.kv_torch_dtype)
+        # one spare source position: the compiled step's views of the sources never span a whole dimension
+        self.cache = model.new_cache(config.max_slots, self.max_tgt, dtype=config.kv_torch_dtype,
+                                     cross_len=model.cfg.max_src_len + 1)
         self.compiled: CompiledTranslator | None = None
 
     def compile(self) -> None:

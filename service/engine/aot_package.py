@@ -1,0 +1,92 @@
+"""Compiled steps kept across starts as AOTInductor packages under `$ATTNSERVE_HOME/compile`.
+
+`torch.compile` redoes dynamo's tracing at every start even when inductor's cache hits, and a step whose
+float linears are frozen into oneDNN's prepacked form cannot enter that cache at all (the translator's:
+~38 s on every start). `torch.export` + AOTInductor compiles the same pure step function once into a
+package (generated C++, its shared library and the weights as constants) that later starts load in a
+fraction of a second, with the same dynamic sizes and bit-identical outputs to the `torch.compile`d step
+(docs/decisions.md). A package is found again only for the same torch version, CPU flags, engine thread
+count, step code (every file of `model/` and this engine's compile code), model weights and cache shape;
+anything else builds a new one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch._inductor.config
+
+log = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Step(torch.nn.Module):
+    """A pure step function of (model, *tensors) as the module torch.export takes."""
+
+    def __init__(self, fn: Callable, model: torch.nn.Module):
+        super().__init__()
+        self.fn, self.model = fn, model
+
+    def forward(self, *args):
+        return self.fn(self.model, *args)
+
+
+@functools.lru_cache(maxsize=1)
+def code_hash() -> str:
+    """What a package's generated code depends on in this repository: the model code and the compile code."""
+    h = hashlib.blake2b(digest_size=12)
+    files = sorted((ROOT / "model").rglob("*.py")) + [Path(__file__), Path(__file__).with_name("compiled.py")]
+    for f in files:
+        h.update(str(f.relative_to(ROOT)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """The model's weights and buffers (frozen into a package as constants), and the opaque quantized
+    kernels' own fingerprints (model/quantize.py)."""
+    h = hashlib.blake2b(digest_size=12)
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy() if t.numel() else b"")
+    for name, m in model.named_modules():
+        if hasattr(m, "fingerprint"):
+            h.update(f"{name}:{m.fingerprint}".encode())
+    return h.hexdigest()
+
+
+def load_or_build(directory: Path, name: str, fn: Callable, model: torch.nn.Module, args: Sequence[torch.Tensor],
+                  dynamic_shapes: Sequence[dict | None], *, freezing: bool, key: Sequence[object]) -> Callable:
+    """The package of `fn(model, *args)` with `dynamic_shapes` (one dict per arg: dim -> torch.export.Dim),
+    loaded from `directory` when built before for the same `key` (plus torch, threads and code), else
+    exported, compiled and saved there. Returns a callable of the same tensors -> the same outputs."""
+    parts = [name, torch.__version__, torch.get_num_threads(), freezing, code_hash(), *key]
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
+    path = directory / "aoti" / f"{name}-{digest}.pt2"
+    if path.is_file():
+        t0 = time.perf_counter()
+        try:
+            step = torch._inductor.aoti_load_package(str(path))
+            log.info("%s: loaded %s in %.2f s", name, path.name, time.perf_counter() - t0)
+            return step
+        except Exception:  # a damaged or foreign file: build it again
+            log.warning("%s: could not load %s; building it again", name, path, exc_info=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        ep = torch.export.export(_Step(fn, model), tuple(args), dynamic_shapes={"args": tuple(dynamic_shapes)},
+                                 strict=False)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
+    with torch._inductor.config.patch(freezing=freezing):
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
+    os.replace(tmp, path)  # atomic: a replica starting beside this one sees all of it or nothing
+    log.info("%s: built %s in %.1f s", name, path.name, time.perf_counter() - t0)
+    return torch._inductor.aoti_load_package(str(path))
