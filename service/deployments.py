@@ -62,11 +62,11 @@ class AttnServe:
                 engine = backend.engine
                 compiling = engine.config.compile
                 self.startup.set(f"{'compiling' if compiling else 'starting'} the {attr} engine", model_id,
-                                 "compiling the decode step (torch.compile)" if compiling else "starting")
+                                 "compiling (or loading) the decode step" if compiling else "starting")
                 await backend.start()
                 state = "ready"
                 if compiling:
-                    state = (f"ready (compiled in {engine.compiled.compile_seconds:.1f} s)"
+                    state = (f"ready (step compiled or loaded in {engine.compiled.compile_seconds:.1f} s)"
                              if engine.compiled is not None else "ready (torch.compile failed: running eagerly)")
                 self.startup.model(model_id, state)
                 log.info("%s engine: %s", attr, state)

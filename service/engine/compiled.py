@@ -1,4 +1,5 @@
-"""`torch.compile` of the engines' per-step work (`EngineConfig.compile`).
+"""Compiled per-step work of the engines (`EngineConfig.compile`): AOTInductor packages kept under
+`$ATTNSERVE_HOME` (service/engine/aot_package.py), or `torch.compile` where a step cannot be exported.
 
 In eager mode a decode step pays per-op overhead (the translator: ~150 ops of a few to tens of
 microseconds around matmuls of 15 x 256) and unfused elementwise passes over activations and K/V
@@ -16,7 +17,7 @@ is kept >= 2: a free slot pads the rows (slots >= R are free: the engine compact
 pad the lengths. The one exception is a lone source, the commonest encoder call under steady load (one
 request finishes, one is admitted): padding it to two would double the encoder's work, so the encoder
 has a second graph for exactly one source, compiled in `warm_up` too. Compilation happens in `warm_up`,
-before the engine takes requests (~20-30 s on 2 cores).
+before the engine takes requests: the first start builds the packages, later starts load them.
 """
 
 from __future__ import annotations
