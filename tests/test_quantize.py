@@ -174,3 +174,22 @@ def test_package_fingerprint_follows_weights_and_quantized_kernels():
     quantize_decoder(c, _Tok(), "int8")
     quantize_decoder(d, _Tok(), "int8")  # same weights, new handles
     assert fingerprint(c) != fingerprint(d)
+
+
+def test_package_folder_keeps_the_newest_few_per_step(tmp_path):
+    import os
+
+    from service.engine.aot_package import KEEP, prune
+
+    for i in range(KEEP + 3):
+        for name in ("translator-encode-many", "translator-encode-one"):
+            f = tmp_path / f"{name}-{i:04d}.pt2"
+            f.write_bytes(b"x")
+            os.utime(f, (1000 + i, 1000 + i))
+    (tmp_path / "translator-encode-many-0000.123.tmp.pt2").write_bytes(b"x")  # another process's build
+    prune(tmp_path, "translator-encode-many")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert [n for n in left if n.startswith("translator-encode-many-") and "tmp" not in n] == [
+        f"translator-encode-many-{i:04d}.pt2" for i in range(3, KEEP + 3)]
+    assert sum(n.startswith("translator-encode-one-") for n in left) == KEEP + 3
+    assert "translator-encode-many-0000.123.tmp.pt2" in left

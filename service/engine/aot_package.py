@@ -25,6 +25,7 @@ import torch._inductor.config
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
+KEEP = 3  # packages kept per step
 
 
 class _Step(torch.nn.Module):
@@ -89,4 +90,13 @@ def load_or_build(directory: Path, name: str, fn: Callable, model: torch.nn.Modu
         torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
     os.replace(tmp, path)  # atomic: a replica starting beside this one sees all of it or nothing
     log.info("%s: built %s in %.1f s", name, path.name, time.perf_counter() - t0)
+    prune(path.parent, name)
     return torch._inductor.aoti_load_package(str(path))
+
+
+def prune(directory: Path, name: str, keep: int = KEEP) -> None:
+    """Keep the `keep` newest packages of a step (other weights, code or settings): the folder stays bounded."""
+    built = [p for p in directory.glob(f"{name}-*.pt2") if not p.name.endswith(".tmp.pt2")]  # not others' builds
+    old = sorted(built, key=lambda p: p.stat().st_mtime, reverse=True)[keep:]
+    for p in old:
+        p.unlink(missing_ok=True)

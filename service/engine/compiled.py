@@ -165,7 +165,7 @@ class CompiledTranslator:
                                 {1: rows, 3: src}, {0: rows}), freezing=True, key=key)
         n = Dim("sources", min=MIN_SIZE, max=c.n_slots)
         width = Dim("width", min=MIN_SIZE, max=self.model.cfg.max_src_len)
-        many = load_or_build(where, "translator-encode", encode_cross, self.model, encoder_args[0],
+        many = load_or_build(where, "translator-encode-many", encode_cross, self.model, encoder_args[0],
                              ({0: n, 1: width}, {0: n, 1: width}), freezing=True, key=key)
         one = load_or_build(where, "translator-encode-one", encode_cross, self.model, encoder_args[1],
                             ({1: width}, {1: width}), freezing=True, key=key)
