@@ -46,6 +46,8 @@ class ServeBatchGenerator(GeneratorFrontend):
             yield out
 
     def submit(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
+        # the batch submits to the engine later: its check of what fits runs now, so a bad request is a 400
+        self.engine.validate(req)
         return self._stream(req)
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:

@@ -75,8 +75,8 @@ def build_request(gen: GeneratorFrontend, body: Sampling, prompt_ids: list[int],
                   n: int = 1, logprobs: int | None = None, prompt_logprobs: int | None = None,
                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                   logit_bias: dict[str, float] | None = None, json_schema: dict | None = None) -> GenerateRequest:
-    """The engine request for a validated body, checked by the engine (`GenerationEngine.validate`) right
-    here: a 400 naming the field as the client named it (`prompt_param`, `max_tokens_param`)."""
+    """The engine request for a validated body; the engine's check of what fits (`submit`) names the field
+    as the client named it (`prompt_param`, `max_tokens_param`)."""
     stop = body.stop_list()
     check_stop(stop, limits)
     bias = logit_bias_ids(gen, logit_bias)
@@ -88,9 +88,7 @@ def build_request(gen: GeneratorFrontend, body: Sampling, prompt_ids: list[int],
         frequency_penalty=frequency_penalty, logit_bias=bias, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, json_schema=json_schema)
     names = {"prompt_ids": prompt_param, "max_new_tokens": max_tokens_param, "json_schema": "response_format"}
-    req = GenerateRequest(prompt_ids=prompt_ids, params=params, request_id=request_id, n=n, field_names=names)
-    gen.validate(req)
-    return req
+    return GenerateRequest(prompt_ids=prompt_ids, params=params, request_id=request_id, n=n, field_names=names)
 
 
 def usage_dict(usage) -> dict:

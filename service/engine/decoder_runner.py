@@ -29,7 +29,7 @@ class DecoderRunner:
         """Write the chunks' K/V -> each chunk's last-position logits (len(chunks), V), in order. Chunks
         go in right-padded forwards whose padding stays within `prefill_max_padding` of their tokens."""
         out: list[torch.Tensor | None] = [None] * len(chunks)
-        for group in padding_bounded_groups(list(range(len(chunks))), [len(chunks[i][1]) for i in range(len(chunks))],
+        for group in padding_bounded_groups(list(range(len(chunks))), [len(t) for _, t, _ in chunks],
                                             self.config.prefill_max_padding):
             logits = self._forward([chunks[i] for i in group], last_only=True)  # (P, V)
             for row, i in enumerate(group):

@@ -48,10 +48,6 @@ class GeneratorFrontend:
         except ChatTemplateError as e:
             raise RequestRejected(f"messages: {e}", "messages") from None
 
-    def validate(self, req: GenerateRequest) -> None:
-        """RequestRejected naming the field unless the request can run (the engine's one check)."""
-        self.engine.validate(req)
-
     def submit(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
         return self.engine.submit(req)
 
