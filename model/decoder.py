@@ -82,12 +82,7 @@ class DecoderLM(nn.Module):
         # reading a tensor value here would break the compiled graph.
         if not isinstance(cache, StepContext) and int(positions.max()) >= self.cfg.max_seq_len:
             raise ValueError(f"position {int(positions.max())} beyond max_seq_len {self.cfg.max_seq_len}")
-        x = self.embed(tokens)  # (B, T, d)
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(positions)
-        x = self.drop(x)
-        rope = self.rope(positions, x.dtype) if self.rope is not None else None
-
+        x, rope = self.embed_tokens(tokens, positions)
         ctx = cache
         if isinstance(cache, KVCache):
             ctx = cache.context(list(range(b)) if slots is None else slots, positions)
@@ -102,4 +97,16 @@ class DecoderLM(nn.Module):
             x = block(x, mask, rope, ctx, i)
         if output_index is not None:
             x = x[torch.arange(b, device=x.device), output_index]  # (B, d)
-        return self.lm_head(self.norm(x))  # (B, [T,] V)
+        return self.head(x)  # (B, [T,] V)
+
+    def embed_tokens(self, tokens: torch.Tensor, positions: torch.Tensor):
+        """tokens, positions (B, T) -> x (B, T, d) and the RoPE tables (cos, sin (B, 1, T, D)), or None."""
+        x = self.embed(tokens)  # (B, T, d)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        x = self.drop(x)
+        return x, self.rope(positions, x.dtype) if self.rope is not None else None
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Hidden states (..., d) -> logits (..., V)."""
+        return self.lm_head(self.norm(x))

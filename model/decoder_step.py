@@ -1,17 +1,40 @@
-"""One decode step of the decoder-only LM as a pure tensor function, shaped for `torch.compile`.
+"""One decode step of the decoder-only LM as pure tensor functions, shaped for compilation.
 
 The counterpart of `model/seq2seq_step.py` for `DecoderLM` (same contract): one new token per row,
 rows reading K/V prefix *views* of the slot cache, no data-dependent Python, no mutation; the new K/V
-come back for the caller to store (`KVCache.write_step`). It runs the model's own forward, with a
-`StepContext` in place of the cache.
+come back for the caller to store (`KVCache.write_step`). The step runs the model's own modules, with a
+`StepContext` in place of the cache, either whole (`decoder_step`) or in pieces (`blocks_step` over a run
+of consecutive layers, then `head_step`): identical layers can then share one compiled graph.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from torch import nn
 
 from model.decoder import DecoderLM
 from model.kv_cache import StepContext
+
+
+@torch.no_grad()
+def blocks_step(blocks: Sequence[nn.Module], x: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, *rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (R, 1, d) at positions (R,) through consecutive `blocks` (G layers) over their cached prefixes
+    k, v (G, R, Hkv, L, D), of which row r uses the first positions[r]; rope: the model's (cos, sin)
+    (R, 1, 1, D) or nothing -> x (R, 1, d), new_k, new_v (G, R, Hkv, D)."""
+    ctx = StepContext(k, v, positions)
+    mask = ctx.self_mask()  # (R, 1, 1, L)
+    for i, block in enumerate(blocks):
+        x = block(x, mask, tuple(rope) or None, ctx, i)
+    return x, *ctx.stacked_new_kv()
+
+
+@torch.no_grad()
+def head_step(model: DecoderLM, x: torch.Tensor) -> torch.Tensor:
+    """Last hidden states (R, d) -> logits (R, V)."""
+    return model.head(x)
 
 
 @torch.no_grad()
@@ -19,6 +42,6 @@ def decoder_step(model: DecoderLM, tokens: torch.Tensor, positions: torch.Tensor
                  v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """tokens, positions (R,); k, v (NL, R, Hkv, L, D) cached keys/values, of which row r uses the
     first positions[r] (L >= max position) -> logits (R, V), new_k, new_v (NL, R, Hkv, D)."""
-    ctx = StepContext(k, v, positions)
-    logits = model(tokens[:, None], positions[:, None], ctx)[:, 0]  # (R, V)
-    return logits, *ctx.stacked_new_kv()  # (R, V), (NL, R, Hkv, D) x 2
+    x, rope = model.embed_tokens(tokens[:, None], positions[:, None])  # (R, 1, d)
+    x, new_k, new_v = blocks_step(model.blocks, x, positions, k, v, *(rope or ()))
+    return head_step(model, x[:, 0]), new_k, new_v  # (R, V), (NL, R, Hkv, D) x 2

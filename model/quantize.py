@@ -44,6 +44,8 @@ CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration_en.txt"
 
 # fbgemm's packed weights are a TorchScript object that torch.compile cannot hold in a graph; the op
 # below takes an integer handle to them instead, so a compiled step calls the kernel as an opaque op.
+# An exported graph reads the handle from a 0-d tensor, so one graph can take it as an input and serve
+# every layer of the same shape (service/engine/aot_package.py).
 _packed: dict[int, torch.ScriptObject] = {}
 _handles = itertools.count(1)
 
@@ -52,7 +54,7 @@ _handles = itertools.count(1)
 # `torch.library.custom_op`'s Python wrapper (alias checks, dispatch in Python) cost ~4x more per call
 # than the op itself at one row (docs/decisions.md).
 _lib = torch.library.Library("attnserve", "DEF")
-_lib.define("int8_linear(Tensor x, int handle, int out_features) -> Tensor")
+_lib.define("int8_linear(Tensor x, SymInt handle, int out_features) -> Tensor")
 
 
 def _int8_linear_cpu(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
@@ -106,6 +108,7 @@ class Int8Linear(nn.Module):
         h.update(scale.numpy().tobytes())
         self.fingerprint = f"{self.handle}:{h.hexdigest()}"
         weakref.finalize(self, _packed.pop, self.handle, None)
+        self.register_buffer("handle_id", torch.tensor(self.handle), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.register_buffer("pins", torch.tensor([1.0, -1.0]), persistent=False)
 
@@ -114,7 +117,9 @@ class Int8Linear(nn.Module):
         xf = x.reshape(-1, self.in_features).float() * self.inv_smooth  # (M, K)
         row = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)  # (M, 1): each row's own scale
         xn = torch.cat([xf / row, self.pins.expand(xf.shape[0], 2)], dim=-1)  # (M, K + 2) in [-1, 1]
-        y = int8_linear(xn, self.handle, self.out_features) * row  # (M, N)
+        # exported, the handle is a graph input (read in C++); eager and torch.compile pass the constant
+        handle = self.handle_id.item() if torch.compiler.is_exporting() else self.handle
+        y = int8_linear(xn, handle, self.out_features) * row  # (M, N)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*shape[:-1], self.out_features)

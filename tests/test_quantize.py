@@ -108,6 +108,44 @@ def test_auto_picks_a_mode_and_service_config_validates():
         ModelSpec.from_dict({"quantization": "fp8"})
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_step_from_shared_packages_equals_the_eager_step(mode, tmp_path, monkeypatch, one_torch_thread):
+    """A quantized decoder's compiled step runs one package for every run of layers (each run's weights
+    as inputs) and one for the head: its logits and new K/V equal the eager step's, for one row (no pad
+    row) and for ragged rows with a pad row among them."""
+    from model.decoder_step import decoder_step
+    from service.engine.compiled import CompiledDecoder
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    m = _tiny_llama()
+    quantize_decoder(m, _Tok(), mode)
+    cache = m.new_cache(8, 64)
+    prompts = [[5, 9, 11, 3], [7, 2], [1, 2, 3, 4, 5, 6, 7]]
+    with torch.inference_mode():
+        for slot, p in enumerate(prompts):
+            m(torch.tensor([p]), torch.arange(len(p))[None], cache, slots=[slot])
+    step = CompiledDecoder(m, cache)
+    step.warm_up()
+    assert step.min_rows == 1
+    built = sorted(p.name.split("-")[1] for p in (tmp_path / "aoti").glob("*.pt2"))
+    assert built == ["blocks", "head"]
+    for slots in ([0], [0, 2]):  # slot 1 is a pad row in the second
+        tokens, positions = [40 + s for s in slots], [len(prompts[s]) for s in slots]
+        n = slots[-1] + 1
+        all_tokens, all_positions = [0] * n, [0] * n
+        for s, t, q in zip(slots, tokens, positions, strict=True):
+            all_tokens[s], all_positions[s] = t, q
+        with torch.inference_mode():
+            k, v = cache.prefix_views(n, max(positions))
+            ref, ref_k, ref_v = decoder_step(m, torch.tensor(all_tokens), torch.tensor(all_positions), k.clone(),
+                                             v.clone())
+            got = step.decode(slots, tokens, positions)
+        assert torch.allclose(got, ref[slots], atol=1e-4, rtol=1e-4)
+        for s, q in zip(slots, positions, strict=True):
+            assert torch.allclose(cache.k[:, s, :, q], ref_k[:, s], atol=1e-5)
+            assert torch.allclose(cache.v[:, s, :, q], ref_v[:, s], atol=1e-5)
+
+
 _COMPILE_TWICE = """
 import logging, sys, torch
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -153,7 +191,7 @@ def test_second_start_loads_compiled_steps_from_attnserve_home(tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
     first, second = (r.stdout.split()[-4:] for r in runs)
     assert first[0] == second[0] and first[0].startswith(str(tmp_path / "compile" / "torch-"))
-    assert first[1] == second[1] == "4"  # decoder step; translator step, encoder, lone-source encoder
+    assert first[1] == second[1] == "4"  # decoder layers, decoder head; translator step, encoder
     assert first[2:] == second[2:]  # same logits from the built and the loaded packages
     assert runs[0].stderr.count(": built ") == 4 and ": loaded " not in runs[0].stderr
     assert runs[1].stderr.count(": loaded ") == 4 and ": built " not in runs[1].stderr

@@ -8,6 +8,10 @@ fraction of a second, with the same dynamic sizes and bit-identical outputs to t
 (docs/decisions.md). A package is found again only for the same torch version, CPU flags, engine thread
 count, step code (every file of `model/` and this engine's compile code), model weights and cache shape;
 anything else builds a new one.
+
+A *shared* package takes a module's parameters and buffers as trailing inputs instead of holding them as
+constants: one graph, compiled once, then serves every module of the same structure (the decoder's runs
+of identical layers), which cuts the build to a fraction of the whole model's (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -39,6 +43,33 @@ class _Step(torch.nn.Module):
         return self.fn(self.model, *args)
 
 
+def weights(module: torch.nn.Module) -> list[torch.Tensor]:
+    """A module's parameters, then buffers, in a fixed order: the trailing inputs of a shared package."""
+    return [t for _, t in module.named_parameters()] + [t for _, t in module.named_buffers()]
+
+
+class _Shared(torch.nn.Module):
+    """`fn(template, *args)` with the template's weights as the trailing inputs. The template is kept out
+    of this module's own attributes, so torch.export finds no constants to hold."""
+
+    def __init__(self, fn: Callable, template: torch.nn.Module, n_args: int):
+        super().__init__()
+        step = _Step(fn, template)
+        self.n_args, self._step = n_args, [step]
+        self.names = [n for n, _ in step.named_parameters()] + [n for n, _ in step.named_buffers()]
+
+    def forward(self, *args):
+        given = dict(zip(self.names, args[self.n_args:], strict=True))
+        return torch.func.functional_call(self._step[0], given, args[:self.n_args], strict=True)
+
+
+def _runner(path: Path) -> Callable:
+    """The package's run function over flat tensors (no pytree round trip: every step takes and returns
+    flat tuples)."""
+    run = torch._inductor.aoti_load_package(str(path)).loader.boxed_run
+    return lambda *tensors: tuple(run(list(tensors)))
+
+
 @functools.lru_cache(maxsize=1)
 def code_hash() -> str:
     """What a package's generated code depends on in this repository: the model code and the compile code."""
@@ -65,33 +96,39 @@ def fingerprint(model: torch.nn.Module) -> str:
 
 
 def load_or_build(directory: Path, name: str, fn: Callable, model: torch.nn.Module, args: Sequence[torch.Tensor],
-                  dynamic_shapes: Sequence[dict | None], *, freezing: bool, key: Sequence[object]) -> Callable:
+                  dynamic_shapes: Sequence[dict | None], *, freezing: bool, key: Sequence[object],
+                  shared: bool = False) -> Callable:
     """The package of `fn(model, *args)` with `dynamic_shapes` (one dict per arg: dim -> torch.export.Dim),
     loaded from `directory` when built before for the same `key` (plus torch, threads and code), else
-    exported, compiled and saved there. Returns a callable of the same tensors -> the same outputs."""
-    parts = [name, torch.__version__, torch.get_num_threads(), freezing, code_hash(), *key]
+    exported, compiled and saved there. Returns a callable of the same tensors -> the same outputs; with
+    `shared`, of (*args, *weights(module)) for any module shaped as `model` (the key need not name its
+    weights, only its structure)."""
+    parts = [name, torch.__version__, torch.get_num_threads(), freezing, shared, code_hash(), *key]
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
     path = directory / "aoti" / f"{name}-{digest}.pt2"
     if path.is_file():
         t0 = time.perf_counter()
         try:
-            step = torch._inductor.aoti_load_package(str(path))
+            step = _runner(path)
             log.info("%s: loaded %s in %.2f s", name, path.name, time.perf_counter() - t0)
             return step
         except Exception:  # a damaged or foreign file: build it again
             log.warning("%s: could not load %s; building it again", name, path, exc_info=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    module, args, dynamic_shapes = _Step(fn, model), tuple(args), tuple(dynamic_shapes)
+    if shared:
+        module, w = _Shared(fn, model, len(args)), weights(model)
+        args, dynamic_shapes = args + tuple(w), dynamic_shapes + (None,) * len(w)
     with torch.no_grad():
-        ep = torch.export.export(_Step(fn, model), tuple(args), dynamic_shapes={"args": tuple(dynamic_shapes)},
-                                 strict=False)
+        ep = torch.export.export(module, args, dynamic_shapes={"args": dynamic_shapes}, strict=False)
     tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
     with torch._inductor.config.patch(freezing=freezing):
         torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
     os.replace(tmp, path)  # atomic: a replica starting beside this one sees all of it or nothing
     log.info("%s: built %s in %.1f s", name, path.name, time.perf_counter() - t0)
     prune(path.parent, name)
-    return torch._inductor.aoti_load_package(str(path))
+    return _runner(path)
 
 
 def prune(directory: Path, name: str, keep: int = KEEP) -> None:

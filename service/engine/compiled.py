@@ -12,12 +12,12 @@ sources), and the decoder-only LM's `decoder_step`. Prompt prefill stays eager (
 Measured numbers are in docs/performance.md and docs/decisions.md.
 
 Every size (rows, prefix length, source length, sources) is marked dynamic, so ONE graph per function
-serves every batch. Dynamo specialises sizes 0 and 1, which would recompile mid-serving, so each size
-is kept >= 2: a free slot pads the rows (slots >= R are free: the engine compacts) and masked positions
-pad the lengths. The one exception is a lone source, the commonest encoder call under steady load (one
-request finishes, one is admitted): padding it to two would double the encoder's work, so the encoder
-has a second graph for exactly one source, compiled in `warm_up` too. Compilation happens in `warm_up`,
-before the engine takes requests: the first start builds the packages, later starts load them.
+serves every batch. An exported package takes one row or one source as any other size; lengths are
+kept >= 2 (masked positions pad them). Where a step falls back to torch.compile, dynamo specialises
+sizes 0 and 1, which would recompile mid-serving, so a free slot pads the rows to two (slots >= R are
+free: the engine compacts) and the encoder's lone-source graph is compiled in `warm_up` too.
+Compilation happens in `warm_up`, before the engine takes requests: the first start builds the
+packages, later starts load them.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from torch.export import Dim
 
 from model.cpu_features import cpu_flags
 from model.decoder import DecoderLM
-from model.decoder_step import decoder_step
+from model.decoder_step import blocks_step, decoder_step, head_step
 from model.kv_cache import KVCache
 from model.paths import home
 from model.seq2seq import EncoderDecoder
 from model.seq2seq_step import decode_step, encode_cross
-from service.engine.aot_package import fingerprint, load_or_build
+from service.engine.aot_package import fingerprint, load_or_build, weights
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ class CompiledTranslator:
         self.dev = cache.k.device
         self._decode = _compile(functools.partial(decode_step, model))
         self._encode = _compile(functools.partial(encode_cross, model))
+        self.min_rows = MIN_SIZE  # torch.compile specialises one row; an exported package takes it
         self.compile_seconds: float | None = None
 
     def warm_up(self) -> float:
@@ -136,7 +137,8 @@ class CompiledTranslator:
             sources[:, 0] = self.model.cfg.eos_id
             encoder_args.append((sources, sources != self.pad_id))
         try:
-            self._aot_load_or_build(step_args, encoder_args)
+            self._aot_load_or_build(step_args, encoder_args[0])
+            self.min_rows = 1
         except Exception:  # torch.export or AOTInductor cannot take it: torch.compile (recompiled every start)
             log.warning("translator: AOTInductor failed; compiling with torch.compile", exc_info=True)
             # freezing is read while compiling (the first call); as a torch.compile option it measured slower
@@ -151,11 +153,11 @@ class CompiledTranslator:
         log.info("translator's encoder and decode step ready in %.1f s", self.compile_seconds)
         return self.compile_seconds
 
-    def _aot_load_or_build(self, step_args: tuple, encoder_args: list[tuple]) -> None:
+    def _aot_load_or_build(self, step_args: tuple, encoder_args: tuple) -> None:
         c = self.cache
         # a view spanning a whole dimension has other strides: lengths stay below the cache's (positions are
         # < max_len; the translator's runner allocates one spare source position)
-        rows, length = Dim("rows", min=MIN_SIZE, max=c.n_slots), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
+        rows, length = Dim("rows", min=1, max=c.n_slots), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
         src = Dim("src", min=MIN_SIZE, max=c.cross_len - 1)
         key = (type(self.model).__name__, repr(self.model.cfg), fingerprint(self.model), c.n_slots, c.max_len,
                c.cross_len, str(c.k.dtype), str(self.dev))
@@ -163,18 +165,16 @@ class CompiledTranslator:
         decode = load_or_build(where, "translator-decode", decode_step, self.model, step_args,
                                ({0: rows}, {0: rows}, {1: rows, 3: length}, {1: rows, 3: length}, {1: rows, 3: src},
                                 {1: rows, 3: src}, {0: rows}), freezing=True, key=key)
-        n = Dim("sources", min=MIN_SIZE, max=c.n_slots)
+        n = Dim("sources", min=1, max=c.n_slots)
         width = Dim("width", min=MIN_SIZE, max=self.model.cfg.max_src_len)
-        many = load_or_build(where, "translator-encode-many", encode_cross, self.model, encoder_args[0],
-                             ({0: n, 1: width}, {0: n, 1: width}), freezing=True, key=key)
-        one = load_or_build(where, "translator-encode-one", encode_cross, self.model, encoder_args[1],
-                            ({1: width}, {1: width}), freezing=True, key=key)
-        self._decode, self._encode = decode, lambda src_, mask: (one if src_.shape[0] == 1 else many)(src_, mask)
+        self._encode = load_or_build(where, "translator-encode", encode_cross, self.model, encoder_args,
+                                     ({0: n, 1: width}, {0: n, 1: width}), freezing=True, key=key)
+        self._decode = decode
 
     def encode(self, sources: list[list[int]], copies: list[int], slots: list[int]) -> None:
         """Encode `sources` and store their cross K/V in `slots`: source i fills the next copies[i] slots
         (a beam's hypotheses share their source)."""
-        width = max(max(len(s) for s in sources), MIN_SIZE)  # one source or >= 2: both compiled (warm_up)
+        width = max(max(len(s) for s in sources), MIN_SIZE)  # masked positions pad the width
         src = torch.tensor([s + [self.pad_id] * (width - len(s)) for s in sources], device=self.dev)  # (N, S)
         lengths = torch.tensor([len(s) for s in sources], device=self.dev)  # (N,)
         mask = torch.arange(width, device=self.dev)[None, :] < lengths[:, None]  # (N, S)
@@ -186,7 +186,7 @@ class CompiledTranslator:
     def decode(self, tokens: list[int], positions: list[int], src_lengths: list[int]) -> torch.Tensor:
         """tokens, positions, source lengths of rows [0, R) -> logits (R, V); writes their K/V."""
         r = len(tokens)
-        n = max(r, MIN_SIZE)
+        n = max(r, self.min_rows)
         if n > r:  # pad with a free slot: a pad token at position 0
             tokens = tokens + [self.pad_id] * (n - r)
             positions = positions + [0] * (n - r)
@@ -201,9 +201,29 @@ class CompiledTranslator:
         return logits[:r]  # (R, V)
 
 
+SHARED_LAYERS = 3  # at most this many layers per shared package call (the rest of the layers reuse it)
+
+
+class _Head(torch.nn.Module):
+    """The decoder's final norm and output projection: the template of its shared head package."""
+
+    head = DecoderLM.head
+
+    def __init__(self, model: DecoderLM):
+        super().__init__()
+        self.norm, self.lm_head = model.norm, model.lm_head
+
+
 class CompiledDecoder:
     """Compiled decode step of a decoder-only LM over its slot cache. The rows are slots [0, n); slots
-    that do not decode this step (a prompt still prefilling) run as pad rows whose K/V are not stored."""
+    that do not decode this step (a prompt still prefilling) run as pad rows whose K/V are not stored.
+
+    A model with float linears compiles its whole step as one package, weights frozen in as constants
+    (oneDNN prepacks them). A quantized model's linears are opaque ops that freezing does not change, so
+    its step is built from shared packages (service/engine/aot_package.py): one for a run of
+    `SHARED_LAYERS` consecutive layers, called for every run with that run's weights, and one for the
+    head; the embedding lookup stays eager. Building a package costs time per graph node, and SmolLM2's
+    30 identical layers made one whole-step package the longest part of a first start."""
 
     def __init__(self, model: DecoderLM, cache: KVCache):
         if cache.n_slots < MIN_SIZE or cache.max_len < MIN_SIZE:
@@ -212,11 +232,12 @@ class CompiledDecoder:
         use_persistent_cache()
         self.dev = cache.k.device
         self._decode = _compile(functools.partial(decoder_step, model))
+        self.min_rows = MIN_SIZE  # torch.compile specialises one row; an exported package takes it
         self.compile_seconds: float | None = None
 
     def warm_up(self) -> float:
         """Compile the decode step now, at serving-like sizes (see _hint_sizes): load it from
-        `$ATTNSERVE_HOME` as an AOTInductor package (service/engine/aot_package.py), else torch.compile it."""
+        `$ATTNSERVE_HOME` as AOTInductor packages (service/engine/aot_package.py), else torch.compile it."""
         t0 = time.perf_counter()
         c = self.cache
         rows, length = _hint_sizes((31, c.n_slots - 1), (300, c.max_len - 1))
@@ -226,14 +247,19 @@ class CompiledDecoder:
         freezing = _wants_freezing(self.model)
         try:
             # lengths below the cache's: a view spanning a whole dimension has other strides (positions < max_len)
-            r, n = Dim("rows", min=MIN_SIZE, max=c.n_slots), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
-            key = (type(self.model).__name__, repr(self.model.cfg), fingerprint(self.model), c.n_slots, c.max_len,
-                   str(c.k.dtype), str(self.dev))
-            self._decode = load_or_build(use_persistent_cache(), "decoder-decode", decoder_step, self.model,
-                                         (tokens, positions, k, v), ({0: r}, {0: r}, {1: r, 3: n}, {1: r, 3: n}),
-                                         freezing=freezing, key=key)
+            r, n = Dim("rows", min=1, max=c.n_slots), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
+            shape = (type(self.model).__name__, repr(self.model.cfg), c.n_slots, c.max_len, str(c.k.dtype),
+                     str(self.dev))
+            if freezing:
+                self._decode = load_or_build(use_persistent_cache(), "decoder-decode", decoder_step, self.model,
+                                             (tokens, positions, k, v), ({0: r}, {0: r}, {1: r, 3: n}, {1: r, 3: n}),
+                                             freezing=True, key=(*shape, fingerprint(self.model)))
+            else:
+                self._decode = self._shared_step(tokens, positions, k, v, r, n, shape)
+            self.min_rows = 1
         except Exception:  # torch.export or AOTInductor cannot take it: torch.compile (recompiled every start)
             log.warning("decoder: AOTInductor failed; compiling with torch.compile", exc_info=True)
+            self._decode = _compile(functools.partial(decoder_step, self.model))
             with torch.inference_mode(), torch._inductor.config.patch(freezing=freezing):
                 _mark_dynamic((tokens, (0,)), (positions, (0,)), (k, (1, 3)), (v, (1, 3)))
                 self._decode(tokens, positions, k, v)
@@ -241,10 +267,42 @@ class CompiledDecoder:
         log.info("decoder's decode step ready in %.1f s", self.compile_seconds)
         return self.compile_seconds
 
+    def _shared_step(self, tokens, positions, k, v, r: Dim, n: Dim, shape: tuple):
+        """The step of a quantized model from a shared package for runs of layers and one for the head."""
+        m, where = self.model, use_persistent_cache()
+        layers = len(m.blocks)
+        g = max(d for d in range(1, min(SHARED_LAYERS, layers) + 1) if layers % d == 0)
+        runs = [torch.nn.ModuleList(m.blocks[i:i + g]) for i in range(0, layers, g)]
+        with torch.no_grad():
+            x, rope = m.embed_tokens(tokens[:, None], positions[:, None])  # (R, 1, d)
+        rope = tuple(rope or ())  # (cos, sin) (R, 1, 1, D), or none
+        kv = {1: r, 3: n}
+        blocks = load_or_build(where, "decoder-blocks", blocks_step, runs[0],
+                               (x, positions, k[:g], v[:g], *rope), ({0: r}, {0: r}, kv, kv, *[{0: r}] * len(rope)),
+                               freezing=False, key=(*shape, repr(runs[0])), shared=True)
+        head_module = _Head(m)
+        head = load_or_build(where, "decoder-head", head_step, head_module, (x[:, 0],), ({0: r},), freezing=False,
+                             key=(*shape, repr(head_module)), shared=True)
+        run_weights = [(i, i + g, weights(run)) for i, run in zip(range(0, layers, g), runs, strict=True)]
+        head_weights = weights(head_module)
+
+        def step(tokens, positions, k, v):  # (R,), (R,), (NL, R, Hkv, L, D) x 2
+            x, rope = m.embed_tokens(tokens[:, None], positions[:, None])  # (R, 1, d)
+            rope = rope or ()
+            new_k, new_v = [], []
+            for lo, hi, w in run_weights:
+                x, nk, nv = blocks(x, positions, k[lo:hi], v[lo:hi], *rope, *w)  # nk, nv (G, R, Hkv, D)
+                new_k.append(nk)
+                new_v.append(nv)
+            (logits,) = head(x[:, 0], *head_weights)  # (R, V)
+            return logits, torch.cat(new_k), torch.cat(new_v)
+
+        return step
+
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Rows in `slots` (ascending) take `tokens` at `positions` -> logits (len(slots), V); their K/V
         are written. Other slots below the largest are pad rows (token 0 at position 0, not stored)."""
-        n = max(slots[-1] + 1, MIN_SIZE)
+        n = max(slots[-1] + 1, self.min_rows)
         all_tokens, all_positions = [0] * n, [0] * n
         for slot, tok, pos in zip(slots, tokens, positions, strict=True):
             all_tokens[slot], all_positions[slot] = tok, pos
