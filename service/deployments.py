@@ -46,9 +46,13 @@ class AttnServe:
 
     async def _load(self, sink) -> None:
         from service.models import load_backends
+        from service.prebuild import start_translator_build
 
+        child = None
         try:
             loaded = await asyncio.to_thread(load_backends, self.config, sink, startup=self.startup)
+            if loaded.translator is not None:  # its packages built beside the generator's (service/prebuild.py)
+                child = start_translator_build(self.config, loaded.translator)
             if self.config.batching == "serve_batch" and loaded.generator is not None:
                 from service.serve_batching import ServeBatchGenerator
 
@@ -63,6 +67,8 @@ class AttnServe:
                 compiling = engine.config.compile
                 self.startup.set(f"{'compiling' if compiling else 'starting'} the {attr} engine", model_id,
                                  "compiling (or loading) the decode step" if compiling else "starting")
+                if attr == "translator" and child is not None:
+                    await asyncio.to_thread(child.wait)
                 await backend.start()
                 state = "ready"
                 if compiling:
@@ -76,6 +82,9 @@ class AttnServe:
         except Exception as e:  # reported on /readyz; check_health then has Serve restart the replica
             self.startup.fail(f"{type(e).__name__}: {e}")
             log.exception("attnserve replica failed to start")
+        finally:
+            if child is not None and child.poll() is None:
+                child.kill()
 
     def __serve_build_asgi_app__(self):
         self.fastapi = create_app(self.backends, self.limits, startup=self.startup)

@@ -95,6 +95,16 @@ def fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def package_path(directory: Path, name: str, key: Sequence[object], *, freezing: bool, shared: bool = False,
+                 threads: int | None = None) -> Path:
+    """Where the package of step `name` for `key` is (or will be): `threads` is the torch thread count it
+    is built and run under (default: the calling thread's)."""
+    threads = torch.get_num_threads() if threads is None else threads
+    parts = [name, torch.__version__, threads, freezing, shared, code_hash(), *key]
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
+    return directory / "aoti" / f"{name}-{digest}.pt2"
+
+
 def load_or_build(directory: Path, name: str, fn: Callable, model: torch.nn.Module, args: Sequence[torch.Tensor],
                   dynamic_shapes: Sequence[dict | None], *, freezing: bool, key: Sequence[object],
                   shared: bool = False) -> Callable:
@@ -103,9 +113,7 @@ def load_or_build(directory: Path, name: str, fn: Callable, model: torch.nn.Modu
     exported, compiled and saved there. Returns a callable of the same tensors -> the same outputs; with
     `shared`, of (*args, *weights(module)) for any module shaped as `model` (the key need not name its
     weights, only its structure)."""
-    parts = [name, torch.__version__, torch.get_num_threads(), freezing, shared, code_hash(), *key]
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
-    path = directory / "aoti" / f"{name}-{digest}.pt2"
+    path = package_path(directory, name, key, freezing=freezing, shared=shared)
     if path.is_file():
         t0 = time.perf_counter()
         try:

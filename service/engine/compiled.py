@@ -40,7 +40,7 @@ from model.kv_cache import KVCache
 from model.paths import home
 from model.seq2seq import EncoderDecoder
 from model.seq2seq_step import decode_step, encode_cross
-from service.engine.aot_package import fingerprint, load_or_build, weights
+from service.engine.aot_package import fingerprint, load_or_build, package_path, weights
 
 log = logging.getLogger(__name__)
 
@@ -153,15 +153,26 @@ class CompiledTranslator:
         log.info("translator's encoder and decode step ready in %.1f s", self.compile_seconds)
         return self.compile_seconds
 
+    PACKAGES = ("translator-decode", "translator-encode")
+
+    def _key(self) -> tuple:
+        c = self.cache
+        return (type(self.model).__name__, repr(self.model.cfg), fingerprint(self.model), c.n_slots, c.max_len,
+                c.cross_len, str(c.k.dtype), str(self.dev))
+
+    def built(self, threads: int) -> bool:
+        """Whether this host has the packages of these steps for `threads` torch threads (`warm_up` would
+        load them, not build them)."""
+        key, where = self._key(), use_persistent_cache()
+        return all(package_path(where, name, key, freezing=True, threads=threads).is_file() for name in self.PACKAGES)
+
     def _aot_load_or_build(self, step_args: tuple, encoder_args: tuple) -> None:
         c = self.cache
         # a view spanning a whole dimension has other strides: lengths stay below the cache's (positions are
         # < max_len; the translator's runner allocates one spare source position)
         rows, length = Dim("rows", min=1, max=c.n_slots), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
         src = Dim("src", min=MIN_SIZE, max=c.cross_len - 1)
-        key = (type(self.model).__name__, repr(self.model.cfg), fingerprint(self.model), c.n_slots, c.max_len,
-               c.cross_len, str(c.k.dtype), str(self.dev))
-        where = use_persistent_cache()
+        key, where = self._key(), use_persistent_cache()
         decode = load_or_build(where, "translator-decode", decode_step, self.model, step_args,
                                ({0: rows}, {0: rows}, {1: rows, 3: length}, {1: rows, 3: length}, {1: rows, 3: src},
                                 {1: rows, 3: src}, {0: rows}), freezing=True, key=key)

@@ -27,6 +27,10 @@ class Seq2SeqRunner:
         compiled.warm_up()
         self.compiled = compiled
 
+    def compiled_steps_built(self, threads: int) -> bool:
+        """Whether `compile` would load this host's packages rather than build them."""
+        return CompiledTranslator(self.model, self.cache).built(threads)
+
     def encode(self, sources: list[list[int]], copies: list[int], slots: list[int]) -> None:
         """Encode `sources` and store their cross K/V in `slots`: source i fills the next copies[i] slots
         (a beam's hypotheses share their source)."""
