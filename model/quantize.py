@@ -24,6 +24,7 @@ Quality and speed per host are measured, not assumed: docs/performance.md ("Quan
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import time
@@ -44,10 +45,23 @@ CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration_en.txt"
 
 # fbgemm's packed weights are a TorchScript object that torch.compile cannot hold in a graph; the op
 # below takes an integer handle to them instead, so a compiled step calls the kernel as an opaque op.
-# An exported graph reads the handle from a 0-d tensor, so one graph can take it as an input and serve
-# every layer of the same shape (service/engine/aot_package.py).
+# A graph exported under `handles_as_inputs()` reads it from a 0-d buffer instead, so one graph can take it
+# as an input and serve every layer of the same shape (service/engine/aot_package.py's shared packages).
 _packed: dict[int, torch.ScriptObject] = {}
 _handles = itertools.count(1)
+_handle_inputs = False
+
+
+@contextlib.contextmanager
+def handles_as_inputs():
+    """While tracing a graph that takes the model's buffers as inputs, int8 layers pass their handle as a
+    value read from their `handle_id` buffer rather than as a constant."""
+    global _handle_inputs
+    before, _handle_inputs = _handle_inputs, True
+    try:
+        yield
+    finally:
+        _handle_inputs = before
 
 
 # Defined on a plain `torch.library.Library`: the dispatcher calls the kernel directly, where
@@ -117,8 +131,7 @@ class Int8Linear(nn.Module):
         xf = x.reshape(-1, self.in_features).float() * self.inv_smooth  # (M, K)
         row = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)  # (M, 1): each row's own scale
         xn = torch.cat([xf / row, self.pins.expand(xf.shape[0], 2)], dim=-1)  # (M, K + 2) in [-1, 1]
-        # exported, the handle is a graph input (read in C++); eager and torch.compile pass the constant
-        handle = self.handle_id.item() if torch.compiler.is_exporting() else self.handle
+        handle = self.handle_id.item() if _handle_inputs else self.handle
         y = int8_linear(xn, handle, self.out_features) * row  # (M, N)
         if self.bias is not None:
             y = y + self.bias

@@ -108,17 +108,23 @@ def test_auto_picks_a_mode_and_service_config_validates():
         ModelSpec.from_dict({"quantization": "fp8"})
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_step_from_shared_packages_equals_the_eager_step(mode, tmp_path, monkeypatch, one_torch_thread):
+@pytest.mark.parametrize(("mode", "packages"), [("int8", ["blocks", "head"]), ("int4", ["blocks", "head"]),
+                                               ("int8 float head", ["decode"])])
+def test_quantized_step_from_shared_packages_equals_the_eager_step(mode, packages, tmp_path, monkeypatch,
+                                                                   one_torch_thread):
     """A quantized decoder's compiled step runs one package for every run of layers (each run's weights
-    as inputs) and one for the head: its logits and new K/V equal the eager step's, for one row (no pad
-    row) and for ragged rows with a pad row among them."""
+    as inputs) and one for the head; a model with float linears left, one frozen package of the whole
+    step. Either way its logits and new K/V equal the eager step's, for one row (no pad row) and for
+    ragged rows with a pad row among them."""
     from model.decoder_step import decoder_step
     from service.engine.compiled import CompiledDecoder
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     m = _tiny_llama()
-    quantize_decoder(m, _Tok(), mode)
+    if mode == "int8 float head":
+        quantize_linears(m, "int8", keep=("lm_head",))
+    else:
+        quantize_decoder(m, _Tok(), mode)
     cache = m.new_cache(8, 64)
     prompts = [[5, 9, 11, 3], [7, 2], [1, 2, 3, 4, 5, 6, 7]]
     with torch.inference_mode():
@@ -128,7 +134,7 @@ def test_quantized_step_from_shared_packages_equals_the_eager_step(mode, tmp_pat
     step.warm_up()
     assert step.min_rows == 1
     built = sorted(p.name.split("-")[1] for p in (tmp_path / "aoti").glob("*.pt2"))
-    assert built == ["blocks", "head"]
+    assert built == packages
     for slots in ([0], [0, 2]):  # slot 1 is a pad row in the second
         tokens, positions = [40 + s for s in slots], [len(prompts[s]) for s in slots]
         n = slots[-1] + 1

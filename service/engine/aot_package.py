@@ -16,6 +16,7 @@ of identical layers), which cuts the build to a fraction of the whole model's (d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import torch
 import torch._inductor.config
+
+from model.quantize import handles_as_inputs
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,7 +131,7 @@ def load_or_build(directory: Path, name: str, fn: Callable, model: torch.nn.Modu
     if shared:
         module, w = _Shared(fn, model, len(args)), weights(model)
         args, dynamic_shapes = args + tuple(w), dynamic_shapes + (None,) * len(w)
-    with torch.no_grad():
+    with torch.no_grad(), handles_as_inputs() if shared else contextlib.nullcontext():
         ep = torch.export.export(module, args, dynamic_shapes={"args": dynamic_shapes}, strict=False)
     tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
     with torch._inductor.config.patch(freezing=freezing):
