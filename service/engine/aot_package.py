@@ -116,6 +116,8 @@ def load_or_build(directory: Path, name: str, fn: Callable, model: torch.nn.Modu
     exported, compiled and saved there. Returns a callable of the same tensors -> the same outputs; with
     `shared`, of (*args, *weights(module)) for any module shaped as `model` (the key need not name its
     weights, only its structure)."""
+    if shared:  # the graph reads its weights' bytes as traced: another dtype or layout needs another graph
+        key = (*key, *((str(t.dtype), tuple(t.shape), t.stride()) for t in weights(model)))
     path = package_path(directory, name, key, freezing=freezing, shared=shared)
     if path.is_file():
         t0 = time.perf_counter()
