@@ -173,12 +173,13 @@ class CompiledTranslator:
         rows, length = Dim("rows", min=1, max=c.n_slots), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
         src = Dim("src", min=MIN_SIZE, max=c.cross_len - 1)
         key, where = self._key(), use_persistent_cache()
-        decode = load_or_build(where, "translator-decode", decode_step, self.model, step_args,
+        decode_name, encode_name = self.PACKAGES
+        decode = load_or_build(where, decode_name, decode_step, self.model, step_args,
                                ({0: rows}, {0: rows}, {1: rows, 3: length}, {1: rows, 3: length}, {1: rows, 3: src},
                                 {1: rows, 3: src}, {0: rows}), freezing=True, key=key)
         n = Dim("sources", min=1, max=c.n_slots)
         width = Dim("width", min=MIN_SIZE, max=self.model.cfg.max_src_len)
-        self._encode = load_or_build(where, "translator-encode", encode_cross, self.model, encoder_args,
+        self._encode = load_or_build(where, encode_name, encode_cross, self.model, encoder_args,
                                      ({0: n, 1: width}, {0: n, 1: width}), freezing=True, key=key)
         self._decode = decode
 
