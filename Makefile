@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m model.native_ops || echo "native kernels not built: the Python kernels serve (slower int8)"
 	touch $(STAMP)
 
 serve: install

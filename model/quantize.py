@@ -76,7 +76,17 @@ def _int8_linear_cpu(x: torch.Tensor, handle: int, out_features: int) -> torch.T
     return torch.ops.quantized.linear_dynamic(x, _packed[handle], _REDUCE_RANGE)
 
 
-_lib.impl("int8_linear", _int8_linear_cpu, "CPU")
+
+
+@lru_cache(maxsize=1)
+def _native_kernel() -> bool:
+    """Register int8_linear's CPU kernel once: C++ where it builds (model/native_ops.py), else Python."""
+    from model import native_ops
+
+    if native_ops.load():
+        return True
+    _lib.impl("int8_linear", _int8_linear_cpu, "CPU")
+    return False
 
 
 @torch.library.register_fake("attnserve::int8_linear", lib=_lib)
@@ -117,6 +127,9 @@ class Int8Linear(nn.Module):
             packed = torch.ops.quantized.linear_prepack(qw, None)
         self.handle = next(_handles)
         _packed[self.handle] = packed
+        if _native_kernel():
+            torch.ops.attnserve_native.set_packed(self.handle, packed, _REDUCE_RANGE)
+            weakref.finalize(self, torch.ops.attnserve_native.drop_packed, self.handle)
         # what a compiled step that calls the op by handle depends on (service/engine/aot_package.py)
         h = hashlib.blake2b(qw.int_repr().numpy().tobytes(), digest_size=8)
         h.update(scale.numpy().tobytes())

@@ -31,6 +31,42 @@ def test_int8_close_to_float_and_rows_independent():
         assert torch.equal(q(x[r:r + 1]), y[r:r + 1])
 
 
+_INT8_OUTPUT = """
+import sys, torch
+from torch import nn
+from model import native_ops
+from model.quantize import Int8Linear
+torch.manual_seed(0)
+lin = nn.Linear(64, 48)
+x = torch.randn(7, 64)
+with torch.inference_mode():
+    y = Int8Linear(lin)(x)
+print(native_ops.load(), y.sum().item(), y.abs().sum().item())
+"""
+
+
+def test_int8_kernel_is_native_and_equals_the_python_kernel():
+    """Where g++ is found the int8 op's CPU kernel is the C++ one (no GIL inside a compiled step); it
+    computes exactly what the Python kernel (ATTNSERVE_NATIVE=0) computes."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    assert shutil.which("g++") or shutil.which("c++"), "no C++ compiler: the native int8 kernel cannot be built"
+    out = {}
+    for native in ("1", "0"):
+        env = dict(os.environ, ATTNSERVE_NATIVE=native, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        r = subprocess.run([sys.executable, "-c", _INT8_OUTPUT], env=env, capture_output=True, text=True,
+                           timeout=600, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[native] = r.stdout.split()
+    assert out["1"][0] == "True" and out["0"][0] == "False"
+    assert out["1"][1:] == out["0"][1:]
+
+
 def test_int8_smoothing_uses_calibration_maxima():
     lin = _linear(bias=False)
     x = torch.randn(8, 64)

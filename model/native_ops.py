@@ -1,0 +1,72 @@
+"""C++ kernels compiled on this machine at first use, with torch's extension builder.
+
+Only one today: the CPU kernel of `attnserve::int8_linear` (model/csrc/int8_linear.cpp). A compiled
+decode step calls that op ~120 times a step; with a Python kernel each call takes the GIL, and in a
+Serve replica the event loop holds the GIL while it streams tokens, so the step waited for it
+(docs/decisions.md). The C++ kernel reaches fbgemm through the dispatcher without Python.
+
+The library is built once per torch version and source (a few seconds with g++ and ninja) under
+`$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), so every `$ATTNSERVE_HOME` shares it;
+`python -m model.native_ops` builds it ahead (`make install` does). Where it cannot be built (no
+compiler) the Python kernel serves, with a warning. `ATTNSERVE_NATIVE=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCES = (Path(__file__).parent / "csrc" / "int8_linear.cpp",)
+CFLAGS = ("-O2",)
+
+log = logging.getLogger(__name__)
+
+
+def build_dir() -> Path:
+    h = hashlib.blake2b(digest_size=6)
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    return root / f"attnserve_native-torch{torch.__version__}-{h.hexdigest()}"
+
+
+@lru_cache(maxsize=1)
+def load() -> bool:
+    """Load (building it first where needed) the native library -> whether its kernels are registered."""
+    if os.environ.get("ATTNSERVE_NATIVE", "1") == "0":
+        return False
+    d = build_dir()
+    so = d / "attnserve_native.so"
+    try:
+        if so.exists():
+            torch.ops.load_library(str(so))
+            return True
+        from torch.utils.cpp_extension import load as build
+
+        if shutil.which("ninja") is None:  # the `ninja` wheel installs it beside this interpreter
+            os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        d.mkdir(parents=True, exist_ok=True)
+        log.info("building attnserve's native kernels in %s", d)
+        build("attnserve_native", [str(s) for s in SOURCES], build_directory=str(d), extra_cflags=list(CFLAGS),
+              is_python_module=False, verbose=False)
+        return True
+    except Exception as e:  # no compiler, no ninja, a broken toolchain: the Python kernels still work
+        log.warning("attnserve's native kernels are unavailable, Python kernels serve instead: %s", e)
+        return False
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    import model.quantize  # noqa: F401  (defines the ops the library implements)
+
+    ok = load()
+    print(f"native kernels: {'loaded from ' + str(build_dir()) if ok else 'unavailable (Python kernels serve)'}")
+    sys.exit(0 if ok else 1)
