@@ -97,6 +97,10 @@ class AttnServe:
         if self.fastapi is not None:
             self.fastapi.state.limits = self.limits
 
+    def record_routing_stats(self) -> dict:
+        """What service.routing.ReadyFirstRouter routes by: whether this replica's models serve."""
+        return {"ready": self.startup.ready}
+
     def check_health(self) -> None:
         """Healthy while loading (that is start-up, not failure); unhealthy if start-up failed or a
         started engine stopped."""

