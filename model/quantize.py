@@ -139,6 +139,14 @@ class Int8Linear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.register_buffer("pins", torch.tensor([1.0, -1.0]), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # `model.to(bfloat16)` must not round the smoothing factors: the weights were multiplied by the
+        # exact ones, and rounding them to bf16 alone turned SmolLM2's answers into nonsense
+        inv_smooth = self.inv_smooth
+        super()._apply(fn, recurse)
+        self.inv_smooth = inv_smooth.to(self.inv_smooth.device)
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xf = x.reshape(-1, self.in_features).float() * self.inv_smooth  # (M, K)

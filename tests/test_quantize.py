@@ -76,6 +76,20 @@ def test_int8_smoothing_uses_calibration_maxima():
     assert smooth < plain
 
 
+def test_int8_smoothing_factors_stay_float32_when_the_model_is_cast():
+    """The engine casts a quantized model to bf16; the smoothing factors the weights were scaled by must
+    stay exact (rounded to bf16 they made SmolLM2 answer nonsense)."""
+    lin = _linear(bias=False)
+    x = torch.randn(8, 64)
+    x[:, 3] *= 60
+    q = Int8Linear(lin, act_max=x.abs().amax(0))
+    exact = q.inv_smooth.clone()
+    want = q(x.to(torch.bfloat16))
+    model = nn.Sequential(q).to(torch.bfloat16)
+    assert q.inv_smooth.dtype == torch.float32 and torch.equal(q.inv_smooth, exact)
+    assert torch.equal(model(x.to(torch.bfloat16)), want)
+
+
 def test_int4_recovers_q4_1_groups_exactly():
     # weights built the way a Q4_1 block stores them: minimum + scale * q, q in 0..15, both ends present
     torch.manual_seed(0)
