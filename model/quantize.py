@@ -76,8 +76,6 @@ def _int8_linear_cpu(x: torch.Tensor, handle: int, out_features: int) -> torch.T
     return torch.ops.quantized.linear_dynamic(x, _packed[handle], _REDUCE_RANGE)
 
 
-
-
 @lru_cache(maxsize=1)
 def _native_kernel() -> bool:
     """Register int8_linear's CPU kernel once: C++ where it builds (model/native_ops.py), else Python."""
@@ -126,15 +124,16 @@ class Int8Linear(nn.Module):
                                             torch.qint8)
             packed = torch.ops.quantized.linear_prepack(qw, None)
         self.handle = next(_handles)
-        _packed[self.handle] = packed
-        if _native_kernel():
+        if _native_kernel():  # the packed weights live in the table of the kernel that reads them
             torch.ops.attnserve_native.set_packed(self.handle, packed, _REDUCE_RANGE)
             weakref.finalize(self, torch.ops.attnserve_native.drop_packed, self.handle)
+        else:
+            _packed[self.handle] = packed
+            weakref.finalize(self, _packed.pop, self.handle, None)
         # what a compiled step that calls the op by handle depends on (service/engine/aot_package.py)
         h = hashlib.blake2b(qw.int_repr().numpy().tobytes(), digest_size=8)
         h.update(scale.numpy().tobytes())
         self.fingerprint = f"{self.handle}:{h.hexdigest()}"
-        weakref.finalize(self, _packed.pop, self.handle, None)
         self.register_buffer("handle_id", torch.tensor(self.handle), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.register_buffer("pins", torch.tensor([1.0, -1.0]), persistent=False)
