@@ -64,7 +64,7 @@ def serve_url(tmp_path_factory):
     port = _free_port()
     config = {
         "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": port},
+        "http_options": {"host": "127.0.0.1", "port": port, "keep_alive_timeout_s": 75},
         "applications": [
             {"name": "attnserve", "route_prefix": "/", "import_path": "service.deployments:build",
              "args": service_args(gen, tr), "deployments": [_deployment("attnserve")]},
