@@ -1,9 +1,10 @@
 """C++ kernels compiled on this machine at first use, with torch's extension builder.
 
-Only one today: the CPU kernel of `attnserve::int8_linear` (model/csrc/int8_linear.cpp). A compiled
-decode step calls that op ~120 times a step; with a Python kernel each call takes the GIL, and in a
+The CPU kernels of `attnserve::int8_linear` (model/csrc/int8_linear.cpp) and `attnserve::int4_linear`
+(model/csrc/int4_linear.cpp; its instruction set is picked at run time). A compiled
+decode step calls them ~120 times a step; with a Python kernel each call takes the GIL, and in a
 Serve replica the event loop holds the GIL while it streams tokens, so the step waited for it
-(docs/decisions.md). The C++ kernel reaches fbgemm through the dispatcher without Python.
+(docs/decisions.md). The int8 kernel reaches fbgemm through the dispatcher without Python.
 
 The library is built once per torch version and source (a few seconds with g++ and ninja) under
 `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), so every `$ATTNSERVE_HOME` shares it;
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = (Path(__file__).parent / "csrc" / "int8_linear.cpp",)
+SOURCES = tuple(Path(__file__).parent / "csrc" / f for f in ("int8_linear.cpp", "int4_linear.cpp"))
 CFLAGS = ("-O2",)
 
 log = logging.getLogger(__name__)

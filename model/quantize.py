@@ -13,11 +13,12 @@ is unchanged (the layers are drop-in modules), so eager and compiled execution b
   by s_j = max|X_j|^a / max|W_j|^(1-a) and the weights' column j multiplied by it (SmoothQuant, Xiao et
   al. 2022), with max|X_j| recorded on a short calibration text (`model/data/calibration_en.txt`) and
   a = SMOOTH_ALPHA, chosen on that text's perplexity.
-- int4: 4-bit weights in groups of 32 along the input dimension with a scale and a minimum per group
-  (the layout of llama.cpp's Q4_1), computed by torch's CPU int4 kernel with bf16 activations. For
-  weights dequantized from a Q4_1 GGUF (SmolLM2's linears) the groups come back exactly: every Q4_1
-  block holds its minimum (q = 0) and its maximum (q = 15), so min/max of a group recover the block's
-  scale and minimum; only their rounding from fp16 to the kernel's bf16 differs from llama.cpp.
+- int4: 4-bit weights in groups of 32 along the input dimension with an fp16 scale and minimum per
+  group (llama.cpp's Q4_1), times activations quantized to int8 per row and group of 32 (as llama.cpp
+  quantizes them); our C++ kernel (model/csrc/int4_linear.cpp) does the integer dot products with
+  VNNI or AVX2. For weights dequantized from a Q4_1 GGUF (SmolLM2's linears) the groups come back
+  exactly: every Q4_1 block holds its minimum (q = 0) and its maximum (q = 15), so min/max of a group
+  recover the block's scale and minimum: the bits llama.cpp computes with.
 
 Quality and speed per host are measured, not assumed: docs/performance.md ("Quantized decoding").
 """
@@ -69,6 +70,7 @@ def handles_as_inputs():
 # than the op itself at one row (docs/decisions.md).
 _lib = torch.library.Library("attnserve", "DEF")
 _lib.define("int8_linear(Tensor x, SymInt handle, int out_features) -> Tensor")
+_lib.define("int4_linear(Tensor x, Tensor packed, int out_features) -> Tensor")
 
 
 def _int8_linear_cpu(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
@@ -84,6 +86,7 @@ def _native_kernel() -> bool:
     if native_ops.load():
         return True
     _lib.impl("int8_linear", _int8_linear_cpu, "CPU")
+    _lib.impl("int4_linear", int4_linear_reference, "CPU")
     return False
 
 
@@ -92,7 +95,13 @@ def _int8_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torch.
     return x.new_empty((x.shape[0], out_features))
 
 
+@torch.library.register_fake("attnserve::int4_linear", lib=_lib)
+def _int4_linear_fake(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
+
+
 int8_linear = torch.ops.attnserve.int8_linear
+int4_linear = torch.ops.attnserve.int4_linear
 
 
 def _vnni() -> bool:
@@ -161,34 +170,87 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, W8A8 per-row"
 
 
+INT4_BLOCK = 16  # outputs per packed block
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """q (N, K) in 0..15, scale and low (N, K/32) -> uint8 (N/16, K/32, 320), the kernel's layout: per 16
+    outputs and group, 4 x 64 bytes of nibbles (byte 4n + t of chunk i: input 4i + t of output n in the
+    low nibble, input 16 + 4i + t in the high one: one mask and one shift unpack 64 bytes into two
+    registers of 16 outputs x 4 inputs), then the 16 scales and 16 minima in fp16."""
+    n, k = q.shape
+    g = k // INT4_GROUP
+    q5 = q.to(torch.uint8).view(n // INT4_BLOCK, INT4_BLOCK, g, 2, 4, 4)  # (nb, n, g, half, chunk, t)
+    nib = (q5[:, :, :, 0] | (q5[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # (nb, g, chunk, n, t)
+
+    def fp16(v: torch.Tensor) -> torch.Tensor:  # (N, G) -> (nb, G, 32) bytes
+        return v.to(torch.float16).view(n // INT4_BLOCK, INT4_BLOCK, g).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat([nib.reshape(n // INT4_BLOCK, g, -1), fp16(scale), fp16(low)], dim=-1).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack_int4's inverse -> q (N, K) uint8, scale and low (N, K/32) float32."""
+    nb, g, _ = packed.shape
+    nib = packed[..., :256].view(nb, g, 4, INT4_BLOCK, 4)  # (nb, g, chunk, n, t)
+    q = torch.stack([nib & 15, nib >> 4], dim=2)  # (nb, g, half, chunk, n, t)
+    q = q.permute(0, 4, 1, 2, 3, 5).reshape(nb * INT4_BLOCK, g * INT4_GROUP)
+
+    def fp32(b: torch.Tensor) -> torch.Tensor:
+        return b.contiguous().view(torch.float16).float().transpose(1, 2).reshape(nb * INT4_BLOCK, g)
+
+    return q, fp32(packed[..., 256:288]), fp32(packed[..., 288:320])
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, K) float32 -> int8 values (M, K), scale (M, K/32), scale x sum of the group's values (M, K/32):
+    one scale per row and group of 32, as the int4 kernel quantizes its input."""
+    m, k = x.shape
+    xg = x.view(m, k // INT4_GROUP, INT4_GROUP)
+    d = xg.abs().amax(-1) / 127  # (M, G)
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xg * inv[..., None]).clamp(-127, 127)  # (M, G, 32)
+    return q.view(m, k).to(torch.int8), d, d * q.sum(-1)
+
+
+def int4_linear_reference(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """What the C++ kernel computes, in torch ops (the kernel where it cannot be built, and its oracle)."""
+    q, scale, low = unpack_int4(packed)  # (N, K), (N, G), (N, G)
+    n, k = q.shape
+    xq, dx, sx = quantize_activations(x.float())
+    dots = torch.einsum("mgk,ngk->mng", xq.float().view(-1, k // INT4_GROUP, INT4_GROUP),
+                        q.float().view(n, k // INT4_GROUP, INT4_GROUP))  # (M, N, G), exact integers
+    y = (dots * scale[None] * dx[:, None]).sum(-1) + (low[None] * sx[:, None]).sum(-1)  # (M, N)
+    return y.to(x.dtype)
+
+
 class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear, group: int = INT4_GROUP):
         super().__init__()
+        assert group == INT4_GROUP, "the kernel's layout has groups of 32"
+        _native_kernel()
         w = linear.weight.detach().float()  # (N, K)
         n, k = w.shape
         self.in_features, self.out_features, self.group = k, n, group
         wg = w.view(n, k // group, group)  # (N, K/g, g)
         lo, hi = wg.amin(-1), wg.amax(-1)  # (N, K/g)
-        scale = ((hi - lo) / 15).clamp(min=1e-12)
-        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))
-        # the kernel computes (q - 8) * scale + zero: zero = minimum + 8 scale
-        sz = torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous()  # (K/g, N, 2)
-        self.register_buffer("scale_zero", sz.to(torch.bfloat16))
+        scale = ((hi - lo) / 15).to(torch.float16).float().clamp(min=6e-8)  # fp16, as Q4_1 stores it
+        lo = lo.to(torch.float16).float()
+        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).view(n, k)
+        self.register_buffer("packed", pack_int4(q, scale, lo))  # (N/16, K/32, 320)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     @staticmethod
     def fits(linear: nn.Linear, group: int = INT4_GROUP) -> bool:
         n, k = linear.weight.shape
-        return k % group == 0 and n % 16 == 0 and k % 16 == 0
+        return k % group == 0 and n % INT4_BLOCK == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        xb = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (M, K)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group, self.scale_zero)  # (M, N)
+        y = int4_linear(x.reshape(-1, self.in_features), self.packed, self.out_features)  # (M, N)
         if self.bias is not None:
-            y = y.float() + self.bias
-        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+            y = (y.float() + self.bias).to(x.dtype)
+        return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group}"

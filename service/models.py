@@ -106,11 +106,12 @@ def resolve_quantization(mode: str, cfg: EngineConfig) -> str:
         return mode
     from model.file_lock import file_lock
     from model.quantize import QUANTIZATIONS, choose_quantization
+    from service.engine.aot_package import code_hash
     from service.engine.compiled import use_persistent_cache
 
-    # measured once per host (the folder is keyed by torch and CPU flags): replicas starting side by side
-    # measure on a busy CPU, and must not pick different modes
-    path = use_persistent_cache() / f"quantization-auto-{cfg.dtype}.txt"
+    # measured once per host and kernel code (the folder is keyed by torch and CPU flags): replicas
+    # starting side by side measure on a busy CPU, and must not pick different modes
+    path = use_persistent_cache() / f"quantization-auto-{cfg.dtype}-{code_hash()[:8]}.txt"
     with file_lock(path.with_suffix(".lock")):
         if path.is_file() and path.read_text().strip() in QUANTIZATIONS:
             return path.read_text().strip()

@@ -76,9 +76,11 @@ def _runner(path: Path) -> Callable:
 
 @functools.lru_cache(maxsize=1)
 def code_hash() -> str:
-    """What a package's generated code depends on in this repository: the model code and the compile code."""
+    """What a package's generated code depends on in this repository: the model code (its C++ kernels
+    included), and the compile code."""
     h = hashlib.blake2b(digest_size=12)
-    files = sorted((ROOT / "model").rglob("*.py")) + [Path(__file__), Path(__file__).with_name("compiled.py")]
+    files = sorted([*(ROOT / "model").rglob("*.py"), *(ROOT / "model").rglob("*.cpp")])
+    files += [Path(__file__), Path(__file__).with_name("compiled.py")]
     for f in files:
         h.update(str(f.relative_to(ROOT)).encode())
         h.update(f.read_bytes())

@@ -1,0 +1,210 @@
+// attnserve::int4_linear's CPU kernel: 4-bit weights in groups of 32 along K, each group with an fp16
+// scale and minimum (llama.cpp's Q4_1), times activations quantized to int8 per row and group (as
+// llama.cpp quantizes them). At a few rows a decode step streams its weights once, so half the bytes
+// of int8 is most of the win; the integer dot products run on AVX-512 VNNI or AVX2, picked at run time,
+// so one build serves every x86 host. Layout: model/quantize.py (`pack_int4`).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t G = 32;                 // weights per group along K
+constexpr int64_t NB = 16;                // outputs per block
+constexpr int64_t NIBBLES = NB * G / 2;   // 256 bytes of 4-bit weights per (block, group)
+constexpr int64_t BLOCK = NIBBLES + 2 * NB * 2;  // + 16 fp16 scales + 16 fp16 minima = 320 bytes
+constexpr int64_t ROWS = 8;               // rows sharing one unpacking of a group's weights
+
+struct Acts {
+  int64_t m, k, groups;
+  std::vector<int8_t> q;      // (M, K)
+  std::vector<float> scale;   // (M, K/G)
+  std::vector<float> sum;     // (M, K/G): scale * sum of the group's q, what the group minimum multiplies
+};
+
+void quantize_row_scalar(const float* x, int64_t k, int8_t* q, float* scale, float* sum) {
+  for (int64_t g = 0; g < k / G; ++g) {
+    const float* xg = x + g * G;
+    float amax = 0.f;
+    for (int64_t i = 0; i < G; ++i) amax = std::max(amax, std::fabs(xg[i]));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    int32_t s = 0;
+    for (int64_t i = 0; i < G; ++i) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xg[i] * inv));
+      q[g * G + i] = static_cast<int8_t>(std::min(127, std::max(-127, v)));
+      s += q[g * G + i];
+    }
+    scale[g] = d;
+    sum[g] = d * static_cast<float>(s);
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512dq")))
+void quantize_row_avx512(const float* x, int64_t k, int8_t* q, float* scale, float* sum) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t g = 0; g < k / G; ++g) {
+    const __m512 a = _mm512_loadu_ps(x + g * G), b = _mm512_loadu_ps(x + g * G + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    const __m512 vi = _mm512_set1_ps(inv);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vi));  // round to nearest even, as nearbyint
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, vi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * G), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * G + 16), _mm512_cvtsepi32_epi8(qb));
+    scale[g] = d;
+    sum[g] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+  }
+}
+
+// out (M, N) float32 += this block's 16 columns for rows [r0, r0 + R)
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void block_vnni(const uint8_t* w, const Acts& a, int64_t r0, int64_t R, float* out, int64_t ldo) {
+  __m512 acc[ROWS];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < a.groups; ++g, w += BLOCK) {
+    __m512i W[8];  // W[j]: 16 outputs x the group's inputs 4j..4j+3, one u8 each
+    for (int i = 0; i < 4; ++i) {
+      const __m512i L = _mm512_loadu_si512(w + 64 * i);
+      W[i] = _mm512_and_si512(L, low);
+      W[i + 4] = _mm512_and_si512(_mm512_srli_epi16(L, 4), low);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + NIBBLES)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + NIBBLES + 32)));
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + row * a.k + g * G);
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains: half the latency
+      for (int j = 0; j < 8; j += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, W[j], _mm512_set1_epi32(xq[j]));
+        s1 = _mm512_dpbusd_epi32(s1, W[j + 1], _mm512_set1_epi32(xq[j + 1]));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(a.scale[row * a.groups + g])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sum[row * a.groups + g]), acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * ldo, acc[r]);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void block_avx2(const uint8_t* w0, const Acts& a, int64_t r0, int64_t R, float* out, int64_t ldo) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {  // outputs 0-7, then 8-15 of the block
+    __m256 acc[ROWS];
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const uint8_t* w = w0;
+    for (int64_t g = 0; g < a.groups; ++g, w += BLOCK) {
+      __m256i W[8];
+      for (int i = 0; i < 4; ++i) {
+        const __m256i L = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * i + 32 * h));
+        W[i] = _mm256_and_si256(L, low);
+        W[i + 4] = _mm256_and_si256(_mm256_srli_epi16(L, 4), low);
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + NIBBLES + 16 * h)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + NIBBLES + 32 + 16 * h)));
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + row * a.k + g * G);
+        // u8 x s8 pair sums fit int16 (2 * 15 * 127), and so do eight of them: add in 16 bits, widen once
+        __m256i s = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(W[j], _mm256_set1_epi32(xq[j])));
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+        acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(a.scale[row * a.groups + g])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sum[row * a.groups + g]), acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) _mm256_storeu_ps(out + (r0 + r) * ldo + 8 * h, acc[r]);
+  }
+}
+
+void block_scalar(const uint8_t* w, const Acts& a, int64_t r0, int64_t R, float* out, int64_t ldo) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t n = 0; n < NB; ++n) out[(r0 + r) * ldo + n] = 0.f;
+  for (int64_t g = 0; g < a.groups; ++g, w += BLOCK) {
+    for (int64_t n = 0; n < NB; ++n) {
+      int32_t qw[G];
+      for (int i = 0; i < 4; ++i)
+        for (int t = 0; t < 4; ++t) {
+          const uint8_t b = w[64 * i + 4 * n + t];
+          qw[4 * i + t] = b & 0x0F;
+          qw[16 + 4 * i + t] = b >> 4;
+        }
+      at::Half dh, mh;
+      std::memcpy(&dh, w + NIBBLES + 2 * n, 2);
+      std::memcpy(&mh, w + NIBBLES + 32 + 2 * n, 2);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* xq = a.q.data() + row * a.k + g * G;
+        int32_t s = 0;
+        for (int64_t i = 0; i < G; ++i) s += qw[i] * xq[i];
+        out[row * ldo + n] += static_cast<float>(s) * (static_cast<float>(dh) * a.scale[row * a.groups + g]) +
+                              static_cast<float>(mh) * a.sum[row * a.groups + g];
+      }
+    }
+  }
+}
+
+using BlockFn = void (*)(const uint8_t*, const Acts&, int64_t, int64_t, float*, int64_t);
+
+struct Isa {
+  BlockFn block;
+  bool avx512;
+};
+
+// ATTNSERVE_ISA=avx2 or =scalar caps the choice (tests run every path on one host)
+Isa pick() {
+  __builtin_cpu_init();
+  const char* cap = std::getenv("ATTNSERVE_ISA");
+  const std::string want = cap ? cap : "";
+  if (want == "scalar") return {block_scalar, false};
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512dq");
+  if (want != "avx2" && avx512 && __builtin_cpu_supports("avx512vnni")) return {block_vnni, true};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return {block_avx2, avx512 && want != "avx2"};
+  return {block_scalar, avx512};
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  static const Isa isa = pick();
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == BLOCK && packed.scalar_type() == at::kByte,
+              "attnserve::int4_linear: packed weights must be uint8 (N/16, K/32, ", BLOCK, ")");
+  TORCH_CHECK(packed.size(0) * NB == out_features, "attnserve::int4_linear: packed for ", packed.size(0) * NB,
+              " outputs, asked for ", out_features);
+  const int64_t k = packed.size(1) * G;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "attnserve::int4_linear: x must be (M, ", k, ")");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor w = packed.contiguous();
+  Acts a{xf.size(0), k, k / G, {}, {}, {}};
+  a.q.resize(a.m * k);
+  a.scale.resize(a.m * a.groups);
+  a.sum.resize(a.m * a.groups);
+  const float* xp = xf.data_ptr<float>();
+  for (int64_t r = 0; r < a.m; ++r)
+    (isa.avx512 ? quantize_row_avx512 : quantize_row_scalar)(xp + r * k, k, a.q.data() + r * k,
+                                                              a.scale.data() + r * a.groups,
+                                                              a.sum.data() + r * a.groups);
+  at::Tensor y = at::empty({a.m, out_features}, xf.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t blocks = packed.size(0);
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r0 = 0; r0 < a.m; r0 += ROWS)
+        isa.block(wp + b * a.groups * BLOCK, a, r0, std::min(ROWS, a.m - r0), yp + b * NB, out_features);
+  });
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnserve, CPU, m) {
+  m.impl("int4_linear", int4_linear);
+}
