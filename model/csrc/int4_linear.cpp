@@ -8,6 +8,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -63,14 +64,20 @@ void quantize_row_avx512(const float* x, int64_t k, int8_t* q, float* scale, flo
   }
 }
 
-// out (M, N) float32 += this block's 16 columns for rows [r0, r0 + R)
+// out (M, N) float32 = this block's 16 columns for rows [r0, r0 + R). R is a compile-time constant and
+// every loop over registers is unrolled, so weights and accumulators stay in registers.
+template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-void block_vnni(const uint8_t* w, const Acts& a, int64_t r0, int64_t R, float* out, int64_t ldo) {
-  __m512 acc[ROWS];
-  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+void block_vnni(const uint8_t* w, const Acts& a, int64_t r0, float* out, int64_t ldo) {
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
+  const int8_t* q = a.q.data();
+  const float *scale = a.scale.data(), *sum = a.sum.data();
   for (int64_t g = 0; g < a.groups; ++g, w += BLOCK) {
     __m512i W[8];  // W[j]: 16 outputs x the group's inputs 4j..4j+3, one u8 each
+#pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const __m512i L = _mm512_loadu_si512(w + 64 * i);
       W[i] = _mm512_and_si512(L, low);
@@ -78,31 +85,39 @@ void block_vnni(const uint8_t* w, const Acts& a, int64_t r0, int64_t R, float* o
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + NIBBLES)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + NIBBLES + 32)));
-    for (int64_t r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
-      const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + row * a.k + g * G);
+      const int32_t* xq = reinterpret_cast<const int32_t*>(q + row * a.k + g * G);
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains: half the latency
+#pragma GCC unroll 4
       for (int j = 0; j < 8; j += 2) {
         s0 = _mm512_dpbusd_epi32(s0, W[j], _mm512_set1_epi32(xq[j]));
         s1 = _mm512_dpbusd_epi32(s1, W[j + 1], _mm512_set1_epi32(xq[j + 1]));
       }
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(a.scale[row * a.groups + g])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sum[row * a.groups + g]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(scale[row * a.groups + g])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum[row * a.groups + g]), acc[r]);
     }
   }
-  for (int64_t r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * ldo, acc[r]);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * ldo, acc[r]);
 }
 
+template <int R>
 __attribute__((target("avx2,fma,f16c")))
-void block_avx2(const uint8_t* w0, const Acts& a, int64_t r0, int64_t R, float* out, int64_t ldo) {
+void block_avx2(const uint8_t* w0, const Acts& a, int64_t r0, float* out, int64_t ldo) {
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int8_t* q = a.q.data();
+  const float *scale = a.scale.data(), *sum = a.sum.data();
   for (int h = 0; h < 2; ++h) {  // outputs 0-7, then 8-15 of the block
-    __m256 acc[ROWS];
-    for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const uint8_t* w = w0;
     for (int64_t g = 0; g < a.groups; ++g, w += BLOCK) {
       __m256i W[8];
+#pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
         const __m256i L = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * i + 32 * h));
         W[i] = _mm256_and_si256(L, low);
@@ -110,22 +125,26 @@ void block_avx2(const uint8_t* w0, const Acts& a, int64_t r0, int64_t R, float* 
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + NIBBLES + 16 * h)));
       const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + NIBBLES + 32 + 16 * h)));
-      for (int64_t r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
-        const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + row * a.k + g * G);
+        const int32_t* xq = reinterpret_cast<const int32_t*>(q + row * a.k + g * G);
         // u8 x s8 pair sums fit int16 (2 * 15 * 127), and so do eight of them: add in 16 bits, widen once
         __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(W[j], _mm256_set1_epi32(xq[j])));
         const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
-        acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(a.scale[row * a.groups + g])), acc[r]);
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sum[row * a.groups + g]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(scale[row * a.groups + g])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum[row * a.groups + g]), acc[r]);
       }
     }
-    for (int64_t r = 0; r < R; ++r) _mm256_storeu_ps(out + (r0 + r) * ldo + 8 * h, acc[r]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + (r0 + r) * ldo + 8 * h, acc[r]);
   }
 }
 
-void block_scalar(const uint8_t* w, const Acts& a, int64_t r0, int64_t R, float* out, int64_t ldo) {
+template <int R>
+void block_scalar(const uint8_t* w, const Acts& a, int64_t r0, float* out, int64_t ldo) {
   for (int64_t r = 0; r < R; ++r)
     for (int64_t n = 0; n < NB; ++n) out[(r0 + r) * ldo + n] = 0.f;
   for (int64_t g = 0; g < a.groups; ++g, w += BLOCK) {
@@ -152,10 +171,13 @@ void block_scalar(const uint8_t* w, const Acts& a, int64_t r0, int64_t R, float*
   }
 }
 
-using BlockFn = void (*)(const uint8_t*, const Acts&, int64_t, int64_t, float*, int64_t);
+using BlockFn = void (*)(const uint8_t*, const Acts&, int64_t, float*, int64_t);
+using Blocks = std::array<BlockFn, ROWS + 1>;  // by rows in the register block, 1..ROWS
+
+#define ATTNSERVE_BLOCKS(fn) Blocks{nullptr, fn<1>, fn<2>, fn<3>, fn<4>, fn<5>, fn<6>, fn<7>, fn<8>}
 
 struct Isa {
-  BlockFn block;
+  Blocks block;
   bool avx512;
 };
 
@@ -164,12 +186,25 @@ Isa pick() {
   __builtin_cpu_init();
   const char* cap = std::getenv("ATTNSERVE_ISA");
   const std::string want = cap ? cap : "";
-  if (want == "scalar") return {block_scalar, false};
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512dq");
-  if (want != "avx2" && avx512 && __builtin_cpu_supports("avx512vnni")) return {block_vnni, true};
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return {block_avx2, avx512 && want != "avx2"};
-  return {block_scalar, avx512};
+  if (want == "scalar") return {ATTNSERVE_BLOCKS(block_scalar), false};
+  if (want != "avx2" && avx512 && __builtin_cpu_supports("avx512vnni")) return {ATTNSERVE_BLOCKS(block_vnni), true};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return {ATTNSERVE_BLOCKS(block_avx2), avx512 && want != "avx2"};
+  return {ATTNSERVE_BLOCKS(block_scalar), avx512};
+}
+
+__attribute__((target("avx512f,avx512bw")))
+void to_bf16_avx512(const float* src, at::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // round to nearest even, as c10::BFloat16 does for finite values
+    const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src + i));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  }
+  for (; i < n; ++i) dst[i] = at::BFloat16(src[i]);
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
@@ -180,27 +215,48 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
               " outputs, asked for ", out_features);
   const int64_t k = packed.size(1) * G;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "attnserve::int4_linear: x must be (M, ", k, ")");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const at::Tensor w = packed.contiguous();
-  Acts a{xf.size(0), k, k / G, {}, {}, {}};
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "attnserve::int4_linear: x must be float32 or bfloat16");
+  const at::Tensor xc = x.contiguous(), w = packed.contiguous();
+  // scratch reused across calls: a decode step makes ~120 of them, each a few microseconds
+  thread_local Acts a;
+  thread_local std::vector<float> xrow, yf;
+  a.m = x.size(0), a.k = k, a.groups = k / G;
   a.q.resize(a.m * k);
   a.scale.resize(a.m * a.groups);
   a.sum.resize(a.m * a.groups);
-  const float* xp = xf.data_ptr<float>();
-  for (int64_t r = 0; r < a.m; ++r)
-    (isa.avx512 ? quantize_row_avx512 : quantize_row_scalar)(xp + r * k, k, a.q.data() + r * k,
+  xrow.resize(k);
+  for (int64_t r = 0; r < a.m; ++r) {
+    const float* row = xrow.data();
+    if (bf16) {
+      const at::BFloat16* xb = xc.data_ptr<at::BFloat16>() + r * k;
+      for (int64_t i = 0; i < k; ++i) xrow[i] = static_cast<float>(xb[i]);
+    } else {
+      row = xc.data_ptr<float>() + r * k;
+    }
+    (isa.avx512 ? quantize_row_avx512 : quantize_row_scalar)(row, k, a.q.data() + r * k,
                                                               a.scale.data() + r * a.groups,
                                                               a.sum.data() + r * a.groups);
-  at::Tensor y = at::empty({a.m, out_features}, xf.options());
-  float* yp = y.data_ptr<float>();
+  }
+  at::Tensor y = at::empty({a.m, out_features}, x.options());
+  if (bf16) yf.resize(a.m * out_features);
+  float* yp = bf16 ? yf.data() : y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t blocks = packed.size(0);
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  const Acts& acts = a;
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
-      for (int64_t r0 = 0; r0 < a.m; r0 += ROWS)
-        isa.block(wp + b * a.groups * BLOCK, a, r0, std::min(ROWS, a.m - r0), yp + b * NB, out_features);
+      for (int64_t r0 = 0; r0 < acts.m; r0 += ROWS)
+        isa.block[std::min(ROWS, acts.m - r0)](wp + b * acts.groups * BLOCK, acts, r0, yp + b * NB, out_features);
   });
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  if (bf16) {
+    at::BFloat16* yb = y.data_ptr<at::BFloat16>();
+    if (isa.avx512) {
+      to_bf16_avx512(yp, yb, a.m * out_features);
+    } else {
+      for (int64_t i = 0; i < a.m * out_features; ++i) yb[i] = at::BFloat16(yp[i]);
+    }
+  }
+  return y;
 }
 
 }  // namespace
