@@ -234,3 +234,14 @@ def test_steps_with_a_wider_cache_than_the_weights(which):
         torch.testing.assert_close(logits.float(), ref.float(), atol=0.1, rtol=0.05)
         assert torch.equal(logits.argmax(-1), ref.argmax(-1))
         tokens = ref.argmax(-1)
+
+
+def test_decode_prefix_length_repeats_across_steps_and_stays_in_the_cache():
+    """A decode step reads its rows' prefix rounded up (the extra keys are masked), so consecutive steps
+    share shapes (oneDNN's primitive cache hits), and never more than the cache holds."""
+    from service.engine.compiled import LENGTH_STEP, MIN_SIZE, prefix_length
+
+    assert {prefix_length([p], 2047) for p in range(LENGTH_STEP + 1, 2 * LENGTH_STEP + 1)} == {2 * LENGTH_STEP}
+    assert prefix_length([3, LENGTH_STEP + 1], 2047) == 2 * LENGTH_STEP  # the longest row sets it
+    assert prefix_length([0, 0], 2047) == MIN_SIZE
+    assert prefix_length([2040], 2047) == 2047 and prefix_length([40], 47) == 47

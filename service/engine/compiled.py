@@ -64,6 +64,15 @@ def use_persistent_cache() -> Path:
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 MIN_SIZE = 2  # dynamo specialises sizes 0 and 1
+# The cached prefix a decode step reads is rounded up to a multiple of this (the extra keys are masked
+# like a pad row's): oneDNN builds a new matmul primitive for every new shape, and a length that grows by
+# one each step missed its primitive cache on every call (docs/decisions.md).
+LENGTH_STEP = 64
+
+
+def prefix_length(positions: list[int], limit: int) -> int:
+    """How many cached positions a decode step at `positions` reads: their maximum rounded up."""
+    return min(max(-(-max(positions) // LENGTH_STEP) * LENGTH_STEP, MIN_SIZE), limit)
 
 
 def _hint_sizes(*wanted: tuple[int, int]) -> list[int]:
@@ -202,7 +211,7 @@ class CompiledTranslator:
         if n > r:  # pad with a free slot: a pad token at position 0
             tokens = tokens + [self.pad_id] * (n - r)
             positions = positions + [0] * (n - r)
-        length = min(max(max(positions), MIN_SIZE), self.cache.max_len)
+        length = prefix_length(positions, self.cache.max_len - 1)
         src = min(max(max(src_lengths), MIN_SIZE), self.cache.cross_len)
         tokens_t = torch.tensor(tokens, device=self.dev)  # (n,)
         positions_t = torch.tensor(positions, device=self.dev)  # (n,)
@@ -318,7 +327,7 @@ class CompiledDecoder:
         all_tokens, all_positions = [0] * n, [0] * n
         for slot, tok, pos in zip(slots, tokens, positions, strict=True):
             all_tokens[slot], all_positions[slot] = tok, pos
-        length = min(max(max(positions), MIN_SIZE), self.cache.max_len)
+        length = prefix_length(positions, self.cache.max_len - 1)
         tokens_t = torch.tensor(all_tokens, device=self.dev)  # (n,)
         positions_t = torch.tensor(all_positions, device=self.dev)  # (n,)
         k, v = self.cache.prefix_views(n, length)
