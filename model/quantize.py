@@ -225,14 +225,13 @@ def int4_linear_reference(x: torch.Tensor, packed: torch.Tensor, out_features: i
 
 
 class Int4Linear(nn.Module):
-    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP):
+    def __init__(self, linear: nn.Linear):
         super().__init__()
-        assert group == INT4_GROUP, "the kernel's layout has groups of 32"
         _native_kernel()
         w = linear.weight.detach().float()  # (N, K)
         n, k = w.shape
-        self.in_features, self.out_features, self.group = k, n, group
-        wg = w.view(n, k // group, group)  # (N, K/g, g)
+        self.in_features, self.out_features = k, n
+        wg = w.view(n, k // INT4_GROUP, INT4_GROUP)  # (N, K/g, g)
         lo, hi = wg.amin(-1), wg.amax(-1)  # (N, K/g)
         scale = ((hi - lo) / 15).to(torch.float16).float().clamp(min=6e-8)  # fp16, as Q4_1 stores it
         lo = lo.to(torch.float16).float()
@@ -241,9 +240,9 @@ class Int4Linear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     @staticmethod
-    def fits(linear: nn.Linear, group: int = INT4_GROUP) -> bool:
+    def fits(linear: nn.Linear) -> bool:
         n, k = linear.weight.shape
-        return k % group == 0 and n % INT4_BLOCK == 0
+        return k % INT4_GROUP == 0 and n % INT4_BLOCK == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -253,7 +252,7 @@ class Int4Linear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {INT4_GROUP}"
 
 
 def quantize_linears(model: nn.Module, mode: str, calibrate: Callable[[], object] | None = None,

@@ -113,8 +113,9 @@ def resolve_quantization(mode: str, cfg: EngineConfig) -> str:
     # starting side by side measure on a busy CPU, and must not pick different modes
     path = use_persistent_cache() / f"quantization-auto-{cfg.dtype}-{code_hash()[:8]}.txt"
     with file_lock(path.with_suffix(".lock")):
-        if path.is_file() and path.read_text().strip() in QUANTIZATIONS:
-            return path.read_text().strip()
+        kept = path.read_text().strip() if path.is_file() else ""
+        if kept in QUANTIZATIONS:
+            return kept
         mode = choose_quantization(cfg.torch_dtype)
         path.write_text(mode)
     return mode
