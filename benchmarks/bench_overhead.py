@@ -103,6 +103,8 @@ async def engine_phase(args) -> dict:
 
 # --- phase 2: the service over HTTP --------------------------------------------------------------
 
+START_RETRIES = 5  # 503s (a replica still loading) retried one second apart
+
 async def http_phase(args, url: str) -> dict:
     import httpx
 
@@ -112,20 +114,31 @@ async def http_phase(args, url: str) -> dict:
         async def one(text: str) -> tuple[float, int]:
             body = {"prompt": text, "max_tokens": args.max_tokens, "temperature": 0.0, "stream": True,
                     "ignore_eos": True, "stream_options": {"include_usage": True}}
-            t0, first, n = time.perf_counter(), None, 0
-            async with http.stream("POST", "/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"/v1/completions answered {r.status_code}: {(await r.aread())[:300]!r}")
-                async for line in r.aiter_lines():
-                    c = parse_sse_line(line)
-                    if c is None:
+            t0 = time.perf_counter()
+            for attempt in range(START_RETRIES + 1):
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    # /readyz can answer from one replica before Serve's router has learnt that it is ready
+                    # (routing stats come each second), so a request may still meet a replica that is
+                    # loading: it answers 503 with Retry-After, and a client retries, as the OpenAI SDK does
+                    if r.status_code == 503 and attempt < START_RETRIES:
+                        await asyncio.sleep(1.0)
                         continue
-                    if c.error:
-                        raise RuntimeError(f"stream error: {c.error}")
-                    if c.text and first is None:
-                        first = time.perf_counter() - t0
-                    if c.usage_completion_tokens is not None:
-                        n = c.usage_completion_tokens
+                    if r.status_code != 200:
+                        raise RuntimeError(f"/v1/completions answered {r.status_code}: {(await r.aread())[:300]!r}")
+                    return await read_stream(r, t0)
+
+        async def read_stream(r, t0: float) -> tuple[float, int]:
+            first, n = None, 0
+            async for line in r.aiter_lines():
+                c = parse_sse_line(line)
+                if c is None:
+                    continue
+                if c.error:
+                    raise RuntimeError(f"stream error: {c.error}")
+                if c.text and first is None:
+                    first = time.perf_counter() - t0
+                if c.usage_completion_tokens is not None:
+                    n = c.usage_completion_tokens
             return first if first is not None else float("nan"), n
 
         await one("warm-up")
