@@ -6,8 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import native_ops
 from model.kv_cache import CacheContext, StepContext
 from model.layers import apply_rope
+
+# The C++ kernel of `prefix_attention` (model/csrc/prefix_attention.cpp), registered on CPU when the native
+# library loads; elsewhere (CUDA, no compiler) the torch code below runs.
+_lib = torch.library.Library("attnserve", "FRAGMENT")
+_lib.define("prefix_attention(Tensor q, Tensor k, Tensor v, Tensor k_new, Tensor v_new, Tensor prefix_ok) -> Tensor")
+
+
+@torch.library.register_fake("attnserve::prefix_attention", lib=_lib)
+def _prefix_attention_fake(q, k, v, k_new, v_new, prefix_ok):
+    return q.new_empty(q.shape, dtype=v.dtype)
 
 
 class Attention(nn.Module):
@@ -110,7 +121,18 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: t
     first (a `StepContext`): as `decode_attention` over the prefix with the new key appended, but
     without the copy of the prefix that appending would take. q (B, H, 1, D); k, v (B, Hkv, L, D)
     cached prefix views; k_new, v_new (B, Hkv, 1, D); prefix_ok (B, 1, 1, L) True for the cached keys a
-    row may attend -> (B, H, 1, D)."""
+    row may attend -> (B, H, 1, D) in v's dtype.
+
+    On CPU the C++ kernel runs where it is built: one pass over each row's strided prefix, sums in float32
+    (docs/decisions.md); `prefix_attention_reference` is its torch twin and oracle."""
+    if q.device.type == "cpu" and native_ops.load():
+        return torch.ops.attnserve.prefix_attention(q, k, v, k_new, v_new, prefix_ok)
+    return prefix_attention_reference(q, k, v, k_new, v_new, prefix_ok)
+
+
+def prefix_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor,
+                               v_new: torch.Tensor, prefix_ok: torch.Tensor) -> torch.Tensor:
+    """`prefix_attention` in torch ops: grouped batched matmuls, in the inputs' dtype."""
     b, h, _, d = q.shape
     hkv = k.shape[1]
     scale = d ** -0.5

@@ -1,10 +1,11 @@
 """C++ kernels compiled on this machine at first use, with torch's extension builder.
 
-The CPU kernels of `attnserve::int8_linear` (model/csrc/int8_linear.cpp) and `attnserve::int4_linear`
-(model/csrc/int4_linear.cpp; its instruction set is picked at run time). A compiled
-decode step calls them ~120 times a step; with a Python kernel each call takes the GIL, and in a
-Serve replica the event loop holds the GIL while it streams tokens, so the step waited for it
-(docs/decisions.md). The int8 kernel reaches fbgemm through the dispatcher without Python.
+The CPU kernels of `attnserve::int8_linear` (model/csrc/int8_linear.cpp), `attnserve::int4_linear`
+(model/csrc/int4_linear.cpp) and `attnserve::prefix_attention` (model/csrc/prefix_attention.cpp); the
+instruction set is picked at run time. A compiled decode step calls them ~150 times a step; with a Python
+kernel each call takes the GIL, and in a Serve replica the event loop holds the GIL while it streams
+tokens, so the step waited for it (docs/decisions.md). The int8 kernel reaches fbgemm through the
+dispatcher without Python.
 
 The library is built once per torch version and source (a few seconds with g++ and ninja) under
 `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), so every `$ATTNSERVE_HOME` shares it;
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / f for f in ("int8_linear.cpp", "int4_linear.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / f for f in ("int8_linear.cpp", "int4_linear.cpp",
+                                                                    "prefix_attention.cpp"))
 CFLAGS = ("-O2",)
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,8 @@ def load() -> bool:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    import model.quantize  # noqa: F401  (defines the ops the library implements)
+    import model.attention  # noqa: F401  (these define the ops the library implements)
+    import model.quantize  # noqa: F401
 
     ok = load()
     print(f"native kernels: {'loaded from ' + str(build_dir()) if ok else 'unavailable (Python kernels serve)'}")

@@ -55,10 +55,12 @@ def test_decode_step_equals_decode_over_ragged_rows():
         k, v, ck, cv, src_len = stepped.prefix_views(5, int(positions.max()) + 3, src.shape[1])  # extra keys masked
         logits, new_k, new_v = decode_step(MODEL, tokens, positions, k, v, ck, cv, src_len)
         stepped.write_step(new_k, new_v, positions)
-        torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+        # the step's attention kernel (C++) sums in another order than the general path's matmuls
+        torch.testing.assert_close(logits, ref, atol=5e-5, rtol=5e-5)
         tokens = ref.argmax(-1)
     for row, pos in enumerate((start + 8).tolist()):  # the cache holds the same keys at every written position
-        torch.testing.assert_close(stepped.k[:, row, :, :pos + 1], general.k[:, row, :, :pos + 1])
+        torch.testing.assert_close(stepped.k[:, row, :, :pos + 1], general.k[:, row, :, :pos + 1],
+                                   atol=5e-5, rtol=5e-5)
 
 
 @torch.inference_mode()

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch._inductor.config
 
+from model import native_ops
 from model.file_lock import file_lock
 from model.quantize import handles_as_inputs
 
@@ -69,7 +70,8 @@ class _Shared(torch.nn.Module):
 
 def _runner(path: Path) -> Callable:
     """The package's run function over flat tensors (no pytree round trip: every step takes and returns
-    flat tuples)."""
+    flat tuples). Our C++ kernels are registered first: a package may call them."""
+    native_ops.load()
     run = torch._inductor.aoti_load_package(str(path)).loader.boxed_run
     return lambda *tensors: tuple(run(list(tensors)))
 
