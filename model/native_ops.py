@@ -27,7 +27,9 @@ import torch
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / f for f in ("int8_linear.cpp", "int4_linear.cpp",
                                                                     "prefix_attention.cpp"))
-CFLAGS = ("-O2",)
+# at::parallel_for is OpenMP code in ATen's headers: without -fopenmp it runs serially. The library then
+# needs libgomp.so.1, which resolves to the one torch already loaded (one thread pool).
+CFLAGS = ("-O2", "-fopenmp")
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ def load() -> bool:
         d.mkdir(parents=True, exist_ok=True)
         log.info("building attnserve's native kernels in %s", d)
         build("attnserve_native", [str(s) for s in SOURCES], build_directory=str(d), extra_cflags=list(CFLAGS),
+              extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)
         return True
     except Exception as e:  # no compiler, no ninja, a broken toolchain: the Python kernels still work

@@ -175,3 +175,37 @@ def test_init_engine_thread_sets_the_worker_threads_and_tunes_malloc(fresh, monk
     seen = _in_thread(lambda: fresh.init_engine_thread(None))
     assert seen["result"] == seen["after"] == loader["before"]
     assert torch.get_num_threads() == main
+
+
+@pytest.mark.parametrize("line, cores, idle", [("0.10 0.20 0.30 1/300 999\n", 2, 1),  # only the caller
+                                               ("1.90 1.50 1.20 3/300 999\n", 2, 0),  # a busy neighbour
+                                               ("0.00 0.00 0.00 2/300 999\n", 8, 6),
+                                               ("garbled\n", 2, 0)])
+def test_idle_cores_counts_the_hosts_runnable_threads(tmp_path, monkeypatch, line, cores, idle):
+    f = tmp_path / "loadavg"
+    f.write_text(line)
+    monkeypatch.setattr(cpu_runtime, "LOADAVG", str(f))
+    monkeypatch.setattr(cpu_runtime.os, "cpu_count", lambda: cores)
+    assert cpu_runtime.idle_cores() == idle
+    monkeypatch.setattr(cpu_runtime, "LOADAVG", str(tmp_path / "missing"))
+    assert cpu_runtime.idle_cores() == 0
+
+
+def test_idle_cores_reads_this_host():
+    assert 0 <= cpu_runtime.idle_cores() < (cpu_runtime.os.cpu_count() or 1)  # the caller itself runs
+
+
+def test_torch_threads_sets_the_count_for_the_body_and_restores_it():
+    def body():
+        torch.set_num_threads(1)
+        with cpu_runtime.torch_threads(2):
+            inside = torch.get_num_threads()
+        with cpu_runtime.torch_threads(None):
+            unchanged = torch.get_num_threads()
+        with pytest.raises(RuntimeError), cpu_runtime.torch_threads(2):
+            raise RuntimeError("a failed forward")
+        return inside, unchanged
+
+    seen = _in_thread(body)
+    assert seen["result"] == (2, 1)
+    assert seen["after"] == 1

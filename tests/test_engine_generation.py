@@ -333,3 +333,42 @@ def test_prefill_groups_bound_padding_and_keep_every_chunk():
             assert len(g) == 1 or width * len(g) <= 1.25 * real
     assert len(padding_bounded_groups([0, 1], [256, 16])) == 2  # 240 pad positions: apart
     assert len(padding_bounded_groups([0, 1, 2], [256, 250, 240])) == 1
+
+
+@pytest.mark.parametrize("idle, want", [(1, [2, 1]), (0, [1, 1])])
+def test_prefill_borrows_idle_cores_only_when_nothing_decodes(monkeypatch, idle, want):
+    """`prefill_threads`: a prompt reaching an idle engine prefills on more threads while the host has the
+    cores idle; a prompt joining running streams, or a busy host, keeps the engine's own count."""
+    import service.engine.generation as generation
+
+    monkeypatch.setattr(generation, "idle_cores", lambda: idle)
+    engine = make_engine(threads=1, prefill_threads=2, prefill_chunk=64, prefill_budget=64)
+    seen, prefill = [], engine.runner.prefill
+
+    def counting(chunks):
+        seen.append(torch.get_num_threads())
+        return prefill(chunks)
+
+    engine.runner.prefill = counting
+    long = GenerateRequest(prompt_ids=prompt(random.Random(2), 20),
+                           params=SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True))
+    late = GenerateRequest(prompt_ids=prompt(random.Random(3), 9),
+                           params=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
+
+    async def scenario(engine):
+        stream = engine.submit(long)
+        first = await stream.__anext__()  # prefilled alone: nothing else running
+        _, _, done = await collect(engine, late)  # joins while `long` decodes
+        async for _ in stream:
+            pass
+        return first, done
+
+    first, done = run_engine(engine, scenario)
+    assert done.finish_reason == "length"
+    assert seen == want
+    assert torch.get_num_threads() == 1
+
+
+def test_prefill_threads_must_be_positive():
+    with pytest.raises(ValueError, match="prefill_threads"):
+        EngineConfig(prefill_threads=0)

@@ -10,6 +10,12 @@ worker thread (`init_engine_thread`), and loaders run torch single-threaded in t
 (`single_threaded_caller`), so that no other thread ever creates a pool. Two engines in one process
 with threads > 1 each bring the problem back: give each engine 1 thread there (the Serve default).
 
+## More threads while the host is idle
+An engine steps on few threads so that replicas and the HTTP proxy each keep a core. A step that only
+prefills a prompt (nothing decoding) may borrow the idle ones (`EngineConfig.prefill_threads`): the
+engine checks the host's runnable threads (`/proc/loadavg`) right before, so a busy neighbour is not
+made to share its core (a parallel region waits for its slowest thread).
+
 ## Large allocations from the heap
 glibc serves allocations above its mmap threshold with a new mmap and returns them to the kernel on
 free, so every decode step that allocates multi-MB activations (the K/V slices of 30 layers, logits)
@@ -22,6 +28,7 @@ Off with ATTNSERVE_MALLOPT=0; a no-op where glibc's mallopt is not available (ma
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -30,6 +37,7 @@ import os
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 MMAP_BYTES = 256 * 2**20  # glibc's own ceiling for its dynamic threshold is 32 MB (64-bit)
 TRIM_BYTES = 512 * 2**20
+LOADAVG = "/proc/loadavg"  # "0.52 0.58 0.59 2/467 12345": the 4th field is runnable/total threads
 
 log = logging.getLogger(__name__)
 _done: bool | None = None
@@ -76,6 +84,33 @@ def init_engine_thread(threads: int | None) -> int:
     torch.set_num_threads(n)
     tune_malloc()
     return n
+
+
+def idle_cores() -> int:
+    """Cores with nothing runnable on them now, besides the calling thread: the host's cores minus its
+    runnable threads (`/proc/loadavg`, the whole host); 0 where that cannot be read."""
+    try:
+        with open(LOADAVG) as f:
+            running = int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return max(0, (os.cpu_count() or 1) - running)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Run the body with `n` torch threads on this thread (None: unchanged), then restore the count."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def single_threaded_caller() -> None:

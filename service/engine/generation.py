@@ -29,6 +29,7 @@ from model.decoder import DecoderLM
 from model.tokenizer import IncrementalDetokenizer
 from service.config import GENERATOR_ID
 from service.engine.config import EngineConfig
+from service.engine.cpu_runtime import idle_cores, torch_threads
 from service.engine.decoder_runner import DecoderRunner
 from service.engine.generation_output import OutputProcessor
 from service.engine.logprobs import prompt_logprobs, sampled_logprobs
@@ -221,7 +222,7 @@ class GenerationEngine(EngineLoop):
         logits = []
         chunks = [(seq, c) for seq, c in step.prefill if seq.params.prompt_logprobs is None]
         if chunks:
-            with hooks.phase("prefill forward"):
+            with hooks.phase("prefill forward"), torch_threads(self._prefill_threads(step)):
                 out = self.runner.prefill([(s.slot, s.prompt[s.n_cached: s.n_cached + c], s.n_cached)
                                            for s, c in chunks])  # (P, V)
             take = self._prefilled(chunks, rows, scored)
@@ -260,6 +261,13 @@ class GenerationEngine(EngineLoop):
                     continue
             self.output.token(seq, tok, now, lp, complete)
         return scored + rows
+
+    def _prefill_threads(self, step: _Step) -> int | None:
+        """`prefill_threads` for a step with nothing decoding while the host has the cores idle, else None."""
+        want, have = self.config.prefill_threads, torch.get_num_threads()
+        if want is None or want <= have or step.decode or idle_cores() < want - have:
+            return None
+        return want
 
     def _prefilled(self, chunks: list[tuple[Sequence, int]], rows: list[Sequence],
                    scored: list[Sequence]) -> list[int]:
