@@ -177,22 +177,28 @@ def test_init_engine_thread_sets_the_worker_threads_and_tunes_malloc(fresh, monk
     assert torch.get_num_threads() == main
 
 
-@pytest.mark.parametrize("line, cores, idle", [("0.10 0.20 0.30 1/300 999\n", 2, 1),  # only the caller
-                                               ("1.90 1.50 1.20 3/300 999\n", 2, 0),  # a busy neighbour
-                                               ("0.00 0.00 0.00 2/300 999\n", 8, 6),
-                                               ("garbled\n", 2, 0)])
-def test_idle_cores_counts_the_hosts_runnable_threads(tmp_path, monkeypatch, line, cores, idle):
-    f = tmp_path / "loadavg"
-    f.write_text(line)
-    monkeypatch.setattr(cpu_runtime, "LOADAVG", str(f))
-    monkeypatch.setattr(cpu_runtime.os, "cpu_count", lambda: cores)
-    assert cpu_runtime.idle_cores() == idle
-    monkeypatch.setattr(cpu_runtime, "LOADAVG", str(tmp_path / "missing"))
-    assert cpu_runtime.idle_cores() == 0
+def test_busy_board_tells_an_engine_whether_another_has_work(tmp_path):
+    mine, other = cpu_runtime.BusyBoard(tmp_path), cpu_runtime.BusyBoard(tmp_path)
+    assert not mine.others_busy()
+    mine.set(True)
+    assert not mine.others_busy() and other.others_busy()  # its own entry does not count
+    other.set(True)
+    assert mine.others_busy()
+    other.set(False)
+    mine.set(False)
+    assert not mine.others_busy() and not other.others_busy()
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_idle_cores_reads_this_host():
-    assert 0 <= cpu_runtime.idle_cores() < (cpu_runtime.os.cpu_count() or 1)  # the caller itself runs
+def test_busy_board_drops_the_entries_of_processes_that_died(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / f"{dead.stdout.strip()}-1f").touch()  # a replica killed while busy
+    board = cpu_runtime.BusyBoard(tmp_path)
+    assert not board.others_busy()
+    assert list(tmp_path.iterdir()) == []
+    board.set(True)
+    del board
+    assert list(tmp_path.iterdir()) == []  # an engine's entry goes with it
 
 
 def test_torch_threads_sets_the_count_for_the_body_and_restores_it():

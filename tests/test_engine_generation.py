@@ -335,14 +335,17 @@ def test_prefill_groups_bound_padding_and_keep_every_chunk():
     assert len(padding_bounded_groups([0, 1, 2], [256, 250, 240])) == 1
 
 
-@pytest.mark.parametrize("idle, want", [(1, [2, 1]), (0, [1, 1])])
-def test_prefill_borrows_idle_cores_only_when_nothing_decodes(monkeypatch, idle, want):
-    """`prefill_threads`: a prompt reaching an idle engine prefills on more threads while the host has the
-    cores idle; a prompt joining running streams, or a busy host, keeps the engine's own count."""
-    import service.engine.generation as generation
+@pytest.mark.parametrize("others_busy, want", [(False, [2, 1]), (True, [1, 1])])
+def test_prefill_borrows_idle_cores_only_when_nothing_decodes(tmp_path, others_busy, want):
+    """`prefill_threads`: a prompt reaching an idle engine prefills on more threads while no other engine
+    on the host has work; a prompt joining running streams, or a busy neighbour, keeps the engine's own
+    count."""
+    from service.engine.cpu_runtime import BusyBoard
 
-    monkeypatch.setattr(generation, "idle_cores", lambda: idle)
+    neighbour = BusyBoard(tmp_path)
+    neighbour.set(others_busy)
     engine = make_engine(threads=1, prefill_threads=2, prefill_chunk=64, prefill_budget=64)
+    engine.busy = BusyBoard(tmp_path)
     seen, prefill = [], engine.runner.prefill
 
     def counting(chunks):

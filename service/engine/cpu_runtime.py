@@ -12,9 +12,10 @@ with threads > 1 each bring the problem back: give each engine 1 thread there (t
 
 ## More threads while the host is idle
 An engine steps on few threads so that replicas and the HTTP proxy each keep a core. A step that only
-prefills a prompt (nothing decoding) may borrow the idle ones (`EngineConfig.prefill_threads`): the
-engine checks the host's runnable threads (`/proc/loadavg`) right before, so a busy neighbour is not
-made to share its core (a parallel region waits for its slowest thread).
+prefills a prompt (nothing decoding) may borrow the others (`EngineConfig.prefill_threads`) while no
+other engine on the host has work (`BusyBoard`), so a busy neighbour is not made to share its core (a
+parallel region waits for its slowest thread). The host's runnable-thread count (`/proc/loadavg`) was
+no such signal: the proxy, Ray's threads and the client made it 2-6 at one stream.
 
 ## Large allocations from the heap
 glibc serves allocations above its mmap threshold with a new mmap and returns them to the kernel on
@@ -33,11 +34,14 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import tempfile
+import weakref
+from pathlib import Path
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 MMAP_BYTES = 256 * 2**20  # glibc's own ceiling for its dynamic threshold is 32 MB (64-bit)
 TRIM_BYTES = 512 * 2**20
-LOADAVG = "/proc/loadavg"  # "0.52 0.58 0.59 2/467 12345": the 4th field is runnable/total threads
+BUSY_DIR = Path(os.environ.get("ATTNSERVE_BUSY_DIR", Path(tempfile.gettempdir()) / f"attnserve-busy-{os.getuid()}"))
 
 log = logging.getLogger(__name__)
 _done: bool | None = None
@@ -86,15 +90,48 @@ def init_engine_thread(threads: int | None) -> int:
     return n
 
 
-def idle_cores() -> int:
-    """Cores with nothing runnable on them now, besides the calling thread: the host's cores minus its
-    runnable threads (`/proc/loadavg`, the whole host); 0 where that cannot be read."""
-    try:
-        with open(LOADAVG) as f:
-            running = int(f.read().split()[3].split("/")[0])
-    except (OSError, IndexError, ValueError):
-        return 0
-    return max(0, (os.cpu_count() or 1) - running)
+class BusyBoard:
+    """Which engines on this host have work: a file per busy engine in one directory (BUSY_DIR), so an
+    engine can tell whether another one, in this process or another replica, is stepping."""
+
+    def __init__(self, directory: str | Path | None = None):
+        self.dir = Path(directory or BUSY_DIR)
+        self.path = self.dir / f"{os.getpid()}-{id(self):x}"
+        self.busy = False
+        weakref.finalize(self, self.path.unlink, missing_ok=True)
+
+    def set(self, busy: bool) -> None:
+        """Mark this engine busy or idle (a file created or removed on each change, not each step)."""
+        if busy == self.busy:
+            return
+        self.busy = busy
+        try:
+            if busy:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self.path.touch()
+            else:
+                self.path.unlink(missing_ok=True)
+        except OSError:  # a read-only or full /tmp: the board then says "nobody else is busy"
+            log.debug("busy board %s unavailable", self.dir, exc_info=True)
+
+    def others_busy(self) -> bool:
+        """Whether another engine on this host has work (entries of processes that died are dropped)."""
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return False
+        for name in names:
+            if name == self.path.name:
+                continue
+            try:
+                os.kill(int(name.split("-")[0]), 0)
+            except ProcessLookupError:
+                (self.dir / name).unlink(missing_ok=True)
+                continue
+            except (ValueError, PermissionError):
+                pass  # not ours to judge: count it
+            return True
+        return False
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from model.decoder import DecoderLM
 from model.tokenizer import IncrementalDetokenizer
 from service.config import GENERATOR_ID
 from service.engine.config import EngineConfig
-from service.engine.cpu_runtime import idle_cores, torch_threads
+from service.engine.cpu_runtime import torch_threads
 from service.engine.decoder_runner import DecoderRunner
 from service.engine.generation_output import OutputProcessor
 from service.engine.logprobs import prompt_logprobs, sampled_logprobs
@@ -263,9 +263,9 @@ class GenerationEngine(EngineLoop):
         return scored + rows
 
     def _prefill_threads(self, step: _Step) -> int | None:
-        """`prefill_threads` for a step with nothing decoding while the host has the cores idle, else None."""
+        """`prefill_threads` for a step with nothing decoding while no other engine on the host is busy."""
         want, have = self.config.prefill_threads, torch.get_num_threads()
-        if want is None or want <= have or step.decode or idle_cores() < want - have:
+        if want is None or want <= have or step.decode or self.busy.others_busy():
             return None
         return want
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from service.engine.config import EngineConfig
-from service.engine.cpu_runtime import init_engine_thread
+from service.engine.cpu_runtime import BusyBoard, init_engine_thread
 from service.engine.hooks import StepHooks
 from service.engine.scheduler import Scheduler
 from service.engine.slot_table import SlotTable
@@ -37,6 +37,7 @@ class EngineLoop:
         self.runner = runner
         self.scheduler: Scheduler = Scheduler(config, SlotTable(runner.cache), noun)
         self.hooks = StepHooks()
+        self.busy = BusyBoard()  # this engine's entry on the host's board (service/engine/cpu_runtime.py)
         self._pool: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
@@ -67,6 +68,7 @@ class EngineLoop:
         try:
             await self._task
         finally:
+            self.busy.set(False)
             self._task = None
             self._fail_all(EngineStopped(f"engine {self.name} stopped"))
             if self._pool is not None:
@@ -94,6 +96,7 @@ class EngineLoop:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._stopping:
+            self.busy.set(self.scheduler.has_work)
             if not self.scheduler.has_work:
                 # idle: gauges at 0, re-reported while idle so every scrape finds them (Ray's metrics
                 # agent stops exporting a worker that has reported nothing for a while)
