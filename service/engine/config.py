@@ -31,6 +31,9 @@ class EngineConfig:
     # torch threads for a step that only prefills prompts (nothing decoding) while the host has that many
     # cores idle (service/engine/cpu_runtime.py); None = `threads`. Cuts time to first token at low load.
     prefill_threads: int | None = None
+    # a prompt copies the K/V of the longest prefix already cached (a running sequence's tokens or a freed
+    # slot's) instead of prefilling it (service/engine/prefix_reuse.py); the generation engine only
+    prefix_reuse: bool = True
     default_deadline_s: float | None = None  # per-request time limit when the request has none
     static_batch_wait_s: float = 0.01  # static mode: wait this long for a batch to fill
     prefill_budget: int = 512  # prompt tokens per step across all requests (bounds a step's latency)

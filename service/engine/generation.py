@@ -34,6 +34,7 @@ from service.engine.decoder_runner import DecoderRunner
 from service.engine.generation_output import OutputProcessor
 from service.engine.logprobs import prompt_logprobs, sampled_logprobs
 from service.engine.loop import EngineLoop
+from service.engine.prefix_reuse import MIN_REUSE, PrefixIndex
 from service.engine.sampling import make_generator, sample_next
 from service.engine.sequence import Sequence
 from service.engine.slot_table import Move
@@ -53,6 +54,7 @@ class _Step:
     prefill: list[tuple[Sequence, int]]  # (sequence, chunk length)
     decode: list[Sequence]  # sorted by slot
     moves: list[Move] = field(default_factory=list)  # compaction copies, applied first
+    reuse: list[Move] = field(default_factory=list)  # cached prompt prefixes copied to new sequences, next
 
 
 class GenerationEngine(EngineLoop):
@@ -68,6 +70,8 @@ class GenerationEngine(EngineLoop):
         self.vocab_size = model.cfg.vocab_size
         self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_ids)
         self.output = OutputProcessor(self.eos_ids, self.sink, name)
+        self.prefixes = PrefixIndex(MIN_REUSE)
+        self.prefix_tokens_reused = 0  # prompt tokens whose K/V were copied, not prefilled
 
     @property
     def max_context(self) -> int:
@@ -186,11 +190,13 @@ class GenerationEngine(EngineLoop):
         sched = self.scheduler
         for seq, why in sched.sweep(now):
             self._finish(seq, why)
-        for seq in sched.admit():
+        admitted = sched.admit()
+        for seq in admitted:
             seq.t_admit = now
         if not sched.running:
             return None
         moves = sched.compact()
+        reuse = self._reuse_prefixes(admitted, moves)
         budget = self.config.prefill_budget
         prefill, decode = [], []
         for seq in sched.running:  # admission order: the oldest prompts prefill first
@@ -208,7 +214,31 @@ class GenerationEngine(EngineLoop):
         self.last_batch_size = len(prefill) + len(decode)
         kv = sum(s.n_cached for s in sched.running) / (self.config.max_slots * self.max_positions)
         self.sink.on_step(self.name, self.last_batch_size, kv, len(sched.running), len(sched.waiting))
-        return _Step(prefill, decode, moves)
+        return _Step(prefill, decode, moves, reuse)
+
+    def _reuse_prefixes(self, admitted: list[Sequence], moves: list[Move]) -> list[Move]:
+        """Give each new prompt the longest prefix already cached (service/engine/prefix_reuse.py): its
+        `n_cached` starts there -> the copies, to run after compaction's."""
+        index = self.prefixes
+        index.forget(dst for _, dst, _ in moves)
+        reuse: list[Move] = []
+        new = [s for s in admitted if not s.pending_fork and s.params.prompt_logprobs is None]
+        if self.config.prefix_reuse and new:
+            # sources: what the running sequences have cached, and freed slots; not the new prompts' slots
+            # (each is written this step), except a prompt's own slot, which it reads in place
+            mine = {s.slot for s in admitted}
+            running = [(s.slot, (s.prompt + s.output)[:s.n_cached]) for s in self.scheduler.running
+                       if s.n_cached > 0 and s.slot not in mine]
+            for seq in new:
+                freed = [(slot, t) for slot, t in index.freed.items() if slot not in mine or slot == seq.slot]
+                src, n = index.longest(seq.prompt, running + freed)
+                if n:
+                    seq.n_cached = n
+                    self.prefix_tokens_reused += n
+                    if src != seq.slot:
+                        reuse.append((src, seq.slot, n))
+        index.forget(s.slot for s in self.scheduler.running)  # every held slot is written from now on
+        return reuse
 
     # --- one step (worker thread) ------------------------------------------------------------
     @torch.inference_mode()
@@ -217,6 +247,7 @@ class GenerationEngine(EngineLoop):
         hooks = self.hooks
         with hooks.phase("slot copies"):
             self.scheduler.table.copy(step.moves)
+            self.scheduler.table.copy(step.reuse)  # reads slots the compaction copies may have filled
         rows: list[Sequence] = []  # sampled this step, in the order of `logits`
         scored: list[Sequence] = []  # prompts scored without generating (max_new_tokens 0)
         logits = []
@@ -328,6 +359,7 @@ class GenerationEngine(EngineLoop):
             self.output.flush(seq)
             if seq.done is not None:
                 self._finish(seq, *seq.done)
+                self.prefixes.freed_slot(seq.slot, (seq.prompt + seq.output)[:seq.n_cached])
                 self.scheduler.release(seq)
                 finished = True
         if finished:

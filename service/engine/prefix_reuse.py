@@ -1,0 +1,58 @@
+"""Prompt prefixes already in the KV cache, reused instead of prefilled (llama.cpp's `cache_prompt`, vLLM's
+prefix caching, at the granularity of slots).
+
+K/V at positions [0, n) depend only on tokens [0, n), so a new prompt that starts like the tokens a running
+sequence has cached, or like what a freed slot still holds (a finished request's prompt and answer: freeing
+a slot writes nothing), can copy those positions' K/V into its own slot and prefill only the rest. Chat
+prompts share their template's system turn, so nearly every request gains; at one stream the freed slot
+of the last request is often the one the next request takes.
+
+The generation engine owns one `PrefixIndex`: it records a slot's tokens when it frees the slot, forgets
+a slot as soon as anything may write it (taken by a request, a compaction destination), and asks
+`longest` for the best source at admission. At least the prompt's last token is always prefilled: its
+logits start the answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+MIN_REUSE = 8  # shorter shared prefixes are prefilled: not worth a copy
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class PrefixIndex:
+    def __init__(self, min_tokens: int):
+        self.min_tokens = min_tokens
+        self.freed: dict[int, list[int]] = {}  # free slot -> the tokens whose K/V it still holds
+
+    def freed_slot(self, slot: int, tokens: list[int]) -> None:
+        if slot >= 0 and tokens:
+            self.freed[slot] = tokens
+
+    def forget(self, slots: Iterable[int]) -> None:
+        """These slots are (or may be) written from now on."""
+        for s in slots:
+            self.freed.pop(s, None)
+
+    def clear(self) -> None:
+        self.freed.clear()
+
+    def longest(self, prompt: Sequence[int], sources: Iterable[tuple[int, Sequence[int]]]) -> tuple[int, int]:
+        """The source (slot, cached tokens) sharing the longest prefix with `prompt` -> (slot, positions
+        to reuse), at most len(prompt) - 1; (-1, 0) when none reaches `min_tokens`."""
+        best, best_n = -1, 0
+        for slot, tokens in sources:
+            n = common_prefix(prompt, tokens)
+            if n > best_n:
+                best, best_n = slot, n
+        best_n = min(best_n, len(prompt) - 1)
+        return (best, best_n) if best_n >= self.min_tokens else (-1, 0)
