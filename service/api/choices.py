@@ -43,17 +43,15 @@ class UsageTotal:
     def __init__(self):
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.cached_tokens = 0
         self.finished = 0
 
     def add(self, ev: GenerationEvent) -> None:
         if ev.choice_finished:
             self.prompt_tokens = ev.usage.prompt_tokens
+            self.cached_tokens = getattr(ev.usage, "cached_tokens", 0)
             self.completion_tokens += ev.usage.completion_tokens
             self.finished += 1
-
-    def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
 def gather(events: list[GenerationEvent]) -> tuple[list[Choice], UsageTotal]:

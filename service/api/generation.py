@@ -92,6 +92,8 @@ def build_request(gen: GeneratorFrontend, body: Sampling, prompt_ids: list[int],
 
 
 def usage_dict(usage) -> dict:
-    """OpenAI's usage object from an engine Usage."""
+    """OpenAI's usage object from an engine Usage (or a `UsageTotal`); `prompt_tokens_details.cached_tokens`
+    counts the prompt tokens served from cached prefixes, as OpenAI and vLLM report them."""
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": getattr(usage, "cached_tokens", 0)}}

@@ -18,6 +18,7 @@ from service.api.generation import (
     check_token_ids,
     encode_messages,
     new_id,
+    usage_dict,
 )
 from service.api.logprob_format import CompletionLogprobs, TokenTexts, chat_content, merge, output_pairs, prompt_pairs
 from service.api.schemas import ChatCompletionBody, CompletionBody
@@ -57,7 +58,7 @@ def _stream(events, rid: str, model: str, include_usage: bool, chunk, obj: str) 
         if not include_usage or not usage.finished:
             return []
         return [{"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
-                 "usage": usage.as_dict()}]
+                 "usage": usage_dict(usage)}]
 
     return StreamingResponse(sse_stream(events, render, tail), media_type="text/event-stream")
 
@@ -146,7 +147,7 @@ async def completions(body: CompletionBody, request: Request):
             lp = merge(parts + [state.render(output_pairs(c.logprobs))])
         out.append({"index": c.index, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason})
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": gen.name,
-            "choices": out, "usage": usage.as_dict()}
+            "choices": out, "usage": usage_dict(usage)}
 
 
 @router.post("/v1/chat/completions")
@@ -193,4 +194,4 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
             "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                          "logprobs": {"content": chat_content(texts, c.logprobs)} if body.logprobs else None,
                          "finish_reason": c.finish_reason} for c in choices],
-            "usage": usage.as_dict()}
+            "usage": usage_dict(usage)}

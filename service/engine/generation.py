@@ -233,7 +233,7 @@ class GenerationEngine(EngineLoop):
                 freed = [(slot, t) for slot, t in index.freed.items() if slot not in mine or slot == seq.slot]
                 src, n = index.longest(seq.prompt, running + freed)
                 if n:
-                    seq.n_cached = n
+                    seq.n_cached = seq.n_reused = n
                     self.prefix_tokens_reused += n
                     if src != seq.slot:
                         reuse.append((src, seq.slot, n))

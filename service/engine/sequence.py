@@ -27,6 +27,7 @@ class Sequence:
     t_submit: float
     slots: list[int] = field(default_factory=list)  # its one cache slot while admitted
     n_cached: int = 0  # tokens whose K/V are in the cache
+    n_reused: int = 0  # prompt tokens whose K/V were copied from a cached prefix (service/engine/prefix_reuse.py)
     output: list[int] = field(default_factory=list)
     t_admit: float = 0.0
     t_last: float = 0.0

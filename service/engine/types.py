@@ -107,6 +107,7 @@ class TranslateRequest:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the cache, not prefill (prefix reuse)
 
     @property
     def total_tokens(self) -> int:
