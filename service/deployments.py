@@ -99,7 +99,7 @@ class AttnServe:
 
     def record_routing_stats(self) -> dict:
         """What service.routing.ReadyFirstRouter routes by: whether this replica's models serve."""
-        return {"ready": self.startup.ready}
+        return {"ready": self.startup.routing_report()}
 
     def check_health(self) -> None:
         """Healthy while loading (that is start-up, not failure); unhealthy if start-up failed or a

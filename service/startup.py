@@ -24,6 +24,9 @@ class Startup:
     error: str | None = None
     t0: float = field(default_factory=time.monotonic)
     ready_s: float | None = None
+    # Serve's request router learns readiness from `routing_report` (service/routing.py), once a period:
+    # None = nothing reads it (no such router); False until a report said "ready", then True
+    routed: bool | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def set(self, phase: str, model: str | None = None, state: str | None = None) -> None:
@@ -46,13 +49,27 @@ class Startup:
         with self._lock:
             self.error, self.phase = error, "failed"
 
+    def routing_report(self) -> bool:
+        """Readiness as the router will see it (called by the replica's `record_routing_stats`)."""
+        with self._lock:
+            self.routed = self.ready
+            return self.ready
+
+    @property
+    def serving(self) -> bool:
+        """Ready, and where a router routes by readiness, known ready to it: before that, requests the
+        router still spreads over loading replicas would get 503s while `/readyz` said 200."""
+        return self.ready and self.routed is not False
+
     @property
     def elapsed_s(self) -> float:
         return self.ready_s if self.ready_s is not None else time.monotonic() - self.t0
 
     def snapshot(self) -> dict:
         with self._lock:
-            body = {"ready": self.ready, "phase": self.phase, "elapsed_s": round(self.elapsed_s, 1),
+            serving = self.serving
+            phase = "ready; waiting for the request router to see it" if self.ready and not serving else self.phase
+            body = {"ready": serving, "phase": phase, "elapsed_s": round(self.elapsed_s, 1),
                     "models": dict(self.models)}
             if self.error:
                 body["error"] = self.error

@@ -36,6 +36,22 @@ def test_startup_state_snapshot():
     assert failed.snapshot()["error"] == "ValueError: x" and failed.snapshot()["phase"] == "failed"
 
 
+def test_readiness_waits_for_the_request_router_where_one_reads_it():
+    """A replica behind ReadyFirstRouter says ready on /readyz only once a routing report has told the
+    router so; without such a router (no reports), as soon as it is loaded."""
+    alone = Startup()
+    alone.done()
+    assert alone.serving and alone.snapshot()["ready"]
+    routed = Startup()
+    assert routed.routing_report() is False  # the router polls while the models load
+    routed.done()
+    assert routed.ready and not routed.serving
+    snap = routed.snapshot()
+    assert not snap["ready"] and "router" in snap["phase"]
+    assert routed.routing_report() is True
+    assert routed.serving and routed.snapshot() == {**snap, "ready": True, "phase": "ready"}
+
+
 def test_serve_reports_phases_and_answers_503_until_ready(tmp_path):
     gen, tr = tiny_checkpoints(tmp_path)
     args = service_args(gen, tr)

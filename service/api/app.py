@@ -65,7 +65,7 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
         b: Backends = app.state.backends
         body = app.state.startup.snapshot()
         body["ready"] = body["ready"] and b.generator is not None
-        if app.state.startup.ready:
+        if app.state.startup.serving:
             body["models"] = {**{n: body["models"].get(n, "ready") for n in b.ids()},
                               **{n: f"unavailable: {why}" for n, why in b.unavailable.items()}}
         body["unavailable"] = b.unavailable
