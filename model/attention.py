@@ -125,9 +125,16 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: t
 
     On CPU the C++ kernel runs where it is built: one pass over each row's strided prefix, sums in float32
     (docs/decisions.md); `prefix_attention_reference` is its torch twin and oracle."""
-    if q.device.type == "cpu" and native_ops.load():
+    if q.device.type == "cpu" and _native():
         return torch.ops.attnserve.prefix_attention(q, k, v, k_new, v_new, prefix_ok)
     return prefix_attention_reference(q, k, v, k_new, v_new, prefix_ok)
+
+
+@torch.compiler.assume_constant_result
+def _native() -> bool:
+    """Whether the C++ kernel is registered (built on first use); dynamo takes the answer as a constant
+    instead of tracing the loader (a graph break)."""
+    return native_ops.load()
 
 
 def prefix_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor,
