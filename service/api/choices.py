@@ -49,7 +49,7 @@ class UsageTotal:
     def add(self, ev: GenerationEvent) -> None:
         if ev.choice_finished:
             self.prompt_tokens = ev.usage.prompt_tokens
-            self.cached_tokens = getattr(ev.usage, "cached_tokens", 0)
+            self.cached_tokens = ev.usage.cached_tokens
             self.completion_tokens += ev.usage.completion_tokens
             self.finished += 1
 

@@ -96,4 +96,4 @@ def usage_dict(usage) -> dict:
     counts the prompt tokens served from cached prefixes, as OpenAI and vLLM report them."""
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": getattr(usage, "cached_tokens", 0)}}
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}

@@ -227,7 +227,7 @@ class GenerationEngine(EngineLoop):
             # sources: what the running sequences have cached, and freed slots; not the new prompts' slots
             # (each is written this step), except a prompt's own slot, which it reads in place
             mine = {s.slot for s in admitted}
-            running = [(s.slot, (s.prompt + s.output)[:s.n_cached]) for s in self.scheduler.running
+            running = [(s.slot, s.cached_ids) for s in self.scheduler.running
                        if s.n_cached > 0 and s.slot not in mine]
             for seq in new:
                 freed = [(slot, t) for slot, t in index.freed.items() if slot not in mine or slot == seq.slot]
@@ -359,7 +359,7 @@ class GenerationEngine(EngineLoop):
             self.output.flush(seq)
             if seq.done is not None:
                 self._finish(seq, *seq.done)
-                self.prefixes.freed_slot(seq.slot, (seq.prompt + seq.output)[:seq.n_cached])
+                self.prefixes.freed_slot(seq.slot, seq.cached_ids)
                 self.scheduler.release(seq)
                 finished = True
         if finished:

@@ -49,6 +49,11 @@ class Sequence:
         return self.slots[0] if self.slots else -1
 
     @property
+    def cached_ids(self) -> list[int]:
+        """The tokens whose K/V its slot holds, in order (the last sampled token is not yet among them)."""
+        return (self.prompt + self.output)[:self.n_cached]
+
+    @property
     def slots_needed(self) -> int:
         return 1
 
