@@ -107,3 +107,29 @@ def test_warm_start_from_a_shipped_checkpoint_continues_its_step_count(tiny_run,
     run3 = tmp_path / "run3"
     train(path, run3, data_dir=data, init_from=tmp_path / "export", export_to=tmp_path / "export4")
     assert [r for r in _log(run3) if r.get("event") == "stopped"][-1]["step"] == 150
+
+
+def test_back_translated_pairs_train_one_way_with_a_tag_and_ted_dev_is_scored(tiny_run, tmp_path):
+    from model.tokenizer import SentencePieceTokenizer
+    from model.training.back_translate import TAG_PIECE
+    from model.training.train_translate import make_bt_examples
+
+    path, cfg, data, run = tiny_run
+    (data / "ted_dev.tsv").write_text((data / "dev.tsv").read_text(encoding="utf-8"), encoding="utf-8")
+    rows = ["one two\t一二\tzh", "three four five\t三四五\ten", "six\t六\tzh"]
+    (data / "bt.tsv").write_text("".join(r + "\n" for r in rows), encoding="utf-8")
+    cfg.update(max_steps=10, eval_minutes=0, eval_sentences=2, back_translation=True, eval_splits=["dev", "ted_dev"])
+    path.write_text(json.dumps(cfg))
+    train(path, run, data_dir=data, export_to=tmp_path / "export")
+    log = _log(run)
+    n_train = len((data / "train.tsv").read_text(encoding="utf-8").splitlines())
+    assert [r for r in log if r.get("event") == "start"][0]["examples"] == 2 * n_train + 3
+    scored = [r for r in log if r.get("event") == "eval"][0]
+    assert {"bleu_zh2en", "bleu_en2zh", "ted_dev_bleu_zh2en", "ted_dev_bleu_en2zh"} <= set(scored)
+
+    tok = SentencePieceTokenizer(run / "spm.model")
+    (src, tgt), (src2, tgt2), _ = make_bt_examples([r.split("\t") for r in rows], tok, 64)
+    bt = tok.token_to_id(TAG_PIECE)
+    assert src[:2] == [tok.token_to_id("<2zh>"), bt] and tok.decode(src[2:-1]) == "one two"  # synthetic English in
+    assert tok.decode(tgt[1:-1]) == "一二"  # the real Chinese out
+    assert src2[:2] == [tok.token_to_id("<2en>"), bt] and tok.decode(tgt2[1:-1]) == "three four five"

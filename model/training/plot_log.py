@@ -28,8 +28,12 @@ def plot(log_path: str | Path, out: str | Path) -> Path:
         ax2 = ax.twinx()
         xs = [hours_at.get(r["step"], min(hours_at.items(), key=lambda kv: abs(kv[0] - r["step"]))[1])
               for r in evals]
-        for key, style in (("bleu_zh2en", "o-"), ("bleu_en2zh", "s--")):
-            ax2.plot(xs, [r[key] for r in evals], style, color="tab:red", label=key.replace("bleu_", "dev BLEU "))
+        keys = sorted({k for r in evals for k in r if "bleu_" in k})  # bleu_zh2en (HK dev), ted_dev_bleu_zh2en, ...
+        for key in keys:
+            pts = [(x, r[key]) for x, r in zip(xs, evals, strict=True) if key in r]
+            label = ("dev " + key).replace("dev ted_dev_", "TED dev ").replace("bleu_", "BLEU ")
+            ax2.plot(*zip(*pts, strict=True), "o-" if key.endswith("zh2en") else "s--",
+                     color="tab:purple" if key.startswith("ted_") else "tab:red", label=label)
         ax2.set_ylabel("dev BLEU (greedy, 200 sentences)", color="tab:red")
         ax2.legend(loc="upper center")
     ax.set_title("attnserve-zh-en training")

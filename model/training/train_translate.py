@@ -52,6 +52,8 @@ class TrainConfig:
     ckpt_minutes: float = 5.0
     eval_minutes: float = 15.0
     eval_sentences: int = 200
+    eval_splits: list = field(default_factory=lambda: ["dev"])  # held-out splits scored during training
+    back_translation: bool = False  # also train on bt.tsv (`attnserve data backtranslate`), tagged, one way
     avg_last: int = 5
     log_every: int = 20
     rewarm_steps: int = 300  # --init-from: fresh Adam moments, so ramp the lr back up over these steps
@@ -75,6 +77,23 @@ def make_examples(pairs, tok, max_len: int) -> list[tuple[list[int], list[int]]]
             t = [tok.bos_id, *tok.encode(tgt), tok.eos_id]
             if len(s) <= max_len and len(t) <= max_len + 1:
                 ex.append((s, t))
+    return ex
+
+
+def make_bt_examples(rows, tok, max_len: int) -> list[tuple[list[int], list[int]]]:
+    """Each synthetic (en, zh, real) row gives one example, synthetic side -> real side, with the
+    back-translation tag after the language tag."""
+    from model.training.back_translate import TAG_PIECE
+
+    bt_tag = tok.token_to_id(TAG_PIECE)
+    ex = []
+    for en, zh, real in progress(rows, desc="encoding synthetic pairs", unit="pair"):
+        src, tgt = (en, zh) if real == "zh" else (zh, en)
+        s = encode_source(tok, src, real)
+        s.insert(1, bt_tag)
+        t = [tok.bos_id, *tok.encode(tgt), tok.eos_id]
+        if len(s) <= max_len and len(t) <= max_len + 1:
+            ex.append((s, t))
     return ex
 
 
@@ -155,7 +174,9 @@ def average_snapshots(run: Path, model, last: int) -> list[str]:
 
 # --- evaluation -----------------------------------------------------------------------------------
 
-def dev_bleu(model, tok, pairs, n: int) -> dict[str, float]:
+def dev_bleu(model, tok, pairs, n: int, split: str = "dev") -> dict[str, float]:
+    """Greedy BLEU on the first n pairs of a held-out split: {"bleu_zh2en": ..} for `dev`, else
+    {"<split>_bleu_zh2en": ..}."""
     import sacrebleu
 
     from model.generate import greedy
@@ -170,7 +191,8 @@ def dev_bleu(model, tok, pairs, n: int) -> dict[str, float]:
         for i in range(0, len(srcs), 50):
             ids = greedy(model, [encode_source(tok, s, tgt_lang, model.cfg.max_src_len) for s in srcs[i:i + 50]])
             hyps += [tok.decode(h) for h in ids]
-        res[f"bleu_{other(tgt_lang)}2{tgt_lang}"] = round(sacrebleu.corpus_bleu(
+        prefix = "" if split == "dev" else f"{split}_"
+        res[f"{prefix}bleu_{other(tgt_lang)}2{tgt_lang}"] = round(sacrebleu.corpus_bleu(
             hyps, [refs], tokenize="zh" if tgt_lang == "zh" else "13a").score, 2)
     model.train()
     return res
@@ -213,7 +235,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
         log_f.flush()
 
     train_pairs = translate_data.read_split("train", data_dir)
-    dev_pairs = translate_data.read_split("dev", data_dir)
+    dev_pairs = {split: translate_data.read_split(split, data_dir) for split in cfg.eval_splits}
     spm_path = run / "spm.model"
     if init_from and not resuming:  # warm start: the checkpoint's own vocabulary
         shutil.copyfile(Path(init_from) / SentencePieceTokenizer.FILE, spm_path)
@@ -239,6 +261,10 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
         return export(run, model, tok, cfg, meta, export_to, log)
 
     examples = make_examples(train_pairs, tok, cfg.max_len)
+    if cfg.back_translation:
+        from model.training import back_translate
+
+        examples += make_bt_examples(back_translate.read(data_dir), tok, cfg.max_len)
     n_params = sum(p.numel() for p in model.parameters())
     log(event="start", params=n_params, examples=len(examples), config=dataclasses.asdict(cfg))
 
@@ -293,7 +319,8 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
                 checkpoint(run, model, opt, meta, cfg)
                 last_ckpt = time.time()
             if time.time() - last_eval > cfg.eval_minutes * 60:
-                bleu = dev_bleu(model, tok, dev_pairs, cfg.eval_sentences)
+                bleu = {k: v for split, pairs in dev_pairs.items()
+                        for k, v in dev_bleu(model, tok, pairs, cfg.eval_sentences, split).items()}
                 log(step=step, event="eval", **bleu)
                 figures.update(bleu_figures(bleu))
                 bar.set_postfix(figures)
@@ -321,8 +348,9 @@ def stop_step(meta: dict, cfg: TrainConfig, steps_per_s: float | None = None) ->
 
 
 def bleu_figures(bleu: dict[str, float]) -> dict[str, float]:
-    """dev_bleu's {"bleu_zh2en": x, ...} as the progress bar shows them: {"BLEU zh2en": x, ...}."""
-    return {f"BLEU {k.removeprefix('bleu_')}": v for k, v in bleu.items()}
+    """dev_bleu's {"bleu_zh2en": x, "ted_dev_bleu_zh2en": y, ...} as the progress bar shows them:
+    {"BLEU zh2en": x, "ted_dev BLEU zh2en": y, ...}."""
+    return {k.replace("_bleu_", " BLEU ").replace("bleu_", "BLEU "): v for k, v in bleu.items()}
 
 
 def last_dev_bleu(run: Path) -> dict[str, float]:
@@ -335,7 +363,7 @@ def last_dev_bleu(run: Path) -> dict[str, float]:
         except json.JSONDecodeError:  # a line cut short by a crash
             continue
         if rec.get("event") == "eval":
-            found = bleu_figures({k: v for k, v in rec.items() if k.startswith("bleu_")})
+            found = bleu_figures({k: v for k, v in rec.items() if "bleu_" in k})
     return found
 
 

@@ -1,16 +1,21 @@
 """attnserve data prepare translate [--out DIR] [--heldout-sentences 1000];
-attnserve data sample translate [--n 50] [--seed 50]"""
+attnserve data sample translate [--n 50] [--seed 50];
+attnserve data backtranslate translate [--sentences 30000] [--model DIR]"""
 
 
 def add_arguments(p):
-    p.add_argument("action", choices=["prepare", "sample"],
-                   help="prepare: build the corpus; sample: print random aligned TED pairs (to check by hand)")
+    p.add_argument("action", choices=["prepare", "sample", "backtranslate"],
+                   help="prepare: build the corpus; sample: print random aligned TED pairs (to check by hand); "
+                        "backtranslate: add synthetic pairs from monolingual text (bt.tsv)")
     p.add_argument("dataset", choices=["translate"])
     p.add_argument("--out", help="data folder (default $ATTNSERVE_HOME/data/translate)")
     p.add_argument("--heldout-sentences", type=int, default=1000,
                    help="prepare: TED pairs in each of ted_test and ted_dev (whole talks until at least this many)")
     p.add_argument("--n", type=int, default=50, help="sample: how many pairs")
     p.add_argument("--seed", type=int, default=50, help="sample: random seed")
+    p.add_argument("--sentences", type=int, default=30000,
+                   help="backtranslate: monolingual sentences per language (resumes up to this many)")
+    p.add_argument("--model", help="backtranslate: checkpoint folder (default: the served translator)")
 
 
 def run(args) -> int:
@@ -22,6 +27,22 @@ def run(args) -> int:
     if args.action == "prepare":
         translate_data.prepare(out, heldout_sentences=args.heldout_sentences)
         return 0
+    if args.action == "backtranslate":
+        return backtranslate(args, out)
     for k, (en, zh) in enumerate(translate_data.alignment_sample(args.n, args.seed, out), 1):
         print(f"{k}. ZH {zh}\n   EN {en}")
+    return 0
+
+
+def backtranslate(args, out) -> int:
+    from model.training import back_translate
+    from service import local
+
+    translator = local.load_translator(local.translator_spec(args.model))
+
+    def translate(texts: list[str], target_lang: str, done) -> list[str]:
+        """Greedy, through the engine behind /v1/translate (its batch path, served decoding defaults)."""
+        return local.translate(translator, texts, target_lang=target_lang, beam_size=1, progress=done).translations
+
+    back_translate.build(translate, args.sentences, directory=out)
     return 0
