@@ -5,12 +5,16 @@
 # host is never run on another that lacks its instructions. Only AMX is switched off, and only where
 # the CPU has it: llama.cpp's AMX tile code crashes (SIGILL) when built by GCC 12. The web UI is not
 # built (it would be downloaded). The sdist comes through pip's own configured index.
+# ATTNSERVE_ISA=avx2 builds for AVX2/FMA only (no AVX-512), as for an AVX2-only host: with the same
+# variable attnserve withholds AVX-512 from its own kernels (docs/performance.md, "emulated AVX2 host").
 set -euo pipefail
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 ROOT="${ATTNSERVE_HOME:-$HOME/.cache/attnserve}/llama.cpp"
 PY="${PY:-.venv/bin/python}"
 FLAGS="$(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2 | tr ' ' '\n' | sort | tr '\n' ' ')"
+ISA="${ATTNSERVE_ISA:-native}"
 HOST_KEY="$(printf '%s %s' "$(uname -m)" "$FLAGS" | sha256sum | cut -c1-12)"
+[ "$ISA" = native ] || HOST_KEY="$HOST_KEY-$ISA"
 DEST="$ROOT/build-$HOST_KEY"
 BIN="$DEST/bin/llama-server"
 if [ -x "$BIN" ]; then echo "$BIN"; exit 0; fi
@@ -23,12 +27,18 @@ if [ ! -f "$SDIST" ]; then
 fi
 [ -d "$ROOT/src/llama_cpp_python-$VERSION" ] || tar -xzf "$SDIST" -C "$ROOT/src"
 SRC="$ROOT/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
-AMX=()
-if grep -qw amx_tile /proc/cpuinfo; then
-  AMX=(-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+CPU=(-DGGML_NATIVE=ON)
+if [ "$ISA" = avx2 ]; then
+  CPU=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+       -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF)
+elif [ "$ISA" != native ]; then
+  echo "ATTNSERVE_ISA=$ISA: only avx2 (or unset) is supported here" >&2; exit 2
 fi
-echo "building llama-server for this CPU in $DEST (native${AMX:+, AMX off}) ..." >&2
-cmake -S "$SRC" -B "$DEST" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON "${AMX[@]}" \
+if grep -qw amx_tile /proc/cpuinfo; then
+  CPU+=(-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+fi
+echo "building llama-server for this CPU in $DEST ($ISA) ..." >&2
+cmake -S "$SRC" -B "$DEST" -DCMAKE_BUILD_TYPE=Release "${CPU[@]}" \
   -DLLAMA_CURL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF >&2
 # libllama.so too: the llama-cpp-python server (setup_llama_cpp_python.sh) loads it instead of compiling
 # llama.cpp a second time.

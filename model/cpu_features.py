@@ -7,10 +7,41 @@ process and picks bf16 when it is clearly faster.
 
 from __future__ import annotations
 
+import os
 import time
 from functools import lru_cache
 
 BF16_MIN_SPEEDUP = 1.25  # below this the rounding error of bf16 is not worth it
+# ATTNSERVE_ISA=avx2 (or scalar) withholds wider instructions: from our kernels (model/csrc), from every
+# choice made on the CPU's flags here, and (apply_isa_cap) from torch, oneDNN and inductor's generated
+# code, so one host can stand in for an AVX2-only one (benchmarks/build_llama_server.sh does the same
+# for llama.cpp).
+ISA_ENV = "ATTNSERVE_ISA"
+_WIDE = ("avx512", "amx", "avx_vnni")
+_AVX = frozenset({"avx", "avx2", "fma", "f16c"})
+_TORCH_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                        "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"},
+               "scalar": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                          "TORCHINDUCTOR_CPP_MARCH": "x86-64"}}
+
+
+def capped(flags: frozenset[str], isa: str | None) -> frozenset[str]:
+    """The flags an `isa` cap leaves: avx2 drops AVX-512, AMX and AVX-VNNI; scalar drops AVX too."""
+    if isa not in _TORCH_CAPS:
+        return flags
+    kept = {f for f in flags if not f.startswith(_WIDE)}
+    return frozenset(kept - _AVX if isa == "scalar" else kept)
+
+
+def apply_isa_cap() -> str | None:
+    """Under ATTNSERVE_ISA, set the variables that cap torch's kernels, oneDNN and inductor (unless set):
+    call before torch is imported; Ray's worker processes inherit them."""
+    isa = os.environ.get(ISA_ENV) or None
+    if isa is not None and isa not in _TORCH_CAPS:
+        raise ValueError(f"{ISA_ENV}={isa!r}: use one of {sorted(_TORCH_CAPS)}, or leave it unset")
+    for k, v in _TORCH_CAPS.get(isa, {}).items():
+        os.environ.setdefault(k, v)
+    return isa
 
 
 @lru_cache(maxsize=1)
@@ -20,7 +51,7 @@ def cpu_flags() -> frozenset[str]:
             line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return frozenset()
-    return frozenset(line.partition(":")[2].split())
+    return capped(frozenset(line.partition(":")[2].split()), os.environ.get(ISA_ENV))
 
 
 def has_amx_bf16(flags: frozenset[str] | None = None) -> bool:

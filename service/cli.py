@@ -32,6 +32,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     name = argv[0]
+    from model.cpu_features import apply_isa_cap
+
+    try:
+        apply_isa_cap()  # before any command imports torch
+    except ValueError as e:
+        print(f"attnserve: {e}", file=sys.stderr)
+        return 2
     try:
         module = importlib.import_module(f"service.commands.{name}")
     except ModuleNotFoundError as e:
