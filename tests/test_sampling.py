@@ -65,6 +65,17 @@ def test_same_seed_same_tokens_whatever_the_batch():
     assert other != alone_seq
 
 
+def test_a_row_without_top_k_or_top_p_samples_alike_beside_rows_with_them():
+    x = _logits(b=3, v=300, seed=5)
+    plain = SamplingParams(temperature=0.8)
+    company = [plain, SamplingParams(temperature=1.0, top_k=20), SamplingParams(temperature=0.9, top_p=0.8)]
+    for seed in range(20):  # sorted-order sampling would pick another token for the same draw in most of these
+        alone = sample_next(x[:1].clone(), [plain], [make_generator(seed)], [[]])[0]
+        batched = sample_next(x.clone(), company, [make_generator(seed), make_generator(1), make_generator(2)],
+                              [[]] * 3)[0]
+        assert alone == batched, seed
+
+
 def test_repetition_penalty_discourages_seen_tokens():
     x = torch.tensor([[2.0, 1.9, -1.0, -1.1]])
     p = [SamplingParams(temperature=0.0, repetition_penalty=1.5)]

@@ -100,21 +100,30 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams],
     sp = [params[i] for i in rows]
     temp = torch.tensor([p.temperature for p in sp], device=dev, dtype=logits.dtype)
     x = logits[rows] / temp[:, None]  # (N, V)
-    idx = None
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in sp):
-        x, idx = x.sort(-1, descending=True)  # (N, V)
-        top_k = torch.tensor([p.top_k for p in sp], device=dev)
-        top_p = torch.tensor([p.top_p for p in sp], device=dev, dtype=logits.dtype)
-        x = _filter_sorted(x, top_k, top_p)
-    cdf = torch.softmax(x, -1).cumsum(-1)  # (N, V)
     u = torch.cat([torch.rand(1, generator=generators[i], device=dev) for i in rows])  # (N,)
+    choice = torch.empty(len(rows), dtype=torch.long, device=dev)  # (N,)
+    # top-k / top-p rows sample from their sorted, filtered logits; the others from the logits as they
+    # are, whatever the batch company (the inverse CDF of another order picks another token for one u)
+    filt = [j for j, p in enumerate(sp) if p.top_k > 0 or p.top_p < 1.0]
+    plain = [j for j in range(len(sp)) if j not in set(filt)]
+    if plain:
+        choice[plain] = _inverse_cdf(x[plain], u[plain])
+    if filt:
+        xs, idx = x[filt].sort(-1, descending=True)  # (F, V)
+        top_k = torch.tensor([sp[j].top_k for j in filt], device=dev)
+        top_p = torch.tensor([sp[j].top_p for j in filt], device=dev, dtype=logits.dtype)
+        picked = _inverse_cdf(_filter_sorted(xs, top_k, top_p), u[filt])  # (F,) ranks
+        choice[filt] = idx.gather(1, picked[:, None])[:, 0]
+    out[rows] = choice
+    return out.tolist()
+
+
+def _inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Logits (N, V) and one uniform number per row (N,) -> the sampled column per row (N,)."""
+    cdf = torch.softmax(x, -1).cumsum(-1)  # (N, V)
     total = cdf[:, -1]
     u = torch.minimum(u.to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
-    choice = torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=cdf.shape[1] - 1)  # (N, 1)
-    if idx is not None:
-        choice = idx.gather(1, choice)
-    out[rows] = choice[:, 0]
-    return out.tolist()
+    return torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=cdf.shape[1] - 1)[:, 0]
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
