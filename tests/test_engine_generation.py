@@ -128,7 +128,8 @@ def test_seeded_sampling_independent_of_company():
 def test_a_callers_next_request_joins_the_next_step():
     """A caller that submits again as soon as its request has ended (a closed-loop client) is admitted by
     the very next step: the engine loop yields to the event loop before it plans, so the new request does
-    not wait a step with its slot empty while other requests keep the engine busy."""
+    not wait a step with its slot empty while other requests keep the engine busy. (Its first token streams
+    while that step's decode forward still runs, so the step count has not moved yet.)"""
     def req(n: int) -> GenerateRequest:
         return GenerateRequest(prompt_ids=[6, 7, 8, 9], params=SamplingParams(max_new_tokens=n, temperature=0.0,
                                                                               ignore_eos=True))
@@ -147,7 +148,7 @@ def test_a_callers_next_request_joins_the_next_step():
         await busy
         return gaps
 
-    assert run(main) == [1, 1, 1]
+    assert run(main) == [0, 0, 0]
 
 
 def test_stop_string_cut_exactly_across_tokens():
@@ -375,3 +376,47 @@ def test_prefill_borrows_idle_cores_only_when_nothing_decodes(tmp_path, others_b
 def test_prefill_threads_must_be_positive():
     with pytest.raises(ValueError, match="prefill_threads"):
         EngineConfig(prefill_threads=0)
+
+
+def test_a_new_prompts_first_token_streams_before_the_running_rows_decode():
+    """A prompt that joins running streams gets its first token while that step's decode forward still runs."""
+    import contextlib
+    import threading
+
+    seen_first = threading.Event()
+    during_decode = []  # per mixed step: did the client see the new prompt's first token during the decode?
+
+    class Hooks(StepHooks):
+        mixed = False
+
+        def on_plan(self, plan):
+            self.mixed = bool(plan.prefill) and bool(plan.decode)
+
+        def phase(self, name):
+            if name == "decode forward" and self.mixed:
+                during_decode.append(seen_first.wait(timeout=5))  # the event loop streams meanwhile
+            return contextlib.nullcontext()
+
+    engine = make_engine()
+    engine.hooks = Hooks()
+    runner_req = GenerateRequest(prompt_ids=prompt(random.Random(3), 5),
+                                 params=SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True))
+    late_req = GenerateRequest(prompt_ids=prompt(random.Random(4), 6),
+                               params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+
+    async def main(engine):
+        running = asyncio.create_task(collect(engine, runner_req))
+        while engine.steps < 3:
+            await asyncio.sleep(0.0005)
+        stream = engine.submit(late_req)
+        first = await stream.__anext__()
+        seen_first.set()
+        rest = [ev async for ev in stream]
+        await running
+        return first, rest
+
+    first, rest = run_engine(engine, main)
+    assert during_decode[:1] == [True]  # streamed before the decode forward finished
+    alone = run(lambda e: collect(e, late_req))
+    assert first.token_ids + [t for ev in rest for t in ev.token_ids] == alone[1]  # same tokens as alone
+    assert rest[-1].finish_reason == "length"

@@ -268,6 +268,11 @@ class GenerationEngine(EngineLoop):
             take = self._prefilled([(seq, c)], rows, scored)
             if take:
                 logits.append(full[c - 1:][take])  # (choices, V)
+        if rows and step.decode:
+            # the new prompts' first tokens go out now, not after the running rows' decode forward
+            self._emit(rows, torch.cat(logits) if len(logits) > 1 else logits[0])
+            self._loop.call_soon_threadsafe(self._flush_first_tokens, list(rows))
+            scored, rows, logits = scored + rows, [], []
         if step.decode:
             d = step.decode
             with hooks.phase("decode forward"):
@@ -276,22 +281,32 @@ class GenerationEngine(EngineLoop):
                 s.n_cached += 1
             logits.append(out)
             rows.extend(d)
-        if not rows:
-            return scored
-        with hooks.phase("sampling"):
-            toks, lps = self._sample(torch.cat(logits) if len(logits) > 1 else logits[0], rows)
+        if rows:
+            self._emit(rows, torch.cat(logits) if len(logits) > 1 else logits[0])
+        return scored + rows
+
+    def _flush_first_tokens(self, rows: list[Sequence]) -> None:
+        """Event loop, while the step's decode forward runs: stream the staged first tokens (a choice that
+        already ended waits for `_deliver`, which also frees its slot)."""
+        for seq in rows:
+            if seq.done is None:
+                self.output.flush(seq)
+
+    def _emit(self, rows: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample each row's token from its logits (N, V) and stage its event (worker thread)."""
+        with self.hooks.phase("sampling"):
+            toks, lps = self._sample(logits, rows)
         now = time.monotonic()
         for seq, tok, lp in zip(rows, toks, lps, strict=True):
             complete = False
             if seq.matcher is not None:
                 try:
-                    with hooks.phase("grammar"):
+                    with self.hooks.phase("grammar"):
                         complete = self.grammars.advance(seq.matcher, tok)
                 except GrammarError as e:  # the vocabulary cannot spell what the grammar needs next
                     seq.done = ("error", f"[structured output: {e}]", [], None)
                     continue
             self.output.token(seq, tok, now, lp, complete)
-        return scored + rows
 
     def _prefill_threads(self, step: _Step) -> int | None:
         """`prefill_threads` for a step with nothing decoding while no other engine on the host is busy."""

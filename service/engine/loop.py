@@ -40,6 +40,7 @@ class EngineLoop:
         self.busy = BusyBoard()  # this engine's entry on the host's board (service/engine/cpu_runtime.py)
         self._pool: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the engine serves on (set by start)
         self._wakeup: asyncio.Event | None = None
         self._stopping = False
         self.steps = 0
@@ -50,6 +51,7 @@ class EngineLoop:
     async def start(self) -> None:
         if self._task is not None:
             return
+        self._loop = asyncio.get_running_loop()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{self.name}")
         if torch.device(self.config.device).type == "cpu":
             # torch's thread count is per OS thread: set it where the steps run (see cpu_runtime)
