@@ -79,7 +79,11 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             if cache is not None:
                 k, v, own = cache.update(layer, k, v)  # (B, Hkv, Tk, D): this row's slot prefix
-        if k.dtype != q.dtype:  # a cache kept in a wider dtype than the weights: attend in its dtype
+        if k.dtype != q.dtype and own is None and k.element_size() < q.element_size():
+            # a cache kept narrower than the compute dtype (storage only): attend in the compute dtype,
+            # not in a dtype the CPU may only emulate
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        elif k.dtype != q.dtype:  # a wider cache, or the decode kernel (float32 sums): the cache's dtype
             q = q.to(k.dtype)
         if own is not None:
             y = prefix_attention(q, k, v, *own, mask)  # (B, H, 1, D)

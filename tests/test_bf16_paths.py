@@ -70,13 +70,15 @@ def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 @torch.inference_mode()
 def forward_error(name: str, kv_dtype: torch.dtype, slots: list[int], mutation: str | None = None,
-                  seed: int = 0) -> float:
-    """Two rows prefilled then decoded token by token through DecoderLM.forward with the slot cache."""
+                  seed: int = 0, weights: torch.dtype = torch.bfloat16) -> float:
+    """Two rows prefilled then decoded token by token through DecoderLM.forward with the slot cache
+    (`weights`: the serving model's dtype; float32 with a bf16 cache is `kv_dtype: bfloat16` on an fp32 host)."""
     cfg = CONFIGS[name]
     m16, m32 = _models(cfg, seed)
+    ref32, m16 = m32, (m16 if weights == torch.bfloat16 else _models(cfg, seed)[1])
     g = torch.Generator().manual_seed(seed + 100)
     seq = torch.randint(0, cfg.vocab_size, (2, TOTAL), generator=g)
-    ref = m32(seq)  # (2, TOTAL, V)
+    ref = ref32(seq)  # (2, TOTAL, V)
     cache = _stale_cache(m16, kv_dtype, g)
     out = [m16(seq[:, :PROMPT], torch.arange(PROMPT).expand(2, PROMPT), cache, slots)]
     with pytest.MonkeyPatch.context() as mp:
@@ -87,16 +89,19 @@ def forward_error(name: str, kv_dtype: torch.dtype, slots: list[int], mutation: 
             rows = slots[::-1] if mutation == "slot" else slots
             out.append(m16(seq[:, t:t + 1], torch.full((2, 1), pos), cache, rows))
     got = torch.cat(out, 1)  # (2, TOTAL, V)
-    assert got.dtype == torch.bfloat16 and cache.k.dtype == kv_dtype
+    assert got.dtype == weights and cache.k.dtype == kv_dtype
     return _relative_error(got, ref)
 
 
 @torch.inference_mode()
-def step_error(name: str, kv_dtype: torch.dtype, mutation: str | None = None, seed: int = 0) -> float:
+def step_error(name: str, kv_dtype: torch.dtype, mutation: str | None = None, seed: int = 0,
+               weights: torch.dtype = torch.bfloat16) -> float:
     """Two rows prefilled by the forward, then decoded by `decoder_step` over prefix views of slots 0-1
     (strided views: the bf16 `.contiguous()` branch of the attention)."""
     cfg = CONFIGS[name]
     m16, m32 = _models(cfg, seed)
+    if weights == torch.float32:
+        m16 = _models(cfg, seed)[1]
     g = torch.Generator().manual_seed(seed + 100)
     seq = torch.randint(0, cfg.vocab_size, (2, TOTAL), generator=g)
     ref = m32(seq)[:, PROMPT:]  # (2, TOTAL - PROMPT, V)
@@ -117,7 +122,7 @@ def step_error(name: str, kv_dtype: torch.dtype, mutation: str | None = None, se
             cache.write_step(new_k, new_v, positions)
             out.append(logits)
     got = torch.stack(out, 1)  # (2, TOTAL - PROMPT, V)
-    assert got.dtype == torch.bfloat16 and cache.k.dtype == kv_dtype
+    assert got.dtype == weights and cache.k.dtype == kv_dtype
     return _relative_error(got, ref)
 
 
@@ -153,3 +158,25 @@ def test_mutated_forward_fails_the_comparison(name, kv, mutation):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_mutated_decode_step_fails_the_comparison(name, kv, mutation):
     assert step_error(name, KV[kv], mutation) > 2 * TOLERANCE[name], mutation
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fp32_weights_with_a_bf16_cache_match_fp32_recompute(name, monkeypatch):
+    """`kv_dtype: bfloat16` under float32 weights: K/V stored in bf16, attention computed in float32 over
+    the prompt (not in a bf16 the CPU may only emulate), the decode kernel summing in float32."""
+    import torch.nn.functional as F
+
+    sdpa_dtypes = set()
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        sdpa_dtypes.add((q.dtype, k.dtype, v.dtype))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    for seed in range(2):
+        assert forward_error(name, torch.bfloat16, [3, 0], seed=seed, weights=torch.float32) < TOLERANCE[name]
+        assert step_error(name, torch.bfloat16, seed=seed, weights=torch.float32) < TOLERANCE[name]
+    assert sdpa_dtypes == {(torch.float32,) * 3}
+    mutated = forward_error(name, torch.bfloat16, [3, 0], mutation="mask", weights=torch.float32)
+    assert mutated > 2 * TOLERANCE[name]
