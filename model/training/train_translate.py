@@ -72,11 +72,7 @@ def make_examples(pairs, tok, max_len: int) -> list[tuple[list[int], list[int]]]
     """Each (en, zh) pair gives two examples: <2en>+zh -> en and <2zh>+en -> zh."""
     ex = []
     for en, zh in progress(pairs, desc="encoding pairs", unit="pair"):
-        for src, tgt, lang in ((zh, en, "en"), (en, zh, "zh")):
-            s = encode_source(tok, src, lang)
-            t = [tok.bos_id, *tok.encode(tgt), tok.eos_id]
-            if len(s) <= max_len and len(t) <= max_len + 1:
-                ex.append((s, t))
+        ex += filter(None, (_example(tok, zh, en, "en", max_len), _example(tok, en, zh, "zh", max_len)))
     return ex
 
 
@@ -89,12 +85,19 @@ def make_bt_examples(rows, tok, max_len: int) -> list[tuple[list[int], list[int]
     ex = []
     for en, zh, real in progress(rows, desc="encoding synthetic pairs", unit="pair"):
         src, tgt = (en, zh) if real == "zh" else (zh, en)
-        s = encode_source(tok, src, real)
-        s.insert(1, bt_tag)
-        t = [tok.bos_id, *tok.encode(tgt), tok.eos_id]
-        if len(s) <= max_len and len(t) <= max_len + 1:
-            ex.append((s, t))
+        ex += filter(None, [_example(tok, src, tgt, real, max_len, bt_tag)])
     return ex
+
+
+def _example(tok, src: str, tgt: str, lang: str, max_len: int, extra_tag: int | None = None
+             ) -> tuple[list[int], list[int]] | None:
+    """(source ids, target ids) translating src into `lang` (`extra_tag` after the language tag), or
+    None when a side is longer than max_len."""
+    s = encode_source(tok, src, lang)
+    if extra_tag is not None:
+        s.insert(1, extra_tag)
+    t = [tok.bos_id, *tok.encode(tgt), tok.eos_id]
+    return (s, t) if len(s) <= max_len and len(t) <= max_len + 1 else None
 
 
 def make_batches(examples, batch_tokens: int, rng: random.Random) -> list[list[int]]:

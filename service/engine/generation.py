@@ -270,7 +270,7 @@ class GenerationEngine(EngineLoop):
                 logits.append(full[c - 1:][take])  # (choices, V)
         if rows and step.decode:
             # the new prompts' first tokens go out now, not after the running rows' decode forward
-            self._emit(rows, torch.cat(logits) if len(logits) > 1 else logits[0])
+            self._emit(rows, logits)
             self._loop.call_soon_threadsafe(self._flush_first_tokens, list(rows))
             scored, rows, logits = scored + rows, [], []
         if step.decode:
@@ -282,7 +282,7 @@ class GenerationEngine(EngineLoop):
             logits.append(out)
             rows.extend(d)
         if rows:
-            self._emit(rows, torch.cat(logits) if len(logits) > 1 else logits[0])
+            self._emit(rows, logits)
         return scored + rows
 
     def _flush_first_tokens(self, rows: list[Sequence]) -> None:
@@ -292,10 +292,11 @@ class GenerationEngine(EngineLoop):
             if seq.done is None:
                 self.output.flush(seq)
 
-    def _emit(self, rows: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample each row's token from its logits (N, V) and stage its event (worker thread)."""
+    def _emit(self, rows: list[Sequence], logits: list[torch.Tensor]) -> None:
+        """Sample each row's token from its logits (pieces of (N, V) in row order) and stage its event
+        (worker thread)."""
         with self.hooks.phase("sampling"):
-            toks, lps = self._sample(logits, rows)
+            toks, lps = self._sample(torch.cat(logits) if len(logits) > 1 else logits[0], rows)
         now = time.monotonic()
         for seq, tok, lp in zip(rows, toks, lps, strict=True):
             complete = False

@@ -105,7 +105,7 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams],
     # top-k / top-p rows sample from their sorted, filtered logits; the others from the logits as they
     # are, whatever the batch company (the inverse CDF of another order picks another token for one u)
     filt = [j for j, p in enumerate(sp) if p.top_k > 0 or p.top_p < 1.0]
-    plain = [j for j in range(len(sp)) if j not in set(filt)]
+    plain = [j for j, p in enumerate(sp) if p.top_k <= 0 and p.top_p >= 1.0]
     if plain:
         choice[plain] = _inverse_cdf(x[plain], u[plain])
     if filt:
