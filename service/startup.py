@@ -86,10 +86,11 @@ def ready_startup() -> Startup:
 def watch_startup(url: str, stop: threading.Event, t0: float, say: Callable[..., None] = print,
                   poll_s: float = 0.5, timeout_s: float | None = None) -> bool:
     """Poll `url`/readyz, printing each new phase and model state with the elapsed time (from `t0`), until
-    it answers 200 (True), or `stop` is set or `timeout_s` has passed (False)."""
+    it answers 200 (True), or `stop` is set or `timeout_s` has passed (False). With several replicas
+    the answers alternate between them: each line is printed once, when the first replica reaches it."""
     import httpx
 
-    seen: dict[str, str] = {}
+    seen: set[tuple[str, str]] = set()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
         try:
@@ -101,8 +102,8 @@ def watch_startup(url: str, stop: threading.Event, t0: float, say: Callable[...,
         if body.get("error"):
             lines["error"] = f"start-up failed: {body['error']} (Serve restarts the replica)"
         for key, text in lines.items():
-            if seen.get(key) != text:
-                seen[key] = text
+            if (key, text) not in seen:
+                seen.add((key, text))
                 label = "" if key in ("phase", "error") else f"{key.strip()}: "
                 say(f"[{time.monotonic() - t0:6.1f} s] {'  ' if label else ''}{label}{text}", flush=True)
         if r is not None and r.status_code == 200:

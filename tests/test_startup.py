@@ -36,6 +36,35 @@ def test_startup_state_snapshot():
     assert failed.snapshot()["error"] == "ValueError: x" and failed.snapshot()["phase"] == "failed"
 
 
+def test_watch_startup_prints_each_line_once_across_alternating_replicas(monkeypatch):
+    """Two replicas answer /readyz in turn, one a phase ahead: each phase and model state is printed
+    once (when the first replica reaches it), not again whenever the other replica answers."""
+    import threading
+
+    import service.startup as startup_mod
+
+    a = {"phase": "compiling the generator engine", "models": {"m": "compiling"}}
+    b = {"phase": "loading the generator weights", "models": {"m": "weights loaded: 1 MB"}}
+    ready = {"phase": "ready", "ready": True, "models": {"m": "ready"}}
+    answers = iter([(503, b), (503, a), (503, b), (503, a), (503, a), (200, ready)])
+
+    class Reply:
+        def __init__(self, code, body):
+            self.status_code, self._body = code, body
+
+        def json(self):
+            return self._body
+
+    monkeypatch.setattr("httpx.get", lambda url, timeout: Reply(*next(answers)))
+    said: list[str] = []
+    ok = startup_mod.watch_startup("http://x", threading.Event(), time.monotonic(),
+                                   say=lambda text, flush=False: said.append(text.split("] ", 1)[1]),
+                                   poll_s=0.0)
+    assert ok
+    assert said == ["loading the generator weights", "  m: weights loaded: 1 MB",
+                    "compiling the generator engine", "  m: compiling", "ready", "  m: ready"]
+
+
 def test_readiness_waits_for_the_request_router_where_one_reads_it():
     """A replica behind ReadyFirstRouter says ready on /readyz only once a routing report has told the
     router so; without such a router (no reports), as soon as it is loaded."""
