@@ -22,6 +22,14 @@ constexpr int64_t NB = 16;                // outputs per block
 constexpr int64_t NIBBLES = NB * G / 2;   // 256 bytes of 4-bit weights per (block, group)
 constexpr int64_t BLOCK = NIBBLES + 2 * NB * 2;  // + 16 fp16 scales + 16 fp16 minima = 320 bytes
 constexpr int64_t ROWS = 8;               // rows sharing one unpacking of a group's weights
+// Software prefetch this far ahead of the group being read: the hardware prefetcher alone leaves the
+// stream of weights latency-bound (docs/decisions.md, "int4 weight prefetch")
+constexpr int64_t PREFETCH_BYTES = 8192;
+
+inline void prefetch_group(const uint8_t* w) {
+  const char* p = reinterpret_cast<const char*>(w) + PREFETCH_BYTES;
+  for (int64_t c = 0; c < BLOCK; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
+}
 
 struct Acts {
   int64_t m, k, groups;
@@ -64,6 +72,36 @@ void quantize_row_avx512(const float* x, int64_t k, int8_t* q, float* scale, flo
   }
 }
 
+__attribute__((target("avx2,fma")))
+void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* scale, float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  for (int64_t g = 0; g < k / G; ++g) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + g * G + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float d = _mm_cvtss_f32(m4) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    const __m256 vi = _mm256_set1_ps(inv);
+    __m256i i32[4];
+    for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vi));  // nearest even
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    const __m256i p16 = _mm256_packs_epi32(i32[0], i32[1]), q16 = _mm256_packs_epi32(i32[2], i32[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16, q16), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * G), p8);
+    scale[g] = d;
+    sum[g] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+  }
+}
+
 // out (M, N) float32 = this block's 16 columns for rows [r0, r0 + R). R is a compile-time constant and
 // every loop over registers is unrolled, so weights and accumulators stay in registers.
 template <int R>
@@ -76,6 +114,7 @@ void block_vnni(const uint8_t* w, const Acts& a, int64_t r0, float* out, int64_t
   const int8_t* q = a.q.data();
   const float *scale = a.scale.data(), *sum = a.sum.data();
   for (int64_t g = 0; g < a.groups; ++g, w += BLOCK) {
+    prefetch_group(w);
     __m512i W[8];  // W[j]: 16 outputs x the group's inputs 4j..4j+3, one u8 each
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
@@ -116,6 +155,7 @@ void block_avx2(const uint8_t* w0, const Acts& a, int64_t r0, float* out, int64_
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const uint8_t* w = w0;
     for (int64_t g = 0; g < a.groups; ++g, w += BLOCK) {
+      if (h == 0) prefetch_group(w);  // the second half re-reads what the first brought in
       __m256i W[8];
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
@@ -176,8 +216,11 @@ using Blocks = std::array<BlockFn, ROWS + 1>;  // by rows in the register block,
 
 #define ATTNSERVE_BLOCKS(fn) Blocks{nullptr, fn<1>, fn<2>, fn<3>, fn<4>, fn<5>, fn<6>, fn<7>, fn<8>}
 
+using QuantizeFn = void (*)(const float*, int64_t, int8_t*, float*, float*);
+
 struct Isa {
   Blocks block;
+  QuantizeFn quantize;
   bool avx512;
 };
 
@@ -188,11 +231,12 @@ Isa pick() {
   const std::string want = cap ? cap : "";
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512dq");
-  if (want == "scalar") return {ATTNSERVE_BLOCKS(block_scalar), false};
-  if (want != "avx2" && avx512 && __builtin_cpu_supports("avx512vnni")) return {ATTNSERVE_BLOCKS(block_vnni), true};
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    return {ATTNSERVE_BLOCKS(block_avx2), avx512 && want != "avx2"};
-  return {ATTNSERVE_BLOCKS(block_scalar), avx512};
+  if (want == "scalar") return {ATTNSERVE_BLOCKS(block_scalar), quantize_row_scalar, false};
+  if (want != "avx2" && avx512 && __builtin_cpu_supports("avx512vnni"))
+    return {ATTNSERVE_BLOCKS(block_vnni), quantize_row_avx512, true};
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) return {ATTNSERVE_BLOCKS(block_avx2), quantize_row_avx2, avx512 && want != "avx2"};
+  return {ATTNSERVE_BLOCKS(block_scalar), quantize_row_scalar, avx512 && want != "avx2"};
 }
 
 __attribute__((target("avx512f,avx512bw")))
@@ -234,9 +278,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
     } else {
       row = xc.data_ptr<float>() + r * k;
     }
-    (isa.avx512 ? quantize_row_avx512 : quantize_row_scalar)(row, k, a.q.data() + r * k,
-                                                              a.scale.data() + r * a.groups,
-                                                              a.sum.data() + r * a.groups);
+    isa.quantize(row, k, a.q.data() + r * k, a.scale.data() + r * a.groups, a.sum.data() + r * a.groups);
   }
   at::Tensor y = at::empty({a.m, out_features}, x.options());
   if (bf16) yf.resize(a.m * out_features);
