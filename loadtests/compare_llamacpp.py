@@ -29,6 +29,7 @@ import httpx
 from loadtests import cli
 from loadtests.plots import plot_sweep
 from loadtests.summary import Summary, format_table
+from model.cpu_features import cpu_label
 from model.progress import progress, write_line
 from service.config import GENERATOR_ID
 
@@ -169,11 +170,14 @@ def main(argv: list[str] | None = None) -> int:
             proc.terminate()
             proc.wait(timeout=30)
     bar.close()
+    print(f"host: {cpu_label()}")  # the flags that change both servers' kernels, beside their figures
+    print()
     print(format_table(rows))
     print()
     print(format_ratios(rows, "attnserve", "llama-server"))
     cli.write_summaries(out / "sweep.csv", rows)
-    plot_sweep(out / "sweep.csv", title=f"{a.scenario}: attnserve, llama-server -np {a.parallel}, llama-cpp-python")
+    peers = f"attnserve, llama-server -np {a.parallel}" + (", llama-cpp-python" if py_users else "")
+    plot_sweep(out / "sweep.csv", title=f"{a.scenario}: {peers} ({cpu_label()})")
     print(f"results: {out}", file=sys.stderr)
     return 0
 

@@ -54,6 +54,24 @@ def cpu_flags() -> frozenset[str]:
     return capped(frozenset(line.partition(":")[2].split()), os.environ.get(ISA_ENV))
 
 
+def cpu_label() -> str:
+    """What a benchmark prints beside its figures: the CPU's model and the flags that change our kernels,
+    e.g. "AMD EPYC f26 m2: avx2 avx512 avx512_vnni avx512_bf16 avx_vnni" (capped by ATTNSERVE_ISA)."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = cpu_flags()
+    shown = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile") if f in flags]
+    name = f"{info.get('model name', 'unknown CPU')} f{info.get('cpu family', '?')} m{info.get('model', '?')}"
+    return f"{name}: {' '.join(shown) or 'no AVX2'}" + (f" ({ISA_ENV}={os.environ[ISA_ENV]})"
+                                                        if os.environ.get(ISA_ENV) else "")
+
+
 def has_amx_bf16(flags: frozenset[str] | None = None) -> bool:
     """True when the CPU has AMX tiles with bf16 (oneDNN then runs bf16 matmuls on AMX)."""
     flags = cpu_flags() if flags is None else flags

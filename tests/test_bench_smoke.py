@@ -227,7 +227,8 @@ def test_compare_llamacpp_sweeps_both_targets_into_one_table_csv_and_plots(tmp_p
                     "--max-tokens", "8", "--parallel", "4", "--llama-server", str(fake),
                     "--results-dir", str(results))
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
-    runs, ratios = r.stdout.strip().split("\n\n")  # each table: header, rule, one line per row
+    host, runs, ratios = r.stdout.strip().split("\n\n")  # each table: header, rule, one line per row
+    assert host.startswith("host: ") and " f" in host  # CPU model, family and flags beside the figures
     table = [line.split() for line in runs.splitlines()[2:]]
     assert [(t[0], t[1]) for t in table] == [("attnserve", "1"), ("llama-server", "1")]
     assert all(float(t[2]) > 0 and float(t[3]) > 0 for t in table)  # req/s, output tok/s

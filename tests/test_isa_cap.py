@@ -31,9 +31,12 @@ def _run(code: str, isa: str) -> subprocess.CompletedProcess:
 def test_the_cap_reaches_torch_and_our_flags():
     code = ("from model.cpu_features import apply_isa_cap, cpu_flags; apply_isa_cap(); import torch, os; "
             "print(torch.backends.cpu.get_cpu_capability(), any(f.startswith('avx512') for f in cpu_flags()), "
-            "os.environ['TORCHINDUCTOR_CPP_MARCH'])")
+            "os.environ['TORCHINDUCTOR_CPP_MARCH']); from model.cpu_features import cpu_label; print(cpu_label())")
     r = _run(code, "avx2")
-    assert r.stdout.split() == ["AVX2", "False", "x86-64-v3"], r.stderr
+    caps, label = r.stdout.splitlines()
+    assert caps.split() == ["AVX2", "False", "x86-64-v3"], r.stderr
+    # what benchmarks print beside their figures names the cap, not the instructions withheld
+    assert label.endswith(": avx2 (ATTNSERVE_ISA=avx2)"), label
 
 
 def test_an_unknown_cap_is_refused_by_the_command_line():
