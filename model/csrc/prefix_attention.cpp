@@ -134,6 +134,9 @@ void softmax_512(float* s, int64_t g, int64_t n) {
   }
 }
 
+// Slices of D summed in one pass over the values: about 12 accumulators in 32 vector registers
+constexpr int slices_per_pass(int g) { return g <= 3 ? 4 : (g <= 6 ? 2 : 1); }
+
 // G query heads share each key and value load; D a multiple of 16
 template <typename T, int G>
 __attribute__((target("avx512f,avx512bw")))
@@ -141,7 +144,39 @@ void head_avx512(const Head<T>& h, float* s) {
   constexpr int64_t W = 16;
   const int64_t n = h.length + 1, c = h.d / W;
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+  if constexpr (G <= 4) {  // four keys at a time, their sums reduced together (one reduction per key is slow)
+    for (; j + 4 <= h.length; j += 4) {
+      __m512 acc[G][4];
+#pragma GCC unroll 8
+      for (int a = 0; a < G; ++a)
+        for (int t = 0; t < 4; ++t) acc[a][t] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < c; ++i) {
+        __m512 kv[4];
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) kv[t] = load16(h.k + (j + t) * h.ks + i * W);
+#pragma GCC unroll 8
+        for (int a = 0; a < G; ++a) {
+          const __m512 qa = _mm512_loadu_ps(h.q + a * h.d + i * W);
+#pragma GCC unroll 4
+          for (int t = 0; t < 4; ++t) acc[a][t] = _mm512_fmadd_ps(qa, kv[t], acc[a][t]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int a = 0; a < G; ++a) {  // per 128-bit lane: [k0, k1, k2, k3] partial sums, then lanes added
+        const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[a][0], acc[a][1]), _mm512_unpackhi_ps(acc[a][0], acc[a][1]));
+        const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[a][2], acc[a][3]), _mm512_unpackhi_ps(acc[a][2], acc[a][3]));
+        const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+        const __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(u),
+                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+        _mm_storeu_ps(s + a * n + j, _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1)));
+        for (int t = 0; t < 4; ++t)
+          if (!h.ok[j + t]) s[a * n + j + t] = ninf;
+      }
+    }
+  }
+  for (; j < n; ++j) {
     const bool own = j == h.length;
     if (!own && !h.ok[j]) {
 #pragma GCC unroll 8
@@ -160,19 +195,33 @@ void head_avx512(const Head<T>& h, float* s) {
     for (int a = 0; a < G; ++a) s[a * n + j] = _mm512_reduce_add_ps(acc[a]);
   }
   softmax_512(s, G, n);
-  for (int64_t i = 0; i < c; ++i) {  // one 16-wide slice of D at a time: G accumulators over every key
-    __m512 o[G];
-    const __m512 vo = _mm512_loadu_ps(h.v_own + i * W);
+  // SL 16-wide slices of D at a time, G x SL accumulators over every key: one FMA chain per accumulator
+  // would wait on its own latency at every key, SL x G independent ones keep the FMA units busy
+  constexpr int SL = slices_per_pass(G);
+  for (int64_t i0 = 0; i0 < c; i0 += SL) {
+    __m512 o[G][SL];
 #pragma GCC unroll 8
-    for (int a = 0; a < G; ++a) o[a] = _mm512_mul_ps(_mm512_set1_ps(s[a * n + h.length]), vo);
+    for (int t = 0; t < SL; ++t) {
+      const __m512 vo = i0 + t < c ? _mm512_loadu_ps(h.v_own + (i0 + t) * W) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int a = 0; a < G; ++a) o[a][t] = _mm512_mul_ps(_mm512_set1_ps(s[a * n + h.length]), vo);
+    }
     for (int64_t j = 0; j < h.length; ++j) {
       if (!h.ok[j]) continue;
-      const __m512 vv = load16(h.v + j * h.vs + i * W);
 #pragma GCC unroll 8
-      for (int a = 0; a < G; ++a) o[a] = _mm512_fmadd_ps(_mm512_set1_ps(s[a * n + j]), vv, o[a]);
+      for (int t = 0; t < SL; ++t) {
+        if (i0 + t >= c) break;
+        const __m512 vv = load16(h.v + j * h.vs + (i0 + t) * W);
+#pragma GCC unroll 8
+        for (int a = 0; a < G; ++a) o[a][t] = _mm512_fmadd_ps(_mm512_set1_ps(s[a * n + j]), vv, o[a][t]);
+      }
     }
 #pragma GCC unroll 8
-    for (int a = 0; a < G; ++a) _mm512_storeu_ps(h.out + a * h.d + i * W, o[a]);
+    for (int t = 0; t < SL; ++t) {
+      if (i0 + t >= c) break;
+#pragma GCC unroll 8
+      for (int a = 0; a < G; ++a) _mm512_storeu_ps(h.out + a * h.d + (i0 + t) * W, o[a][t]);
+    }
   }
 }
 
@@ -247,19 +296,31 @@ void head_avx2(const Head<T>& h, float* s) {
     for (int a = 0; a < G; ++a) s[a * n + j] = hsum8(acc[a]);
   }
   softmax_256(s, G, n);
-  for (int64_t i = 0; i < c; ++i) {
-    __m256 o[G];
-    const __m256 vo = _mm256_loadu_ps(h.v_own + i * W);
+  constexpr int SL = slices_per_pass(G) / 2 > 0 ? slices_per_pass(G) / 2 : 1;  // 16 registers, not 32
+  for (int64_t i0 = 0; i0 < c; i0 += SL) {
+    __m256 o[G][SL];
 #pragma GCC unroll 8
-    for (int a = 0; a < G; ++a) o[a] = _mm256_mul_ps(_mm256_set1_ps(s[a * n + h.length]), vo);
+    for (int t = 0; t < SL; ++t) {
+      const __m256 vo = i0 + t < c ? _mm256_loadu_ps(h.v_own + (i0 + t) * W) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+      for (int a = 0; a < G; ++a) o[a][t] = _mm256_mul_ps(_mm256_set1_ps(s[a * n + h.length]), vo);
+    }
     for (int64_t j = 0; j < h.length; ++j) {
       if (!h.ok[j]) continue;
-      const __m256 vv = load8(h.v + j * h.vs + i * W);
 #pragma GCC unroll 8
-      for (int a = 0; a < G; ++a) o[a] = _mm256_fmadd_ps(_mm256_set1_ps(s[a * n + j]), vv, o[a]);
+      for (int t = 0; t < SL; ++t) {
+        if (i0 + t >= c) break;
+        const __m256 vv = load8(h.v + j * h.vs + (i0 + t) * W);
+#pragma GCC unroll 8
+        for (int a = 0; a < G; ++a) o[a][t] = _mm256_fmadd_ps(_mm256_set1_ps(s[a * n + j]), vv, o[a][t]);
+      }
     }
 #pragma GCC unroll 8
-    for (int a = 0; a < G; ++a) _mm256_storeu_ps(h.out + a * h.d + i * W, o[a]);
+    for (int t = 0; t < SL; ++t) {
+      if (i0 + t >= c) break;
+#pragma GCC unroll 8
+      for (int a = 0; a < G; ++a) _mm256_storeu_ps(h.out + a * h.d + (i0 + t) * W, o[a][t]);
+    }
   }
 }
 
