@@ -176,6 +176,7 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Bac
         setattr(backends, attr, backend)
         if startup is not None:
             seconds = max(time.perf_counter() - t0, 1e-6)
-            mb = sum(p.numel() * p.element_size() for p in backend.engine.model.parameters()) / 2**20
+            model = backend.engine.model  # quantized linears keep their packed weights as buffers
+            mb = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / 2**20
             startup.model(name, f"weights loaded: {mb:.0f} MB in {seconds:.1f} s ({mb / seconds:.0f} MB/s)")
     return backends
