@@ -108,7 +108,7 @@ def check(args) -> None:
             idx = [i for i, j in enumerate(jobs) if j["tgt"] == tgt]
             bleu[tgt] = sacrebleu.corpus_bleu([outs[i] for i in idx], [[refs[jobs[i]["text"]] for i in idx]],
                                               tokenize=tokenize).score
-        print(f"| {'compiled' if c else 'eager'} | {bleu['en']:.2f} | {bleu['zh']:.2f} | {wall:.1f} |")
+        print(f"| {'compiled' if c else 'eager'} | {bleu['en']:.2f} | {bleu['zh']:.2f} | {wall:.3f} |")
 
 
 if __name__ == "__main__":
