@@ -170,14 +170,15 @@ def main(argv: list[str] | None = None) -> int:
             proc.terminate()
             proc.wait(timeout=30)
     bar.close()
-    print(f"host: {cpu_label()}")  # the flags that change both servers' kernels, beside their figures
+    host = cpu_label()
+    print(f"host: {host}")  # the flags that change both servers' kernels, beside their figures
     print()
     print(format_table(rows))
     print()
     print(format_ratios(rows, "attnserve", "llama-server"))
     cli.write_summaries(out / "sweep.csv", rows)
     peers = f"attnserve, llama-server -np {a.parallel}" + (", llama-cpp-python" if py_users else "")
-    plot_sweep(out / "sweep.csv", title=f"{a.scenario}: {peers} ({cpu_label()})")
+    plot_sweep(out / "sweep.csv", title=f"{a.scenario}: {peers} ({host})")
     print(f"results: {out}", file=sys.stderr)
     return 0
 

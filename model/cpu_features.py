@@ -45,18 +45,8 @@ def apply_isa_cap() -> str | None:
 
 
 @lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return capped(frozenset(line.partition(":")[2].split()), os.environ.get(ISA_ENV))
-
-
-def cpu_label() -> str:
-    """What a benchmark prints beside its figures: the CPU's model and the flags that change our kernels,
-    e.g. "AMD EPYC f26 m2: avx2 avx512 avx512_vnni avx512_bf16 avx_vnni" (capped by ATTNSERVE_ISA)."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
     info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -65,7 +55,18 @@ def cpu_label() -> str:
                 info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    flags = cpu_flags()
+    return info
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    return capped(frozenset(_cpuinfo().get("flags", "").split()), os.environ.get(ISA_ENV))
+
+
+def cpu_label() -> str:
+    """What a benchmark prints beside its figures: the CPU's model and the flags that change our kernels,
+    e.g. "AMD EPYC f26 m2: avx2 avx512 avx512_vnni avx512_bf16 avx_vnni" (capped by ATTNSERVE_ISA)."""
+    info, flags = _cpuinfo(), cpu_flags()
     shown = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile") if f in flags]
     name = f"{info.get('model name', 'unknown CPU')} f{info.get('cpu family', '?')} m{info.get('model', '?')}"
     return f"{name}: {' '.join(shown) or 'no AVX2'}" + (f" ({ISA_ENV}={os.environ[ISA_ENV]})"

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -296,7 +297,7 @@ void head_avx2(const Head<T>& h, float* s) {
     for (int a = 0; a < G; ++a) s[a * n + j] = hsum8(acc[a]);
   }
   softmax_256(s, G, n);
-  constexpr int SL = slices_per_pass(G) / 2 > 0 ? slices_per_pass(G) / 2 : 1;  // 16 registers, not 32
+  constexpr int SL = std::max(1, slices_per_pass(G) / 2);  // 16 registers, not 32
   for (int64_t i0 = 0; i0 < c; i0 += SL) {
     __m256 o[G][SL];
 #pragma GCC unroll 8

@@ -104,8 +104,9 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams],
     choice = torch.empty(len(rows), dtype=torch.long, device=dev)  # (N,)
     # top-k / top-p rows sample from their sorted, filtered logits; the others from the logits as they
     # are, whatever the batch company (the inverse CDF of another order picks another token for one u)
-    filt = [j for j, p in enumerate(sp) if p.top_k > 0 or p.top_p < 1.0]
-    plain = [j for j, p in enumerate(sp) if p.top_k <= 0 and p.top_p >= 1.0]
+    filtered = [p.top_k > 0 or p.top_p < 1.0 for p in sp]
+    filt = [j for j, f in enumerate(filtered) if f]
+    plain = [j for j, f in enumerate(filtered) if not f]
     if plain:
         choice[plain] = _inverse_cdf(x[plain], u[plain])
     if filt:
