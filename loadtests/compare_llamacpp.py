@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import httpx
 
 from loadtests import cli
 from loadtests.plots import plot_sweep
+from loadtests.ports import free_port
 from loadtests.summary import Summary, format_table
 from model.cpu_features import cpu_label
 from model.progress import progress, write_line
@@ -71,11 +71,6 @@ def format_ratios(rows: list[tuple[str, Summary]], ours: str, peer: str) -> str:
     return "\n".join(lines)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _start(cmd: list[str], url: str, health: str, log: Path, name: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
@@ -94,14 +89,14 @@ def _start(cmd: list[str], url: str, health: str, log: Path, name: str) -> tuple
 
 
 def start_llama_server(binary: Path, gguf: Path, parallel: int, log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-tb", "2",
            "-np", str(parallel), "-c", str(256 * parallel), "--cont-batching"]
     return _start(cmd, f"http://127.0.0.1:{port}", "/health", log, "llama-server")
 
 
 def start_llama_cpp_python(python: Path, gguf: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", GENERATOR_ID,
            "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2", "--n_threads_batch", "2",
            "--n_ctx", "4096", "--interrupt_requests", "False"]

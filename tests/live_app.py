@@ -3,18 +3,13 @@ subprocess), for tests that need a URL: the schema fuzz and the auth tests."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from contextlib import contextmanager
 
 import uvicorn
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from loadtests.ports import free_port
 
 
 @contextmanager

@@ -7,22 +7,18 @@ application on /batched runs the `@serve.batch` mode.
 
 from __future__ import annotations
 
-import socket
 import time
 
 import httpx
 import pytest
+
+from loadtests.ports import free_port
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 TEXTS = ["the cat sat on the mat", "hello world, how are you?", "a quick brown fox jumps over the lazy dog",
          "你好世界", "今天天气很好", "机器翻译", "numbers 0123456789 and symbols !?.,"] * 20
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_checkpoints(root):
@@ -61,7 +57,7 @@ def serve_url(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("serve")
     gen, tr = tiny_checkpoints(root)
-    port = _free_port()
+    port = free_port()
     config = {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": port, "keep_alive_timeout_s": 75},

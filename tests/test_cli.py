@@ -34,8 +34,9 @@ import httpx
 import pytest
 import torch
 import yaml
-from live_service import free_port, live_service
+from live_service import live_service
 
+from loadtests.ports import free_port
 from model import paths
 from service.cli import COMMANDS, main
 

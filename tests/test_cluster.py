@@ -19,7 +19,8 @@ import yaml
 from api_util import metric
 from serve_fixture import tiny_checkpoints
 
-from loadtests.reliability.tiny_service import TinyServiceConfig, _free_port, serve_config
+from loadtests.ports import free_port
+from loadtests.reliability.tiny_service import TinyServiceConfig, serve_config
 from service.commands.cluster import cluster_processes
 
 pytestmark = pytest.mark.cluster
@@ -41,7 +42,7 @@ def _run(*cmd: str, timeout: float = 120) -> str:
 
 
 def test_two_node_cluster(tmp_path):
-    gcs, dash, client, http = (_free_port() for _ in range(4))
+    gcs, dash, client, http = (free_port() for _ in range(4))
     ports = [f"--port={gcs}", f"--dashboard-port={dash}", f"--client-port={client}"]
     gen, tr = tiny_checkpoints(tmp_path)
     config = serve_config(TinyServiceConfig(num_replicas=2, replica_cpus=0.5), gen, tr, http)

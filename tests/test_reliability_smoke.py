@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from live_service import free_port
+
+from loadtests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parent.parent

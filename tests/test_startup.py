@@ -14,8 +14,9 @@ import time
 import httpx
 import pytest
 import yaml
-from serve_fixture import _free_port, service_args, tiny_checkpoints
+from serve_fixture import service_args, tiny_checkpoints
 
+from loadtests.ports import free_port
 from model.paths import REPO_ROOT
 from service.startup import RETRY_AFTER_S, Startup
 
@@ -85,7 +86,7 @@ def test_serve_reports_phases_and_answers_503_until_ready(tmp_path):
     gen, tr = tiny_checkpoints(tmp_path)
     args = service_args(gen, tr)
     args["generator"]["engine"]["compile"] = True  # a start-up long enough to watch, as the default config
-    port = _free_port()
+    port = free_port()
     config = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
               "applications": [{"name": "attnserve", "route_prefix": "/", "import_path": "service.deployments:build",
                                 "args": args, "deployments": [{"name": "AttnServe",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+from loadtests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -39,11 +40,6 @@ class TinyServiceConfig:
     replica_cpus: float = 0.5
     env: dict[str, str] = field(default_factory=dict)  # extra environment for Ray's workers
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 ALLOW_OTHER_RAY = "ATTNSERVE_ALLOW_OTHER_RAY"
@@ -93,7 +89,7 @@ def tiny_service(cfg: TinyServiceConfig, deploy_timeout_s: float = 240.0):
     os.environ.update(cfg.env)
     with tempfile.TemporaryDirectory(prefix="attnserve-rel-") as tmp:
         gen, tr = tiny_checkpoints(Path(tmp))
-        port = _free_port()
+        port = free_port()
         ray_local.start_ray(num_cpus=2)
         try:
             ray_local.deploy(serve_config(cfg, gen, tr, port), timeout_s=deploy_timeout_s)
