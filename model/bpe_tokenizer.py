@@ -21,7 +21,7 @@ CONFIG_FILE = "tokenizer_config.json"
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -55,7 +55,7 @@ class BPETokenizer:
 
         if tok.get("model") != "gpt2":
             raise ValueError(f"tokenizer model {tok.get('model')!r} is not byte-level BPE ('gpt2')")
-        spelling = _bytes_to_unicode()
+        spelling = bytes_to_unicode()
         alphabet = set(spelling.values())
         tokens = list(tok["tokens"])
         vocab = {}
@@ -122,7 +122,7 @@ class BPETokenizer:
     def token_bytes(self) -> list[bytes]:
         """Every id's bytes as they appear in decoded text, for grammar libraries that match output
         bytes against the vocabulary (special tokens: their name's UTF-8; `special_ids` tells them apart)."""
-        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+        byte_of = {c: b for b, c in bytes_to_unicode().items()}
         out = []
         for i in range(self.vocab_size):
             t = self.id_to_token(i) or ""

@@ -46,7 +46,7 @@ class CharTokenizer:
         raise NotImplementedError("test tokenizer")
 
 
-def _sharpen(model: torch.nn.Module, scale: float) -> torch.nn.Module:
+def sharpen(model: torch.nn.Module, scale: float) -> torch.nn.Module:
     """Random models with std-0.02 weights give nearly flat logits, where rounding differences
     between batch shapes could flip an argmax; larger weights give decisive choices."""
     with torch.no_grad():
@@ -59,12 +59,12 @@ def _sharpen(model: torch.nn.Module, scale: float) -> torch.nn.Module:
 def tiny_llama(seed: int = 0, vocab_size: int = TINY_LLAMA.vocab_size) -> DecoderLM:
     """vocab_size 100 with CharTokenizer(100) has every printable character ('}', '~' and ' ' too)."""
     torch.manual_seed(seed)
-    return _sharpen(DecoderLM(dataclasses.replace(TINY_LLAMA, vocab_size=vocab_size)), 20.0)
+    return sharpen(DecoderLM(dataclasses.replace(TINY_LLAMA, vocab_size=vocab_size)), 20.0)
 
 
 def tiny_seq2seq(seed: int = 0) -> EncoderDecoder:
     torch.manual_seed(seed)
-    return _sharpen(EncoderDecoder(TINY_SEQ2SEQ), 3.0)
+    return sharpen(EncoderDecoder(TINY_SEQ2SEQ), 3.0)
 
 
 def run_engine(engine, coro_fn):

@@ -85,7 +85,7 @@ def smollm2_standin() -> Path:
     """A tiny random Llama + byte-level BPE tokenizer saved where `ensure_smollm2` finds the converted
     SmolLM2 (float32) under the current $ATTNSERVE_HOME: 96 one-byte tokens (newline, printable ASCII)
     plus <|im_start|> and <|im_end|> (the stop token)."""
-    from engine_util import _sharpen
+    from engine_util import sharpen
 
     from model.bpe_tokenizer import CONTROL, BPETokenizer
     from model.checkpoint import save_checkpoint
@@ -100,7 +100,7 @@ def smollm2_standin() -> Path:
     cfg = DecoderConfig(**{**TINY_LLAMA.to_dict(), "vocab_size": len(tokens), "d_model": 64, "d_ff": 256,
                            "eos_id": len(tokens) - 1})
     torch.manual_seed(1)
-    return save_checkpoint(_sharpen(DecoderLM(cfg), 20.0), checkpoint_dir("float32"), tokenizer=tok)
+    return save_checkpoint(sharpen(DecoderLM(cfg), 20.0), checkpoint_dir("float32"), tokenizer=tok)
 
 
 @pytest.fixture

@@ -163,7 +163,7 @@ def test_int4_kernel_paths_agree_with_the_reference(isa):
     assert float(r.stdout) < 1e-4
 
 
-def _tiny_llama():
+def tiny_llama():
     torch.manual_seed(0)
     cfg = DecoderConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,
                         norm="rmsnorm", mlp="swiglu", positions="rope", attn_bias=False, mlp_bias=False,
@@ -171,18 +171,18 @@ def _tiny_llama():
     return DecoderLM(cfg).eval()
 
 
-class _Tok:
+class TinyTok:
     def encode(self, text):
         return [b % 96 for b in text.encode()[:48]]
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_model_close_and_compiles(mode, one_torch_thread):
-    model = _tiny_llama()
+    model = tiny_llama()
     tokens = torch.randint(0, 96, (2, 12))
     with torch.inference_mode():
         ref = model(tokens)
-    n = quantize_decoder(model, _Tok(), mode)
+    n = quantize_decoder(model, TinyTok(), mode)
     assert n == 2 * 4 + 1  # qkv, o, gate_up, down per block + lm_head
     kinds = {type(m) for m in model.modules()}
     assert Int8Linear in kinds and (mode == "int8") == (Int4Linear not in kinds)
@@ -195,7 +195,7 @@ def test_quantized_model_close_and_compiles(mode, one_torch_thread):
 
 
 def test_quantize_rejects_unknown_mode_and_keeps_named_layers():
-    model = _tiny_llama()
+    model = tiny_llama()
     with pytest.raises(ValueError, match="quantization"):
         quantize_linears(model, "int3")
     assert quantize_linears(model, "int8", keep=("lm_head",)) == 8
@@ -223,11 +223,11 @@ def test_quantized_step_from_shared_packages_equals_the_eager_step(mode, package
     from service.engine.compiled import CompiledDecoder
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    m = _tiny_llama()
+    m = tiny_llama()
     if mode == "int8 float head":
         quantize_linears(m, "int8", keep=("lm_head",))
     else:
-        quantize_decoder(m, _Tok(), mode)
+        quantize_decoder(m, TinyTok(), mode)
     cache = m.new_cache(8, 64)
     prompts = [[5, 9, 11, 3], [7, 2], [1, 2, 3, 4, 5, 6, 7]]
     with torch.inference_mode():
@@ -265,13 +265,13 @@ _COMPILE_TWICE = """
 import logging, sys, torch
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 sys.path.insert(0, {root!r})
-from tests.test_quantize import _tiny_llama, _Tok
+from tests.test_quantize import tiny_llama, TinyTok
 from tests.engine_util import tiny_seq2seq
 from model.quantize import quantize_decoder
 from service.engine.compiled import CompiledDecoder, CompiledTranslator, use_persistent_cache
 torch.set_num_threads(1)
-m = _tiny_llama()
-quantize_decoder(m, _Tok(), "int8")
+m = tiny_llama()
+quantize_decoder(m, TinyTok(), "int8")
 step = CompiledDecoder(m, m.new_cache(8, 64))
 step.warm_up()
 with torch.inference_mode():
@@ -318,14 +318,14 @@ def test_package_fingerprint_follows_weights_and_quantized_kernels():
     handles, must give another fingerprint (so another package, never a stale one)."""
     from service.engine.aot_package import fingerprint
 
-    a, b = _tiny_llama(), _tiny_llama()
+    a, b = tiny_llama(), tiny_llama()
     assert fingerprint(a) == fingerprint(b)
     with torch.no_grad():
         b.blocks[0].mlp.down.weight[0, 0] += 1e-3
     assert fingerprint(a) != fingerprint(b)
-    c, d = _tiny_llama(), _tiny_llama()
-    quantize_decoder(c, _Tok(), "int8")
-    quantize_decoder(d, _Tok(), "int8")  # same weights, new handles
+    c, d = tiny_llama(), tiny_llama()
+    quantize_decoder(c, TinyTok(), "int8")
+    quantize_decoder(d, TinyTok(), "int8")  # same weights, new handles
     assert fingerprint(c) != fingerprint(d)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf_util import write_tiny_gguf
 
-from model.bpe_tokenizer import BPETokenizer, _bytes_to_unicode
+from model.bpe_tokenizer import BPETokenizer, bytes_to_unicode
 from model.chat import ChatTemplateError, render_chat
 from model.config import TINY_LLAMA
 from model.decoder import DecoderLM
@@ -79,7 +79,7 @@ def test_missing_tensor_is_named(tmp_path, tiny):
 
 def tiny_tokenizer():
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    chars = list(_bytes_to_unicode().values())
+    chars = list(bytes_to_unicode().values())
     merges = ["h e", "l l", "he ll", "Ġ w", "Ġw o"]
     tokens = specials + chars + [m.replace(" ", "") for m in merges]
     meta = {"model": "gpt2", "tokens": tokens, "token_type": [3, 3, 3] + [1] * (len(tokens) - 3),
