@@ -13,6 +13,7 @@ whatever else shares the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -42,8 +43,60 @@ def banned_tokens(seq: list[int], n: int) -> list[int]:
         return []
     if n == 1:
         return list(set(seq))
-    prefix = seq[len(seq) - n + 1:]
-    return [seq[i + n - 1] for i in range(len(seq) - n + 1) if seq[i:i + n - 1] == prefix]
+    m = len(seq) - n + 1  # n-grams start at [0, m)
+    prefix, out, i = seq[m:], [], 0
+    while True:  # list.index scans in C: only the prefix's first token's occurrences cost Python work
+        try:
+            i = seq.index(prefix[0], i, m)
+        except ValueError:
+            return out
+        if seq[i:i + n - 1] == prefix:
+            out.append(seq[i + n - 1])
+        i += 1
+
+
+def advance_all(states: list[BeamState], logits: torch.Tensor, rows: list[list[int]]) -> list[list[int]]:
+    """One step of every state: logits (R, V), rows[i] the rows of states[i]'s hypotheses -> for each state
+    the parent index of each of its new hypotheses (for the slot copies; empty once it is done)."""
+    out: list[list[int]] = [[] for _ in states]
+    greedy = [i for i, st in enumerate(states) if st.k == 1]
+    if greedy:  # one argmax for every greedy row; a float copy + argmax beats argmax over bf16 (decisions.md)
+        picks = logits[[rows[i][0] for i in greedy]].float().argmax(-1).tolist()
+        for i, tok in zip(greedy, picks, strict=True):
+            out[i] = states[i].push(tok, logits[rows[i][0]])
+    beams = [i for i, st in enumerate(states) if st.k > 1]
+    if beams:
+        cands = beam_candidates([states[i] for i in beams], logits[[r for i in beams for r in rows[i]]])
+        for i, (top_s, top_i) in zip(beams, cands, strict=True):
+            out[i] = states[i].choose(top_s, top_i, logits.shape[-1])
+    return out
+
+
+def beam_candidates(states: list[BeamState], logits: torch.Tensor) -> list[tuple[list[float], list[int]]]:
+    """logits (sum of k, V) of the states' hypotheses, state after state -> each state's 2k best candidates
+    (scores, indices into its flattened (k, V)): room for k live ones after removing EOS. The ops run once
+    for every state (a per-state log_softmax and topk cost more than the rest of a beam step)."""
+    logp = torch.log_softmax(logits.float(), -1)  # (R, V)
+    rows, banned, scores, row = [], [], [], 0
+    for st in states:
+        for j, seq in enumerate(st.seqs):
+            for tok in banned_tokens(seq, st.no_repeat_ngram):
+                rows.append(row + j)
+                banned.append(tok)
+        scores += st.scores
+        row += st.k
+    if rows:
+        logp[rows, banned] = NEG_INF
+    cand = torch.tensor(scores, dtype=logp.dtype)[:, None] + logp  # (R, V)
+    v, out = logp.shape[-1], [None] * len(states)
+    starts = list(accumulate((st.k for st in states), initial=0))  # each state's first row
+    for k in sorted({st.k for st in states}):
+        mine = [i for i, st in enumerate(states) if st.k == k]
+        idx = torch.tensor([starts[i] + j for i in mine for j in range(k)])
+        top_s, top_i = cand[idx].view(len(mine), k * v).topk(2 * k)  # (n, 2k)
+        for i, s_, i_ in zip(mine, top_s.tolist(), top_i.tolist(), strict=True):
+            out[i] = (s_, i_)
+    return out
 
 
 @dataclass(eq=False)
@@ -68,22 +121,11 @@ class BeamState:
         self.scores = [0.0] + [NEG_INF] * (self.k - 1)
         self.last = [self.bos_id] * self.k
 
-    def advance(self, logits: torch.Tensor) -> list[int]:
-        """logits (k, V) for this step -> parent index of each of the k new hypotheses (for the slot
-        copy); sets `done` when decoding has ended."""
-        if self.k == 1:
-            return self.push(int(logits[0].argmax()), logits[0])
-        logp = torch.log_softmax(logits.float(), -1)  # (k, V)
-        if self.no_repeat_ngram:
-            for j, seq in enumerate(self.seqs):
-                banned = banned_tokens(seq, self.no_repeat_ngram)
-                if banned:
-                    logp[j, banned] = NEG_INF
-        v = logp.shape[-1]
-        cand = (torch.tensor(self.scores, dtype=logp.dtype)[:, None] + logp).view(-1)  # (k*V,)
-        top_s, top_i = cand.topk(2 * self.k)  # room for k live after removing EOS
+    def choose(self, top_s: list[float], top_i: list[int], v: int) -> list[int]:
+        """The step's 2k best candidates (scores, indices into the flattened (k, V)) -> parent index of each
+        of the k new hypotheses; sets `done` when decoding has ended."""
         new_seqs, new_scores, new_last, parents = [], [], [], []
-        for s, idx in zip(top_s.tolist(), top_i.tolist(), strict=True):
+        for s, idx in zip(top_s, top_i, strict=True):
             parent, tok = divmod(idx, v)
             if s == NEG_INF:
                 break

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from model.decoding import BeamState, Hypothesis, max_len_for
+from model.decoding import BeamState, Hypothesis, advance_all, max_len_for
 from model.seq2seq import EncoderDecoder
 from model.translation import DEFAULT_LENGTH_PENALTY, DEFAULT_NO_REPEAT_NGRAM
 
@@ -51,8 +51,9 @@ def beam_search(model: EncoderDecoder, sources: list[list[int]], *, beam_size: i
         pos = torch.full((len(slots), 1), step, dtype=torch.long, device=dev)
         logits = model.decode(last, pos, cache, slots)[:, -1]  # (A*k, V)
         src_slots, dst_slots = [], []
-        for a, i in enumerate(active):
-            parents = beams[i].advance(logits[a * k:(a + 1) * k])
+        rows = [list(range(a * k, (a + 1) * k)) for a in range(len(active))]  # (A*k) logits rows, source by source
+        steps = advance_all([beams[i] for i in active], logits, rows)
+        for i, parents in zip(active, steps, strict=True):
             src_slots += [i * k + p for p in parents]
             dst_slots += [i * k + j for j in range(len(parents))]
         if dst_slots and k > 1:  # within one source's beams: same cross K/V, positions 0..step written

@@ -5,13 +5,14 @@ option against loops (`no_repeat_ngram`) holds in the engine exactly as offline.
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import httpx
 import pytest
 import torch
 from engine_util import CharTokenizer, tiny_seq2seq
 
-from model.decoding import banned_tokens
+from model.decoding import BeamState, advance_all, banned_tokens
 from model.generate import beam_search
 from model.translation import encode_source
 from service import cli, local
@@ -102,3 +103,27 @@ def test_request_defaults_come_from_one_place():
     assert (body.beam_size, body.length_penalty, body.no_repeat_ngram) == (
         req.beam_size, req.length_penalty, req.no_repeat_ngram) == (
         translation.DEFAULT_BEAM_SIZE, translation.DEFAULT_LENGTH_PENALTY, translation.DEFAULT_NO_REPEAT_NGRAM)
+
+
+def test_a_step_of_many_beams_equals_each_beam_stepped_alone():
+    """advance_all batches the log-softmax and top-k of every state: each state must choose as if alone,
+    whatever its beam size, position in the batch and banned n-grams."""
+    torch.manual_seed(0)
+    v = 50
+    states = [BeamState([3], k, limit=30, bos_id=1, eos_id=2, pad_id=0, no_repeat_ngram=n)
+              for k, n in ((4, 2), (1, 0), (2, 3), (4, 0), (1, 2), (3, 2))]
+    alone = copy.deepcopy(states)
+    for _ in range(12):
+        live = [i for i, st in enumerate(states) if not st.done]
+        if not live:
+            break
+        rows, r = [], 0
+        for i in live:
+            rows.append(list(range(r, r + states[i].k))[::-1])  # rows need not be in order
+            r += states[i].k
+        logits = torch.randn(r, v) * 3
+        batched = advance_all([states[i] for i in live], logits, rows)
+        for i, got, own in zip(live, batched, rows, strict=True):
+            assert advance_all([alone[i]], logits, [own]) == [got]
+            assert alone[i].seqs == states[i].seqs and alone[i].scores == states[i].scores
+    assert any(st.k > 1 and st.step > 3 for st in states)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.decoding import BeamState, max_len_for
+from model.decoding import BeamState, advance_all, max_len_for
 from model.seq2seq import EncoderDecoder
 from service.config import TRANSLATOR_ID
 from service.engine.beam import reassign_slots
@@ -191,17 +191,11 @@ class TranslationEngine(EngineLoop):
             logits = self.runner.decode(last, pos, src_lengths)  # (R, V)
         copies: list[Move] = []  # K/V copies of beam reorders
         with hooks.phase("advance"):
-            # (R,) one op for every greedy row; a float copy + argmax beats argmax over bf16 (docs/decisions.md)
-            greedy = logits.float().argmax(-1).tolist() if any(s.beam.k == 1 for s in sentences) else []
-            for s in sentences:
-                if s.beam.k == 1:
-                    s.beam.push(greedy[s.slots[0]], logits[s.slots[0]])
-                    continue
-                written = s.beam.step + 1  # positions of the sentence's K/V so far, this step's included
-                parents = s.beam.advance(logits[s.slots])
-                if parents:  # hypotheses move between the sentence's slots: the fewest copies (reassign_slots)
+            steps = advance_all([s.beam for s in sentences], logits, [s.slots for s in sentences])
+            for s, parents in zip(sentences, steps, strict=True):
+                if parents and s.beam.k > 1:  # hypotheses move between the sentence's slots: fewest copies
                     s.slots, moved = reassign_slots(s.slots, parents)
-                    copies += [(a, b, written) for a, b in moved]
+                    copies += [(a, b, s.beam.step) for a, b in moved]  # positions written, this step's included
         with hooks.phase("slot copies"):  # beams of one source share cross K/V: self-attention K/V only
             table.copy(copies, cross=False)
         return [s for s in sentences if s.beam.done]
