@@ -87,6 +87,11 @@ class Attention(nn.Module):
             q = q.to(k.dtype)
         if own is not None:
             y = prefix_attention(q, k, v, *own, mask)  # (B, H, 1, D)
+        elif self.cross and t == 1 and cache is not None and not self.training:
+            # a decode step over the cached source: every row's first source key is real (a source is never
+            # empty), so it takes the kernel's own-key place and the rest is the masked prefix; the kernel
+            # reads the strided cache in place where matmuls would copy it (docs/decisions.md)
+            y = prefix_attention(q, k[:, :, 1:], v[:, :, 1:], k[:, :, :1], v[:, :, :1], mask[..., 1:])
         elif t == 1 and not self.training:
             y = decode_attention(q, k, v, mask)  # (B, H, 1, D)
         else:

@@ -64,6 +64,8 @@ def use_persistent_cache() -> Path:
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 MIN_SIZE = 2  # dynamo specialises sizes 0 and 1
+# cross-attention reads source keys 1.. as a prefix (model/attention.py): that prefix too stays >= MIN_SIZE
+MIN_SRC = MIN_SIZE + 1
 # The cached prefix a decode step reads is rounded up to a multiple of this (the extra keys are masked
 # like a pad row's): oneDNN builds a new matmul primitive for every new shape, and a length that grows by
 # one each step missed its primitive cache on every call (docs/decisions.md).
@@ -117,8 +119,8 @@ class CompiledTranslator:
     """Compiled encoder admission and decoder step over a translator's slot cache."""
 
     def __init__(self, model: EncoderDecoder, cache: KVCache):
-        if cache.n_slots < MIN_SIZE or cache.max_len < MIN_SIZE or cache.cross_len < MIN_SIZE:
-            raise ValueError(f"compiled steps need >= {MIN_SIZE} slots, positions and source positions")
+        if cache.n_slots < MIN_SIZE or cache.max_len < MIN_SIZE or cache.cross_len <= MIN_SRC:
+            raise ValueError(f"compiled steps need >= {MIN_SIZE} slots and positions, > {MIN_SRC} source positions")
         self.model, self.cache = model, cache
         use_persistent_cache()
         self.pad_id = model.cfg.pad_id
@@ -180,7 +182,7 @@ class CompiledTranslator:
         # a view spanning a whole dimension has other strides: lengths stay below the cache's (positions are
         # < max_len; the translator's runner allocates one spare source position)
         rows, length = Dim("rows", min=1, max=c.n_slots), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
-        src = Dim("src", min=MIN_SIZE, max=c.cross_len - 1)
+        src = Dim("src", min=MIN_SRC, max=c.cross_len - 1)
         key, where = self._key(), use_persistent_cache()
         decode_name, encode_name = self.PACKAGES
         decode = load_or_build(where, decode_name, decode_step, self.model, step_args,
@@ -212,7 +214,7 @@ class CompiledTranslator:
             tokens = tokens + [self.pad_id] * (n - r)
             positions = positions + [0] * (n - r)
         length = prefix_length(positions, self.cache.max_len - 1)
-        src = min(max(max(src_lengths), MIN_SIZE), self.cache.cross_len)
+        src = min(max(max(src_lengths), MIN_SRC), self.cache.cross_len)
         tokens_t = torch.tensor(tokens, device=self.dev)  # (n,)
         positions_t = torch.tensor(positions, device=self.dev)  # (n,)
         k, v, ck, cv, src_len = self.cache.prefix_views(n, length, src)
