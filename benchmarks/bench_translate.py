@@ -34,6 +34,7 @@ from pathlib import Path
 
 from benchmarks.bench_engine import engine_label, pct, peak_rss_mb
 from model.paths import SHIPPED_TRANSLATOR
+from model.translation import DEFAULT_LENGTH_PENALTY
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,7 +90,8 @@ async def run_ours(args, mode: str, dtype: str, step: str = "eager") -> dict:
         while queue:
             text, tgt = queue.pop()
             t0 = time.perf_counter()
-            r = await translator.translate(TranslateRequest([text], target_lang=tgt, beam_size=args.beam))
+            r = await translator.translate(TranslateRequest([text], target_lang=tgt, beam_size=args.beam,
+                                                             length_penalty=args.length_penalty))
             lat.append(time.perf_counter() - t0)
             out += r.usage.completion_tokens
 
@@ -132,7 +134,8 @@ def _hf(args, dtype: str, ids: dict):
         src = torch.tensor([s + [pad] * (width - len(s)) for s in batch])  # (B, S) right-padded
         with torch.inference_mode():
             out = model.generate(input_ids=src, attention_mask=src != pad, num_beams=args.beam,
-                                 do_sample=False, max_new_tokens=max_len, length_penalty=0.6 if args.beam > 1 else 1.0)
+                                 do_sample=False, max_new_tokens=max_len,
+                                 length_penalty=args.length_penalty if args.beam > 1 else 1.0)
         n = 0
         for row in out[:, 1:].tolist():  # drop the decoder start token
             n += row.index(eos) if eos in row else sum(t != pad for t in row)
@@ -151,7 +154,8 @@ def _ct2(args, compute_type: str):
 
     def translate(batch: list[list[int]], max_len: int) -> int:
         res = tr.translate_batch([[pieces[i] for i in s] for s in batch], beam_size=args.beam,
-                                 max_decoding_length=max_len, length_penalty=0.6 if args.beam > 1 else 1.0)
+                                 max_decoding_length=max_len,
+                                 length_penalty=args.length_penalty if args.beam > 1 else 1.0)
         return sum(len(r.hypotheses[0]) for r in res)
 
     return translate
@@ -195,6 +199,8 @@ def main() -> None:
                     help="our decode step: eager, or torch.compile'd (EngineConfig.compile); both = side by side")
     ap.add_argument("--peers", nargs="*", default=["hf:float32", "ct2:float32", "ct2:int8"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--length-penalty", type=float, default=DEFAULT_LENGTH_PENALTY,
+                    help="beam search's length penalty alpha, for every engine (default: the service's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds of every run, alternating which runs first; prints each round's ours/peer ratio")
@@ -247,7 +253,7 @@ def main() -> None:
                     cmd = [sys.executable, "-m", "benchmarks.bench_translate", "--run", spec, "--beam", str(beam),
                            "--checkpoint", str(args.checkpoint), "--clients", str(args.clients), "--requests",
                            str(args.requests), "--threads", str(args.threads), "--workload", str(args.workload),
-                           *extra]
+                           "--length-penalty", str(args.length_penalty), *extra]
                     bar.set_postfix_str(f"round {rnd + 1}, {spec} beam {beam}")
                     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
                     bar.update(1)

@@ -101,3 +101,21 @@ def test_loop_rate_counts_outputs_with_a_4gram_three_times():
     assert loops("of the Heritage Foundation of the Heritage Foundation of the Heritage Foundation", "en")
     assert not loops("the cat sat on the mat and the cat sat", "en")  # a 4-gram twice is not a loop
     assert loop_rate(["a b c d a b c d a b c d", "a b c d", "x"], "en") == 1 / 3
+
+
+def test_eval_passes_decoding_options_to_the_translator(data, tmp_path, monkeypatch):
+    """--length-penalty and --no-repeat-ngram reach every request; left out, the service's defaults apply."""
+    seen = []
+
+    def spy(engine, texts, **request):
+        seen.append({k: v for k, v in request.items() if k in ("length_penalty", "no_repeat_ngram")})
+        return _fake_translate(engine, texts, **request)
+
+    monkeypatch.setattr(local, "load_translator", lambda spec: "stand-in engine")
+    monkeypatch.setattr(local, "translate", spy)
+    args = ["eval", "translate", "--model", "x", "--data", str(data), "--beams", "4", "--out", str(tmp_path / "r.json")]
+    assert cli.main(args + ["--length-penalty", "1.7", "--no-repeat-ngram", "2"]) == 0
+    assert seen == [{"length_penalty": 1.7, "no_repeat_ngram": 2}] * 2  # both directions
+    seen.clear()
+    assert cli.main(args) == 0
+    assert seen == [{}] * 2

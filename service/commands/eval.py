@@ -1,5 +1,5 @@
 """attnserve eval translate [--model DIR] [--out docs/translate_eval.json] [--beams 1,4] [--limit N]
-[--split test|dev|ted_test|ted_dev] [--data DIR]"""
+[--split test|dev|ted_test|ted_dev] [--data DIR] [--no-repeat-ngram N] [--length-penalty A]"""
 
 
 def add_arguments(p):
@@ -13,6 +13,8 @@ def add_arguments(p):
     p.add_argument("--data", help="data folder (default $ATTNSERVE_HOME/data/translate)")
     p.add_argument("--no-repeat-ngram", type=int, default=None,
                    help="decoding option (default: the service's, model/translation.py)")
+    p.add_argument("--length-penalty", type=float, default=None,
+                   help="beam search's GNMT length penalty alpha (default: the service's, model/translation.py)")
 
 
 def run(args) -> int:
@@ -24,7 +26,8 @@ def run(args) -> int:
 
     checkpoint = args.model or paths.SHIPPED_TRANSLATOR
     translator = local.load_translator(local.translator_spec(checkpoint))
-    options = {} if args.no_repeat_ngram is None else {"no_repeat_ngram": args.no_repeat_ngram}
+    options = {name: value for name, value in (("no_repeat_ngram", args.no_repeat_ngram),
+                                               ("length_penalty", args.length_penalty)) if value is not None}
 
     def translate(texts: list[str], target_lang: str, beam_size: int, done) -> list[str]:
         """The translator behind /v1/translate, with the served decoding defaults; done(n) as texts finish."""
