@@ -3,8 +3,9 @@
 One source's k hypotheses advance together from the step's logits (2k candidates, EOS or the length
 limit finishes a hypothesis, GNMT length penalty, early stop when no live beam can beat the best
 finished one). The offline loops (model/generate.py) and the serving engine
-(service/engine/translation.py) both step a `BeamState` per source, so they choose the same tokens
-whatever else shares the batch.
+(service/engine/translation.py) both step a `BeamState` per source through `advance_all`, which runs the
+tensor work (argmax; log-softmax, n-gram bans, top-k) once for the whole batch and leaves each state its own
+choice, so a source gets the same tokens whatever else shares the batch.
 
 `no_repeat_ngram` > 0 forbids a hypothesis to repeat any n-gram of its own output (fairseq's
 `--no-repeat-ngram-size`): the cure for "各国各国各国…" loops of an undertrained model.
