@@ -58,8 +58,8 @@ def _cpuinfo() -> dict[str, str]:
     return info
 
 
-@lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
+    """The CPU's flags, less what ATTNSERVE_ISA withholds (read now: the cap may be set after import)."""
     return capped(frozenset(_cpuinfo().get("flags", "").split()), os.environ.get(ISA_ENV))
 
 

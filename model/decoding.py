@@ -14,7 +14,6 @@ choice, so a source gets the same tokens whatever else shares the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import accumulate
 
 import torch
 
@@ -67,34 +66,31 @@ def advance_all(states: list[BeamState], logits: torch.Tensor, rows: list[list[i
             out[i] = states[i].push(tok, logits[rows[i][0]])
     beams = [i for i, st in enumerate(states) if st.k > 1]
     if beams:
-        cands = beam_candidates([states[i] for i in beams], logits[[r for i in beams for r in rows[i]]])
+        cands = beam_candidates([states[i] for i in beams], logits, [rows[i] for i in beams])
         for i, (top_s, top_i) in zip(beams, cands, strict=True):
             out[i] = states[i].choose(top_s, top_i, logits.shape[-1])
     return out
 
 
-def beam_candidates(states: list[BeamState], logits: torch.Tensor) -> list[tuple[list[float], list[int]]]:
-    """logits (sum of k, V) of the states' hypotheses, state after state -> each state's 2k best candidates
+def beam_candidates(states: list[BeamState], logits: torch.Tensor,
+                    rows: list[list[int]]) -> list[tuple[list[float], list[int]]]:
+    """logits (R, V) of a step, rows[i] the rows of states[i]'s hypotheses -> each state's 2k best candidates
     (scores, indices into its flattened (k, V)): room for k live ones after removing EOS. The ops run once
-    for every state (a per-state log_softmax and topk cost more than the rest of a beam step)."""
-    logp = torch.log_softmax(logits.float(), -1)  # (R, V)
-    rows, banned, scores, row = [], [], [], 0
-    for st in states:
-        for j, seq in enumerate(st.seqs):
-            for tok in banned_tokens(seq, st.no_repeat_ngram):
-                rows.append(row + j)
-                banned.append(tok)
-        scores += st.scores
-        row += st.k
-    if rows:
-        logp[rows, banned] = NEG_INF
-    cand = torch.tensor(scores, dtype=logp.dtype)[:, None] + logp  # (R, V)
-    v, out = logp.shape[-1], [None] * len(states)
-    starts = list(accumulate((st.k for st in states), initial=0))  # each state's first row
+    for all states of one beam size (a per-state log_softmax and topk cost more than the rest of a beam step)."""
+    v, out = logits.shape[-1], [None] * len(states)
     for k in sorted({st.k for st in states}):
         mine = [i for i, st in enumerate(states) if st.k == k]
-        idx = torch.tensor([starts[i] + j for i in mine for j in range(k)])
-        top_s, top_i = cand[idx].view(len(mine), k * v).topk(2 * k)  # (n, 2k)
+        logp = torch.log_softmax(logits[[r for i in mine for r in rows[i]]].float(), -1)  # (n k, V)
+        ban_rows, ban_toks = [], []
+        for a, i in enumerate(mine):
+            for j, seq in enumerate(states[i].seqs):
+                for tok in banned_tokens(seq, states[i].no_repeat_ngram):
+                    ban_rows.append(a * k + j)
+                    ban_toks.append(tok)
+        if ban_rows:
+            logp[ban_rows, ban_toks] = NEG_INF
+        scores = torch.tensor([x for i in mine for x in states[i].scores], dtype=logp.dtype)[:, None]  # (n k, 1)
+        top_s, top_i = (scores + logp).view(len(mine), k * v).topk(2 * k)  # (n, 2k)
         for i, s_, i_ in zip(mine, top_s.tolist(), top_i.tolist(), strict=True):
             out[i] = (s_, i_)
     return out
