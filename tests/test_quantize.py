@@ -346,3 +346,21 @@ def test_package_folder_keeps_the_newest_few_per_step(tmp_path):
         f"translator-encode-many-{i:04d}.pt2" for i in range(3, KEEP + 3)]
     assert sum(n.startswith("translator-encode-one-") for n in left) == KEEP + 3
     assert "translator-encode-many-0000.123.tmp.pt2" in left
+
+
+def test_frozen_package_prepacks_float_linears(tmp_path):
+    """`freezing=True` must reach inductor: it freezes only a graph compiled without autograd, and a package
+    built with grad on kept plain matmuls that repack the weights on every call."""
+    from torch._dynamo.utils import counters
+    from torch.export import Dim
+
+    from service.engine.aot_package import load_or_build
+
+    lin = _linear(64, 48)
+    x = torch.randn(5, 64)
+    counters.clear()
+    step = load_or_build(tmp_path, "linear", lambda m, t: m(t), lin, (x,), ({0: Dim("rows", min=1, max=16)},),
+                         freezing=True, key=("test",))
+    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] >= 1
+    (out,) = step(x)
+    torch.testing.assert_close(out, lin(x).detach(), rtol=1e-4, atol=1e-5)

@@ -156,7 +156,8 @@ def _build(path: Path, name: str, fn: Callable, model: torch.nn.Module, args: Se
     with torch.no_grad(), handles_as_inputs() if shared else contextlib.nullcontext():
         ep = torch.export.export(module, args, dynamic_shapes={"args": dynamic_shapes}, strict=False)
     tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
-    with torch._inductor.config.patch(freezing=freezing):
+    # inductor freezes only a graph compiled without autograd: with grad on, `freezing` was silently ignored
+    with torch.no_grad(), torch._inductor.config.patch(freezing=freezing):
         torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
     os.replace(tmp, path)  # atomic: a process loading it sees all of it or nothing
     log.info("%s: built %s in %.1f s", name, path.name, time.perf_counter() - t0)
