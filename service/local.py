@@ -7,6 +7,7 @@ defaults, join).
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -26,14 +27,13 @@ def serve_config(path: str | Path | None = None) -> ServiceConfig:
     return ServiceConfig.from_dict(doc["applications"][0].get("args") or {})
 
 
-def translator_spec(checkpoint: str | Path | None = None, *, config: str | Path | None = None,
-                    compile: bool = False) -> ModelSpec:
-    """The served translator's spec, optionally with another checkpoint. Compiling is off by default:
-    a one-shot command would spend longer compiling than translating (compiled and eager steps choose
-    the same tokens; tests/test_compiled_steps.py)."""
+def translator_spec(checkpoint: str | Path | None = None, *, config: str | Path | None = None) -> ModelSpec:
+    """The served translator's spec, optionally with another checkpoint. Compiled where the service compiles:
+    in bf16 the compiled and the eager step round differently and choose other tokens for some sentences.
+    A compiled step is built once per host and loaded from `$ATTNSERVE_HOME` after that
+    (service/engine/aot_package.py)."""
     spec = serve_config(config).translator
-    engine = {**spec.engine, "compile": compile}
-    return replace(spec, checkpoint=str(checkpoint) if checkpoint else spec.checkpoint, engine=engine)
+    return replace(spec, checkpoint=str(checkpoint) if checkpoint else spec.checkpoint)
 
 
 def load_translator(spec: ModelSpec):
@@ -82,6 +82,13 @@ async def translate_async(translator, texts: list[str], *, progress: Callable[[i
 def translate(translator, texts: list[str], *, progress: Callable[[int], None] | None = None,
               **request) -> TranslationResult:
     """Start `translator`, translate `texts` (see translate_async), stop it."""
+    from service.engine.cpu_runtime import default_threads
+
+    engine = translator.engine
+    if engine.config.compile and not engine.runner.compiled_steps_built(engine.config.threads or default_threads()):
+        print("attnserve: compiling the translator's steps for this host (once: ~30 s, then loaded from "
+              "$ATTNSERVE_HOME/compile)", file=sys.stderr, flush=True)
+
     async def main() -> TranslationResult:
         await translator.start()
         try:

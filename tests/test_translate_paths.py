@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -17,11 +18,11 @@ from model.generate import beam_search
 from model.translation import encode_source
 from service import cli, local
 from service.api.app import create_app
-from service.api.backends import Backends
 from service.engine.config import EngineConfig
 from service.engine.translation import TranslationEngine
 from service.engine.types import TranslateRequest
 from service.frontend.translator import TranslationFrontend
+from service.models import load_backends
 
 TEXTS = [
     "本基金亦可投资于货币市场工具和持有现金。",
@@ -33,12 +34,16 @@ TEXTS = [
 
 
 def _http_translations(texts: list[str], **body) -> list[str]:
-    engine = local.load_translator(local.translator_spec())
-    backends = Backends(translator=engine)
+    """POST /v1/translate to the translator a replica builds from the Serve config (compiled where it is)."""
+    cfg = local.serve_config()
+    cfg = replace(cfg, generator=replace(cfg.generator, enabled=False))
+    backends = load_backends(cfg, log=lambda *_: None)
+    assert backends.translator is not None
 
     async def main():
         app = create_app(backends, static_dir=None)
         await backends.start()
+        assert backends.translator.engine.compiled is not None  # served compiled: so is the CLI
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
                 r = await c.post("/v1/translate", json={"text": texts, **body})
