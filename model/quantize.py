@@ -303,22 +303,36 @@ def _input_maxima(model: nn.Module, calibrate: Callable[[], object]) -> dict[nn.
     return seen
 
 
+def prepacked_linear(linear: nn.Linear, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`linear` as a compiled, frozen step runs it on CPU: oneDNN with the weight reordered once for about
+    `rows` rows (inductor's freezing does this to every float linear); the plain linear without oneDNN."""
+    if not torch.backends.mkldnn.is_available() or linear.weight.device.type != "cpu":
+        return linear
+    w = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
+    b = linear.bias.detach() if linear.bias is not None else None
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
 def time_linears(mode: str, rows: int, dtype: torch.dtype = torch.float32,
                  shapes: tuple[tuple[int, int], ...] = ((576, 1536), (1536, 576)), copies: int = 30,
-                 repeats: int = 3) -> float:
+                 repeats: int = 3, prepacked: bool = False) -> float:
     """Best-of-`repeats` seconds of one pass through `copies` x `shapes` ((in, out) pairs) at `rows` rows,
-    in `mode` ('none': plain linears in `dtype`). 30 copies of an MLP are SmolLM2's 53M MLP weights: too
-    many bytes for the caches, as in a real decode step, where small stacks would time cache-resident
-    weights."""
+    in `mode` ('none': float linears in `dtype`, oneDNN-prepacked with `prepacked`, as a compiled step runs
+    them). 30 copies of an MLP are SmolLM2's 53M MLP weights: too many bytes for the caches, as in a real
+    decode step, where small stacks would time cache-resident weights."""
     torch.manual_seed(0)
     layers = []
     shapes = shapes * copies
-    for k, n in shapes:
-        lin = nn.Linear(k, n, bias=False)
-        layers.append(lin.to(dtype) if mode == "none" else (Int8Linear(lin) if mode == "int8" else Int4Linear(lin)))
-    xs = {k: torch.randn(rows, k, dtype=dtype) for k, _ in shapes}
-    best = float("inf")
     with torch.inference_mode():
+        for k, n in shapes:
+            lin = nn.Linear(k, n, bias=False)
+            if mode == "none":
+                lin = lin.to(dtype)
+                layers.append(prepacked_linear(lin, rows) if prepacked else lin)
+            else:
+                layers.append(Int8Linear(lin) if mode == "int8" else Int4Linear(lin))
+        xs = {k: torch.randn(rows, k, dtype=dtype) for k, _ in shapes}
+        best = float("inf")
         for _ in range(repeats):
             t = time.perf_counter()
             for (k, _), layer in zip(shapes, layers):
@@ -331,12 +345,13 @@ AUTO_ROWS = (1, 16)  # one stream, and a busy batch
 
 
 @lru_cache(maxsize=4)
-def choose_quantization(dtype: torch.dtype = torch.float32) -> str:
+def choose_quantization(dtype: torch.dtype = torch.float32, compiled: bool = False) -> str:
     """'auto': the mode with the least linear time summed over AUTO_ROWS rows on this CPU, measured once
-    per process (what `dtype: auto` does for bf16; hosts differ, docs/performance.md). int8 competes only
-    where the CPU has VNNI: the 7-bit activations needed without it cost SmolLM2 12 % perplexity."""
+    per process (what `dtype: auto` does for bf16; hosts differ, docs/performance.md), float linears
+    as the engine will run them (`compiled`: prepacked). int8 competes only where the CPU has VNNI: the
+    7-bit activations needed without it cost SmolLM2 12 % perplexity."""
     modes = [m for m in QUANTIZATIONS if m != "int8" or not _REDUCE_RANGE]
-    totals = {mode: sum(time_linears(mode, rows, dtype) for rows in AUTO_ROWS) for mode in modes}
+    totals = {mode: sum(time_linears(mode, rows, dtype, prepacked=compiled) for rows in AUTO_ROWS) for mode in modes}
     return min(totals, key=totals.get)
 
 

@@ -111,12 +111,13 @@ def resolve_quantization(mode: str, cfg: EngineConfig) -> str:
 
     # measured once per host and kernel code (the folder is keyed by torch and CPU flags): replicas
     # starting side by side measure on a busy CPU, and must not pick different modes
-    path = use_persistent_cache() / f"quantization-auto-{cfg.dtype}-{code_hash()[:8]}.txt"
+    step = "compiled" if cfg.compile else "eager"
+    path = use_persistent_cache() / f"quantization-auto-{cfg.dtype}-{step}-{code_hash()[:8]}.txt"
     with file_lock(path.with_suffix(".lock")):
         kept = path.read_text().strip() if path.is_file() else ""
         if kept in QUANTIZATIONS:
             return kept
-        mode = choose_quantization(cfg.torch_dtype)
+        mode = choose_quantization(cfg.torch_dtype, cfg.compile)
         path.write_text(mode)
     return mode
 

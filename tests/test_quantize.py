@@ -12,6 +12,7 @@ from model.quantize import (
     Int8Linear,
     choose_quantization,
     int4_linear_reference,
+    prepacked_linear,
     quantize_decoder,
     quantize_linears,
     unpack_int4,
@@ -206,9 +207,21 @@ def test_auto_picks_a_mode_and_service_config_validates():
     from service.config import ModelSpec
 
     assert choose_quantization() in ("none", "int8", "int4")
+    assert choose_quantization(torch.float32, True) in ("none", "int8", "int4")
     assert ModelSpec.from_dict({"quantization": "int8"}).quantization == "int8"
     with pytest.raises(ValueError, match="quantization"):
         ModelSpec.from_dict({"quantization": "fp8"})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_linear_computes_the_linear(dtype):
+    """'auto' times float linears as a frozen compiled step runs them: the same function, prepacked."""
+    lin = _linear(64, 48).to(dtype)
+    x = torch.randn(7, 64, dtype=dtype)
+    with torch.inference_mode():
+        got, want = prepacked_linear(lin, 16)(x), lin(x)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize(("mode", "packages"), [("int8", ["blocks", "head"]), ("int4", ["blocks", "head"]),

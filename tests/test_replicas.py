@@ -66,7 +66,8 @@ def test_auto_quantization_is_measured_once_per_host(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the per-host folder
     calls = []
-    monkeypatch.setattr(model.quantize, "choose_quantization", lambda dtype: calls.append(dtype) or "int4")
+    monkeypatch.setattr(model.quantize, "choose_quantization",
+                        lambda dtype, compiled=False: calls.append(dtype) or "int4")
     cfg = EngineConfig(dtype="bfloat16")
     assert resolve_quantization("auto", cfg) == "int4"
     (kept,) = tmp_path.glob("quantization-auto-bfloat16-*.txt")  # keyed by the kernels' code too
