@@ -86,7 +86,7 @@ def translate(translator, texts: list[str], *, progress: Callable[[int], None] |
 
     engine = translator.engine
     if engine.config.compile and not engine.runner.compiled_steps_built(engine.config.threads or default_threads()):
-        print("attnserve: compiling the translator's steps for this host (once: ~30 s, then loaded from "
+        print("attnserve: compiling the translator's steps for this host (once; later runs load them from "
               "$ATTNSERVE_HOME/compile)", file=sys.stderr, flush=True)
 
     async def main() -> TranslationResult:
