@@ -355,6 +355,12 @@ def choose_quantization(dtype: torch.dtype = torch.float32, compiled: bool = Fal
     return min(totals, key=totals.get)
 
 
+def quantization_of(model: nn.Module) -> str:
+    """The mode `quantize_decoder` left `model` in: int4 where any layer is int4, else int8 or none."""
+    kinds = {type(m) for m in model.modules()}
+    return "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else "none"
+
+
 def quantize_decoder(model: nn.Module, tokenizer, mode: str) -> int:
     """Quantize a decoder-only LM for serving -> layers replaced. int8: every linear, calibrated on
     CALIBRATION_TEXT. int4: the blocks' linears in int4 and the output projection in int8 (SmolLM2's

@@ -27,6 +27,14 @@ def serve_config(path: str | Path | None = None) -> ServiceConfig:
     return ServiceConfig.from_dict(doc["applications"][0].get("args") or {})
 
 
+def generator_spec(*, config: str | Path | None = None, **overrides) -> ModelSpec:
+    """The served generator's spec; `overrides`: ModelSpec fields (None leaves a field as served) and
+    `threads` / `compile` for its engine."""
+    spec, given = serve_config(config).generator, {k: v for k, v in overrides.items() if v is not None}
+    engine = {**spec.engine, **{k: given.pop(k) for k in ("threads", "compile") if k in given}}
+    return replace(spec, engine=engine, **given)
+
+
 def translator_spec(checkpoint: str | Path | None = None, *, config: str | Path | None = None) -> ModelSpec:
     """The served translator's spec, optionally with another checkpoint. Compiled where the service compiles:
     in bf16 the compiled and the eager step round differently and choose other tokens for some sentences.

@@ -76,7 +76,7 @@ def _resolve(path: str) -> Path:
     return p if p.is_absolute() else REPO_ROOT / p
 
 
-def load_generator(spec: ModelSpec, sink=None) -> GeneratorFrontend:
+def load_generator(spec: ModelSpec, sink=None, log=print) -> GeneratorFrontend:
     from model.checkpoint import load_checkpoint, load_tokenizer
     from service.engine.generation import GenerationEngine
 
@@ -86,9 +86,9 @@ def load_generator(spec: ModelSpec, sink=None) -> GeneratorFrontend:
     else:
         from model.importers.smollm2 import ensure_smollm2
 
-        d = ensure_smollm2(dtype="bfloat16" if cfg.dtype == "bfloat16" else "float32")
+        d = ensure_smollm2(dtype="bfloat16" if cfg.dtype == "bfloat16" else "float32", log=log)
     model, tok = load_checkpoint(d, dtype=cfg.torch_dtype), load_tokenizer(d)
-    quantize_generator(model, tok, spec.quantization, cfg)
+    quantize_generator(model, tok, spec.quantization, cfg, log=log)
     eos = tok.stop_ids() if hasattr(tok, "stop_ids") else {tok.eos_id} - {None}
     engine = GenerationEngine(model, tok, cfg, eos_ids=eos, name=GENERATOR_ID, sink=sink)
     return GeneratorFrontend(engine, tok, name=GENERATOR_ID,

@@ -126,13 +126,15 @@ def greedy_by_recompute(d: Path, prompt: str, n: int) -> tuple[list[int], list[i
     return ids, new
 
 
+# the stand-in as saved (float32, float linears, eager): test_generate_runs_the_served_generator covers the defaults
+GENERATE = ["generate", "--dtype", "float32", "--quantization", "none", "--eager"]
 STATS = re.compile(r"\[prompt (\d+) tokens in [\d.]+ s; (\d+) new tokens in [\d.]+ s = [\d.]+ tok/s\]")
 
 
 def test_generate_streams_the_greedy_continuation(standin, capsys):
     from model.checkpoint import load_tokenizer
 
-    assert main(["generate", "--max-tokens", "12", "Once upon a time"]) == 0
+    assert main([*GENERATE, "--max-tokens", "12", "Once upon a time"]) == 0
     out, err = capsys.readouterr()
     tok = load_tokenizer(standin)
     ids, new = greedy_by_recompute(standin, "Once upon a time", 12)
@@ -148,7 +150,7 @@ def test_generate_chat_wraps_the_prompt_in_the_template_and_reads_stdin(standin,
     import jinja2
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi there"))
-    assert main(["generate", "--chat", "--system", "Be brief.", "--max-tokens", "10"]) == 0
+    assert main([*GENERATE, "--chat", "--system", "Be brief.", "--max-tokens", "10"]) == 0
     out, err = capsys.readouterr()
     rendered = jinja2.Template(CHAT).render(messages=[{"role": "system", "content": "Be brief."},
                                                       {"role": "user", "content": "Hi there"}],
@@ -166,17 +168,59 @@ def test_generate_chat_wraps_the_prompt_in_the_template_and_reads_stdin(standin,
 def test_generate_seeded_sampling_repeats_and_bad_requests_are_refused(standin, capsys):
     runs = []
     for _ in range(2):
-        assert main(["generate", "--temperature", "1.5", "--seed", "7", "--max-tokens", "16", "abc"]) == 0
+        assert main([*GENERATE, "--temperature", "1.5", "--seed", "7", "--max-tokens", "16", "abc"]) == 0
         runs.append(capsys.readouterr().out)
     assert runs[0] == runs[1] and runs[0].strip()
-    assert main(["generate", "   "]) == 2
+    assert main([*GENERATE, "   "]) == 2
     assert "empty prompt" in capsys.readouterr().err
-    assert main(["generate", "--top-p", "0", "--max-tokens", "8", "abc"]) == 2
+    assert main([*GENERATE, "--top-p", "0", "--max-tokens", "8", "abc"]) == 2
     assert "--top-p" in capsys.readouterr().err
-    assert main(["generate", "--max-tokens", "200", "abc"]) == 2  # the stand-in's context is 128
+    assert main([*GENERATE, "--max-tokens", "200", "abc"]) == 2  # the stand-in's context is 128
     err = capsys.readouterr().err
     assert "context holds 128" in err and "use --max-tokens <=" in err
 
+
+def test_generate_runs_the_served_generator(standin, capsys):
+    """With no options `attnserve generate` builds the Serve config's generator (dtype, quantization and
+    compiled step as served) and says what /v1/completions says for the same prompt."""
+    import asyncio
+    from dataclasses import replace
+
+    from model.checkpoint import load_checkpoint, load_tokenizer, save_checkpoint
+    from model.importers.smollm2 import checkpoint_dir
+    from model.quantize import quantization_of
+    from service import local
+    from service.api.app import create_app
+    from service.models import load_backends
+
+    save_checkpoint(load_checkpoint(standin), checkpoint_dir("bfloat16"), tokenizer=load_tokenizer(standin),
+                    dtype=torch.bfloat16)  # where dtype auto picks bf16
+    assert main(["generate", "--max-tokens", "12", "Once upon a time"]) == 0
+    out, err = capsys.readouterr()
+    assert "[loaded smollm2-135m-instruct" in err and "[compiling the step" in err
+
+    cfg = local.serve_config()
+    backends = load_backends(replace(cfg, translator=replace(cfg.translator, enabled=False)), log=lambda *_: None)
+
+    async def served() -> str:
+        await backends.start()
+        assert backends.generator.engine.compiled is not None  # as served
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(backends, static_dir=None)),
+                                         base_url="http://t") as c:
+                r = await c.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 12,
+                                                          "temperature": 0})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+        finally:
+            await backends.stop()
+
+    text = asyncio.run(served())
+    assert text.strip() and out == text + "\n"
+    engine = backends.generator.engine  # the CLI ran the same settings
+    mode = quantization_of(engine.model)
+    label = engine.config.dtype if mode == "none" else f"{engine.config.dtype}, {mode} linears"
+    assert f"[loaded smollm2-135m-instruct {label} in" in err
 
 def test_weights_fetch_reports_the_converted_checkpoint(standin, capsys):
     from model.config import DecoderConfig

@@ -1,8 +1,9 @@
 """attnserve generate "prompt" [--chat] [--max-tokens N] [--temperature T] [--top-p P] [--seed S]
 
-Streams a completion from the local SmolLM2 model to the terminal, without Ray, through the service's
-own `GenerationEngine` (serial mode, one slot, eager): prefill, sampling, stop handling and
-detokenising are the code that serves `/v1/generate`, so the same request gives the same text here.
+Streams a completion from SmolLM2 to the terminal, without Ray: the generator is built from the Serve
+config's spec by the function a replica uses (service/models.py: dtype, quantization and compiled step as
+served, each overridable here), and the request runs through its `GenerationEngine`, so the same request
+gives the same text here as from `/v1/generate` on this host.
 """
 
 from __future__ import annotations
@@ -25,28 +26,22 @@ def add_arguments(p):
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    p.add_argument("--quantization", choices=[*QUANTIZATIONS, "auto"], default="none",
-                   help="int8 / int4 linears (model/quantize.py); auto = the fastest on this CPU")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], help="default: as served")
+    p.add_argument("--quantization", choices=[*QUANTIZATIONS, "auto"], help="default: as served")
+    p.add_argument("--threads", type=int, help="torch threads (default: as served)")
+    p.add_argument("--eager", action="store_true", help="do not compile the step (the service compiles it)")
+    p.add_argument("--config", help="Serve config whose generator settings to use (default: deploy/serve_config.yaml)")
 
 
-def stream(model, tokenizer, prompt_ids: list[int], params, stop_ids: set[int], stats: dict | None = None,
-           threads: int | None = None) -> Iterator[str]:
-    """Yield the text deltas of one sequence. `stats` (if given) receives prefill_s (submit -> first
-    token), decode_s, tokens (generated, a stop token included) and ids (the output's ids: no stop id).
-    A request that does not fit raises RequestRejected naming the field."""
-    from service.engine.config import DTYPES, EngineConfig
-    from service.engine.generation import GenerationEngine
+def stream_engine(engine, prompt_ids: list[int], params, stats: dict | None = None) -> Iterator[str]:
+    """Start `engine` (a GenerationEngine, not started), yield the text deltas of one request, stop it.
+    `stats` (if given) receives prefill_s (submit -> first token), decode_s, tokens (generated, a stop token
+    included) and ids (the output's ids: no stop id). A request that does not fit raises RequestRejected
+    naming the option."""
     from service.engine.types import GenerateRequest
 
-    dtype = next(name for name, dt in DTYPES.items() if dt == model.embed.weight.dtype)
-    max_len = min(len(prompt_ids) + params.max_new_tokens, model.cfg.max_seq_len)
-    cfg = EngineConfig(max_slots=1, max_seq_len=max(max_len, 1), max_waiting=1, mode="serial", dtype=dtype,
-                       threads=threads)
     stats = stats if stats is not None else {}
     loop = asyncio.new_event_loop()
-    engine = GenerationEngine(model, tokenizer, cfg, eos_ids=stop_ids, name="cli")
     events = None
     try:
         loop.run_until_complete(engine.start())
@@ -84,13 +79,26 @@ def stream(model, tokenizer, prompt_ids: list[int], params, stop_ids: set[int], 
         loop.close()
 
 
+def stream(model, tokenizer, prompt_ids: list[int], params, stop_ids: set[int], stats: dict | None = None,
+           threads: int | None = None) -> Iterator[str]:
+    """`stream_engine` over a one-slot serial engine for `model` as it is (its dtype, eager)."""
+    from service.engine.config import DTYPES, EngineConfig
+    from service.engine.generation import GenerationEngine
+
+    dtype = next(name for name, dt in DTYPES.items() if dt == model.embed.weight.dtype)
+    max_len = min(len(prompt_ids) + params.max_new_tokens, model.cfg.max_seq_len)
+    cfg = EngineConfig(max_slots=1, max_seq_len=max(max_len, 1), max_waiting=1, mode="serial", dtype=dtype,
+                       threads=threads)
+    yield from stream_engine(GenerationEngine(model, tokenizer, cfg, eos_ids=stop_ids, name="cli"), prompt_ids,
+                             params, stats)
+
+
 def run(args) -> int:
-    from model.chat import render_chat
-    from model.importers.smollm2 import load_smollm2
-    from service.engine.config import EngineConfig
+    from model.quantize import quantization_of
+    from service import local
     from service.engine.cpu_runtime import single_threaded_caller
     from service.engine.types import RequestRejected, SamplingParams
-    from service.models import quantize_generator
+    from service.models import load_generator
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
@@ -99,21 +107,25 @@ def run(args) -> int:
     # load on this thread single-threaded: the engine's own thread runs the steps (service/engine/cpu_runtime.py)
     single_threaded_caller()
     t0 = time.perf_counter()
-    model, tok = load_smollm2(args.dtype, log=lambda m: print(m, file=sys.stderr))
-    mode = quantize_generator(model, tok, args.quantization, EngineConfig(dtype=args.dtype),
-                              log=lambda m: print(m, file=sys.stderr))
-    label = args.dtype if mode == "none" else f"{args.dtype}, {mode} linears"
-    print(f"[loaded smollm2-135m-instruct {label} in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
-    if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        messages.append({"role": "user", "content": prompt})
-        prompt = render_chat(tok.chat_template, messages, add_generation_prompt=True)
-    ids = tok.encode(prompt)
+    spec = local.generator_spec(config=args.config, dtype=args.dtype, quantization=args.quantization,
+                                threads=args.threads, compile=False if args.eager else None)
+    generator = load_generator(spec, log=lambda m: print(m, file=sys.stderr))
+    engine = generator.engine
+    mode = quantization_of(engine.model)
+    label = engine.config.dtype if mode == "none" else f"{engine.config.dtype}, {mode} linears"
+    print(f"[loaded {generator.name} {label} in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
+    if engine.config.compile:
+        print("[compiling the step (once per host) or loading it from $ATTNSERVE_HOME/compile]", file=sys.stderr)
     params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     stats: dict = {}
     try:
-        for delta in stream(model, tok, ids, params, tok.stop_ids(), stats, threads=args.threads):
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            ids = generator.encode_chat([*messages, {"role": "user", "content": prompt}])
+        else:
+            ids = generator.encode_prompt(prompt)
+        for delta in stream_engine(engine, ids, params, stats):
             sys.stdout.write(delta)
             sys.stdout.flush()
     except RequestRejected as e:
