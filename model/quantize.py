@@ -305,8 +305,12 @@ def _input_maxima(model: nn.Module, calibrate: Callable[[], object]) -> dict[nn.
 
 def prepacked_linear(linear: nn.Linear, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """`linear` as a compiled, frozen step runs it on CPU: oneDNN with the weight reordered once for about
-    `rows` rows (inductor's freezing does this to every float linear); the plain linear without oneDNN."""
-    if not torch.backends.mkldnn.is_available() or linear.weight.device.type != "cpu":
+    `rows` rows (inductor's freezing does this to the float linears it can pack); else the plain linear."""
+    dtype = linear.weight.dtype
+    packable = (torch.backends.mkldnn.is_available() and linear.weight.device.type == "cpu"
+                and (torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16
+                     else dtype == torch.float32 and torch._C.has_mkl))  # inductor's own conditions
+    if not packable:
         return linear
     w = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
     b = linear.bias.detach() if linear.bias is not None else None

@@ -7,6 +7,7 @@ A model that cannot be loaded is reported (Backends.unavailable) instead of fail
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -158,8 +159,8 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Bac
 
     single_threaded_caller()  # engines parallelise on their own threads (see cpu_runtime)
     backends = Backends()
-    for name, spec, loader, attr in ((GENERATOR_ID, cfg.generator, load_generator, "generator"),
-                                     (TRANSLATOR_ID, cfg.translator, load_translator, "translator")):
+    for name, spec, loader, attr in ((GENERATOR_ID, cfg.generator, functools.partial(load_generator, log=log),
+                                      "generator"), (TRANSLATOR_ID, cfg.translator, load_translator, "translator")):
         if not spec.enabled:
             backends.unavailable[name] = "disabled in the service config"
             continue

@@ -178,9 +178,11 @@ def test_generate_seeded_sampling_repeats_and_bad_requests_are_refused(standin, 
     assert main([*GENERATE, "--max-tokens", "200", "abc"]) == 2  # the stand-in's context is 128
     err = capsys.readouterr().err
     assert "context holds 128" in err and "use --max-tokens <=" in err
+    assert main([*GENERATE, "--config", "/nonexistent/serve.yaml", "abc"]) == 2  # no traceback
+    assert "attnserve generate:" in capsys.readouterr().err
 
 
-def test_generate_runs_the_served_generator(standin, capsys):
+def test_generate_runs_the_served_generator(standin, capsys, monkeypatch):
     """With no options `attnserve generate` builds the Serve config's generator (dtype, quantization and
     compiled step as served) and says what /v1/completions says for the same prompt."""
     import asyncio
@@ -189,12 +191,14 @@ def test_generate_runs_the_served_generator(standin, capsys):
     from model.checkpoint import load_checkpoint, load_tokenizer, save_checkpoint
     from model.importers.smollm2 import checkpoint_dir
     from model.quantize import quantization_of
-    from service import local
+    from service import local, models
     from service.api.app import create_app
-    from service.models import load_backends
+    from service.models import load_backends, load_generator
 
     save_checkpoint(load_checkpoint(standin), checkpoint_dir("bfloat16"), tokenizer=load_tokenizer(standin),
                     dtype=torch.bfloat16)  # where dtype auto picks bf16
+    built = []
+    monkeypatch.setattr(models, "load_generator", lambda *a, **k: built.append(load_generator(*a, **k)) or built[-1])
     assert main(["generate", "--max-tokens", "12", "Once upon a time"]) == 0
     out, err = capsys.readouterr()
     assert "[loaded smollm2-135m-instruct" in err and "[compiling the step" in err
@@ -217,10 +221,13 @@ def test_generate_runs_the_served_generator(standin, capsys):
 
     text = asyncio.run(served())
     assert text.strip() and out == text + "\n"
-    engine = backends.generator.engine  # the CLI ran the same settings
+    engine, cli = backends.generator.engine, built[0].engine  # the CLI ran the same settings, compiled
+    assert cli.compiled is not None and cli.config == engine.config
     mode = quantization_of(engine.model)
+    assert quantization_of(cli.model) == mode
     label = engine.config.dtype if mode == "none" else f"{engine.config.dtype}, {mode} linears"
     assert f"[loaded smollm2-135m-instruct {label} in" in err
+
 
 def test_weights_fetch_reports_the_converted_checkpoint(standin, capsys):
     from model.config import DecoderConfig

@@ -1,4 +1,5 @@
-"""`attnserve generate`'s stream (the service's engine, serial mode), on a tiny random model (fast)."""
+"""The one-request `stream` helper (service/commands/generate.py: a serial GenerationEngine over a model as it is),
+on a tiny random model (fast)."""
 
 import asyncio
 
@@ -84,7 +85,7 @@ async def _served(model, prompts, params):
 
 @pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=16, temperature=0),
                                     SamplingParams(max_new_tokens=16, temperature=1.2, top_p=0.9, seed=3)])
-def test_cli_and_service_give_the_same_text(tiny, params):
+def test_serial_stream_and_the_continuous_engine_give_the_same_text(tiny, params):
     prompts = [[5, 9, 2, 40, 7], [1, 2, 3], [60, 61, 62, 63, 64, 65, 66]]
     cli = ["".join(stream(tiny, ByteTok(), p, params, set())) for p in prompts]
     assert asyncio.run(_served(tiny, prompts, params)) == cli

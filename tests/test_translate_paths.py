@@ -56,6 +56,7 @@ def _http_translations(texts: list[str], **body) -> list[str]:
 
 @pytest.mark.parametrize("beam", [1, 4])
 def test_cli_and_http_translate_identically(beam, capsys):
+    assert local.translator_spec() == local.serve_config().translator  # compiled, dtype... as served
     assert cli.main(["translate", "--beam", str(beam), *TEXTS]) == 0
     cli_out = capsys.readouterr().out.splitlines()
     http_out = _http_translations(TEXTS, beam_size=beam)  # all texts in one request, batched together

@@ -1,9 +1,11 @@
 """attnserve generate "prompt" [--chat] [--max-tokens N] [--temperature T] [--top-p P] [--seed S]
+[--dtype D] [--quantization Q] [--device D] [--threads N] [--eager] [--config FILE]
 
 Streams a completion from SmolLM2 to the terminal, without Ray: the generator is built from the Serve
 config's spec by the function a replica uses (service/models.py: dtype, quantization and compiled step as
 served, each overridable here), and the request runs through its `GenerationEngine`, so the same request
-gives the same text here as from `/v1/generate` on this host.
+gives the same text here as from `/v1/generate` on this host. The engine is the served one, its KV cache
+included (32 slots x 2048 positions: ~1.5 GB for SmolLM2 in bf16).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], help="default: as served")
     p.add_argument("--quantization", choices=[*QUANTIZATIONS, "auto"], help="default: as served")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default: as served")
     p.add_argument("--threads", type=int, help="torch threads (default: as served)")
     p.add_argument("--eager", action="store_true", help="do not compile the step (the service compiles it)")
     p.add_argument("--config", help="Serve config whose generator settings to use (default: deploy/serve_config.yaml)")
@@ -98,7 +101,7 @@ def run(args) -> int:
     from service import local
     from service.engine.cpu_runtime import single_threaded_caller
     from service.engine.types import RequestRejected, SamplingParams
-    from service.models import load_generator
+    from service.models import ModelUnavailable, load_generator
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
@@ -107,9 +110,13 @@ def run(args) -> int:
     # load on this thread single-threaded: the engine's own thread runs the steps (service/engine/cpu_runtime.py)
     single_threaded_caller()
     t0 = time.perf_counter()
-    spec = local.generator_spec(config=args.config, dtype=args.dtype, quantization=args.quantization,
-                                threads=args.threads, compile=False if args.eager else None)
-    generator = load_generator(spec, log=lambda m: print(m, file=sys.stderr))
+    try:
+        spec = local.generator_spec(config=args.config, dtype=args.dtype, quantization=args.quantization,
+                                    device=args.device, threads=args.threads, compile=False if args.eager else None)
+        generator = load_generator(spec, log=lambda m: print(m, file=sys.stderr))
+    except (ModelUnavailable, OSError, RuntimeError, ValueError) as e:  # CheckpointError is a ValueError
+        print(f"attnserve generate: {e}", file=sys.stderr)
+        return 2
     engine = generator.engine
     mode = quantization_of(engine.model)
     label = engine.config.dtype if mode == "none" else f"{engine.config.dtype}, {mode} linears"

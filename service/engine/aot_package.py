@@ -142,6 +142,8 @@ def _load(path: Path, name: str) -> Callable | None:
         log.warning("%s: could not load %s; building it again", name, path, exc_info=True)
         return None
     log.info("%s: loaded %s in %.2f s", name, path.name, time.perf_counter() - t0)
+    with contextlib.suppress(OSError):  # a package in use stays among the newest (prune)
+        os.utime(path)
     return step
 
 
@@ -166,7 +168,8 @@ def _build(path: Path, name: str, fn: Callable, model: torch.nn.Module, args: Se
 
 
 def prune(directory: Path, name: str, keep: int = KEEP) -> None:
-    """Keep the `keep` newest packages of a step (other weights, code or settings): the folder stays bounded."""
+    """Keep the `keep` most recently built or loaded packages of a step (other weights, code or settings): the
+    folder stays bounded, and evaluating other checkpoints does not evict the one a service loads."""
     built = [p for p in directory.glob(f"{name}-*.pt2") if not p.name.endswith(".tmp.pt2")]  # not others' builds
     old = sorted(built, key=lambda p: p.stat().st_mtime, reverse=True)[keep:]
     for p in old:
