@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import native_ops
+from model.dropout import dropout
 from model.kv_cache import CacheContext, StepContext
 from model.layers import apply_rope
 
@@ -94,12 +95,26 @@ class Attention(nn.Module):
             y = prefix_attention(q, k[:, :, 1:], v[:, :, 1:], k[:, :, :1], v[:, :, :1], mask[..., 1:])
         elif t == 1 and not self.training:
             y = decode_attention(q, k, v, mask)  # (B, H, 1, D)
+        elif self.training and self.dropout > 0:
+            y = dropout_attention(q, k, v, mask, self.dropout)  # (B, H, T, D)
         else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, D)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                               enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(b, t, self.n_heads * hd).to(x.dtype)  # (B, T, H*D)
         return self.o_proj(y)
+
+
+def dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      p: float) -> torch.Tensor:
+    """Training attention with dropout on the weights: SDPA's math, but with model.dropout's mask (SDPA
+    would draw torch's serial CPU Bernoulli). q (B, H, T, D); k, v (B, Hkv, S, D) -> (B, H, T, D)."""
+    if k.shape[1] != q.shape[1]:  # grouped-query heads
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, T, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    w = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return dropout(w, p) @ v
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -10,6 +10,7 @@ from torch import nn
 
 from model.attention import Attention
 from model.config import DecoderConfig
+from model.dropout import Dropout
 from model.kv_cache import KVCache, StepContext
 from model.layers import GeluMLP, RotaryEmbedding, SwiGLU, make_norm
 
@@ -27,7 +28,7 @@ class DecoderBlock(nn.Module):
             self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
         else:
             self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
 
     def forward(self, x, mask, rope, cache, layer):
         x = x + self.drop(self.attn(self.attn_norm(x), mask, rope=rope, cache=cache, layer=layer))
@@ -42,7 +43,7 @@ class DecoderLM(nn.Module):
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.positions == "learned" else None
         self.rope = (RotaryEmbedding(cfg.dim_head, cfg.max_seq_len, cfg.rope_theta)
                      if cfg.positions == "rope" else None)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

@@ -1,7 +1,8 @@
 """C++ kernels compiled on this machine at first use, with torch's extension builder.
 
 The CPU kernels of `attnserve::int8_linear` (model/csrc/int8_linear.cpp), `attnserve::int4_linear`
-(model/csrc/int4_linear.cpp) and `attnserve::prefix_attention` (model/csrc/prefix_attention.cpp); the
+(model/csrc/int4_linear.cpp), `attnserve::prefix_attention` (model/csrc/prefix_attention.cpp) and
+`attnserve::dropout` (model/csrc/dropout.cpp, for training); the
 instruction set is picked at run time. A compiled decode step calls them ~150 times a step; with a Python
 kernel each call takes the GIL, and in a Serve replica the event loop holds the GIL while it streams
 tokens, so the step waited for it (docs/decisions.md). The int8 kernel reaches fbgemm through the
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / f for f in ("int8_linear.cpp", "int4_linear.cpp",
-                                                                    "prefix_attention.cpp"))
+                                                                    "prefix_attention.cpp", "dropout.cpp"))
 # at::parallel_for is OpenMP code in ATen's headers: without -fopenmp it runs serially. The library then
 # needs libgomp.so.1, which resolves to the one torch already loaded (one thread pool).
 CFLAGS = ("-O2", "-fopenmp")
@@ -72,6 +73,7 @@ def load() -> bool:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import model.attention  # noqa: F401  (these define the ops the library implements)
+    import model.dropout  # noqa: F401
     import model.quantize  # noqa: F401
 
     ok = load()

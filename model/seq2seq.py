@@ -15,6 +15,7 @@ from torch import nn
 
 from model.attention import Attention
 from model.config import Seq2SeqConfig
+from model.dropout import Dropout
 from model.kv_cache import CacheContext, KVCache, StepContext
 from model.layers import GeluMLP, sinusoidal_table
 
@@ -25,7 +26,7 @@ class _Residual(nn.Module):
     def __init__(self, cfg: Seq2SeqConfig):
         super().__init__()
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.norm_first = cfg.norm_first
 
     def forward(self, x, fn):
@@ -70,7 +71,7 @@ class EncoderDecoder(nn.Module):
         self.register_buffer("pe", sinusoidal_table(max(cfg.max_src_len, cfg.max_tgt_len), cfg.d_model),
                              persistent=False)
         self.scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
         # pre-LN stacks end with a LayerNorm; post-LN (paper) outputs are already normalised

@@ -57,10 +57,17 @@ class TrainConfig:
     avg_last: int = 5
     log_every: int = 20
     rewarm_steps: int = 300  # --init-from: fresh Adam moments, so ramp the lr back up over these steps
+    compile_loss: bool = True  # the loss over the vocabulary through inductor: one fused pass each way
 
     @classmethod
     def load(cls, path: str | Path) -> TrainConfig:
         return from_dict(cls, json.loads(Path(path).read_text()), where=str(path))
+
+
+def token_loss(logits: torch.Tensor, tgt_out: torch.Tensor, pad_id: int, smoothing: float) -> torch.Tensor:
+    """Label-smoothed cross-entropy over the real target tokens: logits (B, T, V), tgt_out (B, T)."""
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), tgt_out.reshape(-1), ignore_index=pad_id,
+                           label_smoothing=smoothing)
 
 
 def lr_at(step: int, d_model: int, warmup: int, factor: float) -> float:
@@ -229,13 +236,12 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
 
         cfg = dataclasses.replace(cfg, bf16=prefers_bf16())
     torch.manual_seed(cfg.seed)
-    log_f = open(run / "train.log", "a", encoding="utf-8")
 
     def log(**kv):
         line = json.dumps({"time": round(time.time(), 1), **kv}, ensure_ascii=False)
         write_line(line)  # above the progress bar, when one is drawn
-        log_f.write(line + "\n")
-        log_f.flush()
+        with open(run / "train.log", "a", encoding="utf-8") as f:
+            f.write(line + "\n")
 
     train_pairs = translate_data.read_split("train", data_dir)
     dev_pairs = {split: translate_data.read_split(split, data_dir) for split in cfg.eval_splits}
@@ -271,6 +277,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     n_params = sum(p.numel() for p in model.parameters())
     log(event="start", params=n_params, examples=len(examples), config=dataclasses.asdict(cfg))
 
+    loss_of = torch.compile(token_loss, dynamic=True) if cfg.compile_loss else token_loss
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
@@ -297,8 +304,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
                 g["lr"] = lr
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
                 logits = model(src, tgt_in)
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), tgt_out.reshape(-1),
-                                   ignore_index=mcfg.pad_id, label_smoothing=cfg.label_smoothing)
+            loss = loss_of(logits, tgt_out, mcfg.pad_id, cfg.label_smoothing)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)

@@ -1,0 +1,51 @@
+"""Dropout whose mask is a hash of (seed, element index).
+
+On CPU a C++ kernel (model/csrc/dropout.cpp) computes the mask and applies it in one parallel pass, and the
+backward recomputes it from the seed instead of keeping it. torch's CPU dropout draws a Bernoulli per
+element from one serial Mersenne Twister where it does not use MKL (any non-Intel CPU): the largest single
+cost of a translator training step (docs/decisions.md). Elsewhere (CUDA, no compiler) `F.dropout` serves.
+Same distribution either way: each element kept with probability 1 - p (to 1/65536), scaled by 1 / (1 - p).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model import native_ops
+
+_lib = torch.library.Library("attnserve", "FRAGMENT")
+_lib.define("dropout(Tensor x, float p, int seed) -> Tensor")
+
+
+class _HashDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+        ctx.p, ctx.seed = p, seed
+        return torch.ops.attnserve.dropout(x, p, seed)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return torch.ops.attnserve.dropout(grad, ctx.p, ctx.seed), None, None  # the same mask and scale
+
+
+def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    if not training or p == 0.0:
+        return x
+    if x.device.type == "cpu" and native_ops.load():
+        seed = int(torch.randint(0, 2**62, ()).item())  # from torch's generator: torch.manual_seed repeats it
+        return _HashDropout.apply(x, p, seed)
+    return F.dropout(x, p, True)
+
+
+class Dropout(nn.Module):
+    def __init__(self, p: float = 0.0):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dropout(x, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
