@@ -154,3 +154,20 @@ def test_compiled_loss_matches_the_eager_loss_and_gradient_across_batch_shapes()
         torch.testing.assert_close(grads[0][0], grads[1][0])
         torch.testing.assert_close(grads[0][1], grads[1][1])
         assert bool((grads[0][1][0, -1] == 0).all())
+
+
+def test_batches_group_similar_source_and_target_lengths_and_cover_every_example():
+    import random
+
+    from model.training.train_translate import make_batches
+
+    rng = random.Random(0)
+    # two directions mixed: a source length says little about its target's
+    examples = [([1] * rng.randint(3, 40), [1] * rng.randint(3, 60)) for _ in range(20000)]
+    batches = make_batches(examples, 2000, random.Random(1))
+    assert sorted(i for b in batches for i in b) == list(range(len(examples)))
+    real = sum(len(examples[i][1]) for b in batches for i in b)
+    padded = sum(max(len(examples[i][1]) for i in b) * len(b) for b in batches)
+    assert real / padded > 0.85  # sorted by source length alone: 0.55
+    assert all(max(max(len(examples[i][0]), len(examples[i][1])) for i in b) * 2 * len(b) <= 2000
+               for b in batches if len(b) > 1)
