@@ -95,11 +95,12 @@ class Attention(nn.Module):
             y = prefix_attention(q, k[:, :, 1:], v[:, :, 1:], k[:, :, :1], v[:, :, :1], mask[..., 1:])
         elif t == 1 and not self.training:
             y = decode_attention(q, k, v, mask)  # (B, H, 1, D)
-        elif self.training and self.dropout > 0:
+        elif self.training and self.dropout > 0 and q.device.type == "cpu":
             y = dropout_attention(q, k, v, mask, self.dropout)  # (B, H, T, D)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                               enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, D)
+        else:  # on CUDA, training too: SDPA's fused kernels drop out themselves
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(b, t, self.n_heads * hd).to(x.dtype)  # (B, T, H*D)
         return self.o_proj(y)
 
