@@ -33,7 +33,7 @@ class _HashDropout(torch.autograd.Function):
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     if not training or p == 0.0:
         return x
-    if x.device.type == "cpu" and native_ops.load():
+    if x.device.type == "cpu" and p < 1.0 and native_ops.load():
         seed = int(torch.randint(0, 2**62, ()).item())  # from torch's generator: torch.manual_seed repeats it
         return _HashDropout.apply(x, p, seed)
     return F.dropout(x, p, True)

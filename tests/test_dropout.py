@@ -98,3 +98,7 @@ def test_dropout_attention_is_attention_when_nothing_is_dropped(heads):
     mask[..., 0] = True
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h != hkv)
     torch.testing.assert_close(dropout_attention(q, k, v, mask, 0.0), ref)
+
+
+def test_p_one_drops_everything():
+    assert not dropout(torch.randn(10, 10), 1.0).any()
