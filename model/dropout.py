@@ -4,7 +4,8 @@ On CPU a C++ kernel (model/csrc/dropout.cpp) computes the mask and applies it in
 backward recomputes it from the seed instead of keeping it. torch's CPU dropout draws a Bernoulli per
 element from one serial Mersenne Twister where it does not use MKL (any non-Intel CPU): the largest single
 cost of a translator training step (docs/decisions.md). Elsewhere (CUDA, no compiler) `F.dropout` serves.
-Same distribution either way: each element kept with probability 1 - p (to 1/65536), scaled by 1 / (1 - p).
+Same distribution either way: each element kept with probability 1 - p (to 1/65536), scaled by the inverse of
+that probability.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ _lib = torch.library.Library("attnserve", "FRAGMENT")
 _lib.define("dropout(Tensor x, float p, int seed) -> Tensor")
 
 
+@torch.library.register_fake("attnserve::dropout", lib=_lib)
+def _dropout_fake(x, p, seed):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 class _HashDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
@@ -27,13 +33,13 @@ class _HashDropout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return torch.ops.attnserve.dropout(grad, ctx.p, ctx.seed), None, None  # the same mask and scale
+        return _HashDropout.apply(grad, ctx.p, ctx.seed), None, None  # the same mask and scale (linear in x)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     if not training or p == 0.0:
         return x
-    if x.device.type == "cpu" and p < 1.0 and native_ops.load():
+    if x.device.type == "cpu" and round(p * 65536) < 65536 and native_ops.load():
         seed = int(torch.randint(0, 2**62, ()).item())  # from torch's generator: torch.manual_seed repeats it
         return _HashDropout.apply(x, p, seed)
     return F.dropout(x, p, True)

@@ -1,5 +1,6 @@
 """model/dropout.py: the hash-mask dropout the models train with (C++ kernel on CPU)."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -27,7 +28,7 @@ def test_keeps_one_minus_p_scaled_and_the_backward_uses_the_same_mask(native, dt
     kept = y != 0
     assert abs(kept.float().mean().item() - 0.75) < 0.005
     torch.testing.assert_close(y[kept], (x[kept].float() / 0.75).to(dtype))
-    g = torch.randn_like(x)
+    g = torch.randn(x.shape[1], x.shape[0]).to(dtype).t()  # a non-contiguous gradient
     y.backward(g)
     assert torch.equal(x.grad != 0, kept)
     torch.testing.assert_close(x.grad[kept], (g[kept].float() / 0.75).to(dtype))
@@ -53,9 +54,10 @@ def test_identity_in_eval_mode_or_at_p_zero():
 
 
 def test_vector_and_plain_kernels_give_the_same_bits(native):
-    """AVX2 is picked at run time; ATTNSERVE_ISA=scalar forces the plain C++ loop: same masks, same rounding."""
+    """AVX2 is picked at run time; ATTNSERVE_ISA=scalar forces the plain C++ loop: same masks, same rounding,
+    over tensors that several threads split."""
     script = ("import torch, sys\nfrom model.dropout import dropout\n"
-              "x = torch.randn(3, 1001, generator=torch.Generator().manual_seed(0))\n"
+              "x = torch.randn(3, 100_003, generator=torch.Generator().manual_seed(0))\n"
               "out = []\n"
               "for dt in (torch.float32, torch.bfloat16):\n"
               "    torch.manual_seed(5)\n"
@@ -73,7 +75,7 @@ def test_vector_and_plain_kernels_give_the_same_bits(native):
 
 
 def _in_process():
-    x = torch.randn(3, 1001, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 100_003, generator=torch.Generator().manual_seed(0))
     out = []
     for dt in (torch.float32, torch.bfloat16):
         torch.manual_seed(5)
@@ -102,3 +104,48 @@ def test_dropout_attention_is_attention_when_nothing_is_dropped(heads):
 
 def test_p_one_drops_everything():
     assert not dropout(torch.randn(10, 10), 1.0).any()
+
+
+def test_float64_keeps_its_precision(native):
+    x = torch.full((1000,), 1 + 1e-12, dtype=torch.float64)
+    y = dropout(x, 0.5)
+    kept = y[y != 0]
+    assert len(kept) > 400 and bool((kept > 2.0).all())  # 2 * (1 + 1e-12) is not rounded to 2.0
+
+
+def test_dropout_attention_drops_the_attention_weights(native):
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 8)
+    mask = torch.ones(2, 1, 5, 7, dtype=torch.bool)
+    torch.manual_seed(11)
+    y = dropout_attention(q, k, v, mask, 0.3)
+    torch.manual_seed(11)
+    keep = dropout(torch.ones(2, 4, 5, 7), 0.3)  # the same seed: the same mask, times the scale
+    w = torch.softmax((q @ k.transpose(-1, -2)) * 8 ** -0.5, dim=-1)
+    torch.testing.assert_close(y, (w * keep) @ v)
+    assert not torch.allclose(y, w @ v)
+
+
+def test_a_training_step_with_dropout_runs_the_cpu_paths_and_repeats_under_a_seed(native, monkeypatch):
+    from model import attention
+    from model.config import TINY_SEQ2SEQ
+    from model.seq2seq import EncoderDecoder
+
+    calls = []
+    real = attention.dropout_attention
+    monkeypatch.setattr(attention, "dropout_attention", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    m = EncoderDecoder(dataclasses.replace(TINY_SEQ2SEQ, dropout=0.1)).train()
+    src, tgt = torch.randint(3, 97, (4, 9)), torch.randint(3, 97, (4, 7))
+    losses = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        loss = F.cross_entropy(m(src, tgt).flatten(0, 1), tgt.flatten())
+        m.zero_grad()
+        loss.backward()
+        losses.append((loss.item(), m.embed.weight.grad.clone()))
+    assert calls  # attention dropped out through our kernel's path
+    assert losses[0][0] == losses[1][0] and torch.equal(losses[0][1], losses[1][1])
+    assert torch.isfinite(losses[0][1]).all()
+    m.eval()
+    with torch.no_grad():
+        assert not torch.allclose(m(src, tgt), m.train()(src, tgt))

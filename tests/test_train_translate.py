@@ -171,3 +171,41 @@ def test_batches_group_similar_source_and_target_lengths_and_cover_every_example
     assert real / padded > 0.85  # sorted by source length alone: 0.55
     assert all(max(max(len(examples[i][0]), len(examples[i][1])) for i in b) * 2 * len(b) <= 2000
                for b in batches if len(b) > 1)
+
+
+def test_resume_on_other_data_keeps_the_epochs_fraction_not_a_stale_batch_index(tiny_run, tmp_path):
+    path, cfg, data, run = tiny_run
+    cfg["max_steps"] = 10  # part of the first epoch
+    path.write_text(json.dumps(cfg))
+    train(path, run, data_dir=data)
+    before = json.loads((run / "state.json").read_text())
+    n_examples, n_batches = before["epoch_batches"]
+    assert before["batch_in_epoch"] == 10 and before["epoch"] == 0
+    with open(data / "train.tsv", "a", encoding="utf-8") as f:  # twice the data: about twice the batches
+        f.write((data / "train.tsv").read_text(encoding="utf-8"))
+    cfg["max_steps"] = 11
+    path.write_text(json.dumps(cfg))
+    train(path, run, data_dir=data, resume=True)
+    event = [r for r in _log(run) if r.get("event") == "epoch_rebatched"][-1]
+    after = json.loads((run / "state.json").read_text())
+    assert event["examples"] == [n_examples, after["epoch_batches"][0]]
+    assert after["epoch_batches"][0] == 2 * n_examples
+    assert event["batch_in_epoch"] == [10, round(10 * after["epoch_batches"][1] / n_batches)]
+    assert after["batch_in_epoch"] == event["batch_in_epoch"][1] + 1 and after["epoch"] == 0
+
+
+def test_where_the_loss_cannot_compile_training_says_so_and_goes_on_eagerly(tiny_run, monkeypatch):
+    path, cfg, data, run = tiny_run
+    cfg["max_steps"] = 3
+    path.write_text(json.dumps(cfg))
+
+    def no_compiler(fn, **kw):
+        def broken(*a):
+            raise RuntimeError("no C++ compiler")
+        return broken
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    train(path, run, data_dir=data)
+    events = [r for r in _log(run) if r.get("event") == "compile_loss_unavailable"]
+    assert len(events) == 1 and "no C++ compiler" in events[0]["error"]
+    assert json.loads((run / "state.json").read_text())["step"] == 3

@@ -1,9 +1,10 @@
 // attnserve::dropout's CPU kernel: element i is kept where the top 16 bits of a hash of (seed, i) are at
-// least p * 65536, then scaled by 1 / (1 - p). The mask is a pure function of the seed, so the backward
+// least p * 65536 (rounded), then scaled by the inverse of the kept fraction. The mask is a pure function of the seed, so the backward
 // recomputes it instead of keeping it, and the work spreads over the cores; torch's CPU bernoulli draws
 // from one serial generator on hosts where it does not use MKL. 32-bit integer hashing, 8 lanes with AVX2
 // (picked at run time), plain C++ elsewhere; both give the same bits. Semantics: model/dropout.py.
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -29,14 +30,16 @@ inline uint32_t hash(uint32_t i, uint32_t k1, uint32_t k2) { return fmix32(fmix3
 
 struct Params {
   uint32_t k1, k2, threshold;
-  float scale;
+  double scale;  // 65536 / (65536 - threshold): the mean is kept exactly at the kept fraction used
 };
 
 template <typename T>
 void run_scalar(const T* x, T* y, int64_t begin, int64_t end, const Params& q) {
+  using acc_t = at::opmath_type<T>;  // float for the narrow types, double for double
+  const auto scale = static_cast<acc_t>(q.scale);
   for (int64_t i = begin; i < end; ++i) {
     const bool keep = (hash(static_cast<uint32_t>(i), q.k1, q.k2) >> 16) >= q.threshold;
-    y[i] = static_cast<T>(static_cast<float>(x[i]) * (keep ? q.scale : 0.0f));
+    y[i] = static_cast<T>(static_cast<acc_t>(x[i]) * (keep ? scale : acc_t(0)));
   }
 }
 
@@ -58,7 +61,7 @@ __attribute__((target("avx2"))) inline __m256 multipliers8(int64_t i, const Para
   // top 16 bits >= threshold; both sides below 2^16 + 1, so the signed compare is exact
   const __m256i keep = _mm256_cmpgt_epi32(_mm256_srli_epi32(h, 16),
                                           _mm256_set1_epi32(static_cast<int>(q.threshold) - 1));
-  return _mm256_and_ps(_mm256_castsi256_ps(keep), _mm256_set1_ps(q.scale));
+  return _mm256_and_ps(_mm256_castsi256_ps(keep), _mm256_set1_ps(static_cast<float>(q.scale)));
 }
 
 __attribute__((target("avx2"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -113,8 +116,10 @@ at::Tensor dropout(const at::Tensor& x, double p, int64_t seed) {
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty_like(xc);
   const auto s = static_cast<uint64_t>(seed);
-  const Params q{static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32),
-                 static_cast<uint32_t>(std::lround(p * 65536.0)), static_cast<float>(1.0 / (1.0 - p))};
+  const auto threshold = static_cast<uint32_t>(std::lround(p * 65536.0));
+  TORCH_CHECK(threshold < 65536, "attnserve::dropout: p rounds to 1, got ", p);
+  const Params q{static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32), threshold,
+                 65536.0 / (65536.0 - threshold)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "attnserve_dropout", [&] {
     run<scalar_t>(xc.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(), xc.numel(), q);
   });

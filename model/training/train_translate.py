@@ -70,6 +70,24 @@ def token_loss(logits: torch.Tensor, tgt_out: torch.Tensor, pad_id: int, smoothi
                            label_smoothing=smoothing)
 
 
+def compiled_loss(log):
+    """token_loss through inductor; where that cannot build (no C++ compiler) the first call says so in the
+    log and training goes on with the eager loss."""
+    fn = {"loss": torch.compile(token_loss, dynamic=True)}
+
+    def loss(*args):
+        try:
+            return fn["loss"](*args)
+        except Exception as e:
+            if fn["loss"] is token_loss:
+                raise
+            log(event="compile_loss_unavailable", error=f"{type(e).__name__}: {str(e)[:300]}")
+            fn["loss"] = token_loss
+            return token_loss(*args)
+
+    return loss
+
+
 def lr_at(step: int, d_model: int, warmup: int, factor: float) -> float:
     step = max(step, 1)
     return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
@@ -280,7 +298,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     n_params = sum(p.numel() for p in model.parameters())
     log(event="start", params=n_params, examples=len(examples), config=dataclasses.asdict(cfg))
 
-    loss_of = torch.compile(token_loss, dynamic=True) if cfg.compile_loss else token_loss
+    loss_of = compiled_loss(log) if cfg.compile_loss else token_loss
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
@@ -293,6 +311,15 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     while not stop["flag"]:
         rng = random.Random(cfg.seed * 1000 + meta["epoch"])
         batches = make_batches(examples, cfg.batch_tokens, rng)
+        seen = meta.get("epoch_batches")  # the batch list the position counts in (absent in older runs)
+        if seen and seen != [len(examples), len(batches)] and meta["batch_in_epoch"]:
+            # other data or batching since the checkpoint: keep the epoch's fraction, not an index into
+            # a different list
+            pos = round(meta["batch_in_epoch"] * len(batches) / seen[1])
+            log(event="epoch_rebatched", step=meta["step"], examples=[seen[0], len(examples)],
+                batches=[seen[1], len(batches)], batch_in_epoch=[meta["batch_in_epoch"], pos])
+            meta["batch_in_epoch"] = pos
+        meta["epoch_batches"] = [len(examples), len(batches)]
         while meta["batch_in_epoch"] < len(batches) and not stop["flag"]:
             if finished(meta, cfg):
                 stop["flag"] = True  # already done (e.g. a resume or warm start at the limit)
