@@ -338,6 +338,19 @@ def test_train_translate_without_data_says_how_to_get_it(home, tmp_path, capsys,
     assert not (tmp_path / "export").exists()
 
 
+@pytest.mark.parametrize("device, says", [("cuda", "sees no CUDA device"), ("tpu9", "--device tpu9")])
+def test_train_translate_on_a_device_this_torch_lacks_exits_2_naming_it(home, tmp_path, capsys, restore_torch,
+                                                                        monkeypatch, device, says):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on the CPU wheel, on any machine
+    rc = main(["train", "translate", "--config", _recipe(tmp_path / "tiny.json", 5), "--run-dir",
+               str(tmp_path / "run"), "--device", device])
+    assert rc == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "run" / "state.json").exists()
+
+
 # --- stop (plain processes) ----------------------------------------------------------------------
 
 SLEEPER = "import signal, sys, time\n{}\nprint('ready', flush=True)\ntime.sleep(120)\n"

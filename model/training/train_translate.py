@@ -159,13 +159,15 @@ def collate(examples, idx, pad: int):
 def save_state(run: Path, model, opt, meta: dict) -> None:
     from safetensors.torch import save_file
 
-    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
+    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     names = {id(p): n for n, p in model.named_parameters()}
     for p, st in opt.state.items():
         for k in ("exp_avg", "exp_avg_sq"):
-            tensors[f"opt.{names[id(p)]}.{k}"] = st[k].contiguous()
+            tensors[f"opt.{names[id(p)]}.{k}"] = st[k].cpu().contiguous()
         meta["opt_step"] = float(st["step"])  # Adam's step count (one for all parameters)
     tensors["rng.torch"] = torch.get_rng_state()
+    if next(model.parameters()).is_cuda:  # dropout masks on the GPU draw from its own generator
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
     tmp = run / "state.safetensors.tmp"
     save_file(tensors, str(tmp))
     tmp.replace(run / "state.safetensors")
@@ -182,9 +184,11 @@ def load_state(run: Path, model, opt) -> dict:
     for n, p in model.named_parameters():
         if f"opt.{n}.exp_avg" in tensors:
             opt.state[p] = {"step": torch.tensor(meta["opt_step"]),
-                            "exp_avg": tensors[f"opt.{n}.exp_avg"],
-                            "exp_avg_sq": tensors[f"opt.{n}.exp_avg_sq"]}
+                            "exp_avg": tensors[f"opt.{n}.exp_avg"].to(p.device),
+                            "exp_avg_sq": tensors[f"opt.{n}.exp_avg_sq"].to(p.device)}
     torch.set_rng_state(tensors["rng.torch"])
+    if next(model.parameters()).is_cuda and "rng.cuda" in tensors:  # a run that moves between devices starts that generator afresh
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
     return meta
 
 
@@ -234,8 +238,14 @@ def dev_bleu(model, tok, pairs, n: int, split: str = "dev") -> dict[str, float]:
 def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume: bool = False,
           data_dir: Path | None = None, export_to: str | Path | None = None,
           export_only: bool = False, threads: int | None = None,
-          init_from: str | Path | None = None, avg_last: int | None = None) -> Path:
+          init_from: str | Path | None = None, avg_last: int | None = None, device: str = "cpu") -> Path:
     cfg = TrainConfig.load(config_path)
+    try:  # a resource setting too: a run may move between CPU and GPU machines as it resumes
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {device}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this torch ({torch.__version__}) sees no CUDA device")
     if threads:  # a resource setting, not part of the recipe: e.g. 1 while the cores are shared
         cfg = dataclasses.replace(cfg, threads=threads)
     if avg_last:  # export only: how many of the kept snapshots to average (at most the config's avg_last are kept)
@@ -255,7 +265,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     if cfg.bf16 == "auto":
         from model.cpu_features import prefers_bf16
 
-        cfg = dataclasses.replace(cfg, bf16=prefers_bf16())
+        cfg = dataclasses.replace(cfg, bf16=torch.cuda.is_bf16_supported() if dev.type == "cuda" else prefers_bf16())
     torch.manual_seed(cfg.seed)
 
     def log(**kv):
@@ -278,7 +288,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     tok = SentencePieceTokenizer(spm_path)
     mcfg = Seq2SeqConfig.from_dict({**cfg.model, "vocab_size": tok.vocab_size, "pad_id": tok.pad_id,
                                     "bos_id": tok.bos_id, "eos_id": tok.eos_id})
-    model = build_model(mcfg)
+    model = build_model(mcfg).to(dev)
     opt = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
     meta = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_seconds": 0.0, "tokens": 0}
     if resuming:
@@ -325,14 +335,14 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
                 stop["flag"] = True  # already done (e.g. a resume or warm start at the limit)
                 break
             idx = batches[meta["batch_in_epoch"]]
-            src, tgt_in, tgt_out = collate(examples, idx, mcfg.pad_id)
+            src, tgt_in, tgt_out = (t.to(dev) for t in collate(examples, idx, mcfg.pad_id))
             step = meta["step"] + 1
             lr = lr_at(step, mcfg.d_model, cfg.warmup_steps, cfg.lr_factor)
             if "warm_start_step" in meta:  # fresh optimizer moments: ramp up to the schedule again
                 lr *= min(1.0, (step - meta["warm_start_step"]) / max(1, cfg.rewarm_steps))
             for g in opt.param_groups:
                 g["lr"] = lr
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16):
                 logits = model(src, tgt_in)
             loss = loss_of(logits, tgt_out, mcfg.pad_id, cfg.label_smoothing)
             opt.zero_grad(set_to_none=True)
@@ -435,7 +445,7 @@ def checkpoint(run: Path, model, opt, meta: dict, cfg: TrainConfig) -> None:
     save_state(run, model, opt, meta)
     snaps = run / "snapshots"
     snaps.mkdir(exist_ok=True)
-    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(sd, str(snaps / f"step-{meta['step']}.safetensors"))
     old = sorted(snaps.glob("step-*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))
     for p in old[: -cfg.avg_last]:
@@ -443,6 +453,7 @@ def checkpoint(run: Path, model, opt, meta: dict, cfg: TrainConfig) -> None:
 
 
 def export(run: Path, model, tok, cfg: TrainConfig, meta: dict, export_to, log) -> Path:
+    model = model.cpu()
     used = average_snapshots(run, model, cfg.avg_last)
     out = Path(export_to or paths.SHIPPED_TRANSLATOR)
     save_checkpoint(model, out, tokenizer=tok, dtype=torch.bfloat16,

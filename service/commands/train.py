@@ -1,4 +1,4 @@
-"""attnserve train translate --config configs/translate.json [--resume] [--export-only]"""
+"""attnserve train translate --config configs/translate.json [--resume] [--export-only] [--device cuda]"""
 
 
 def add_arguments(p):
@@ -12,6 +12,8 @@ def add_arguments(p):
     p.add_argument("--init-from", metavar="DIR",
                    help="start a new run from a shipped checkpoint's weights and vocabulary (e.g. "
                         "weights/attnserve-zh-en), continuing its step count and lr schedule")
+    p.add_argument("--device", default="cpu",
+                   help="cpu or cuda[:N] (a resource setting: a run may resume on another device)")
     p.add_argument("--export-to", help="export folder (default weights/attnserve-zh-en)")
     p.add_argument("--avg-last", type=int, metavar="N",
                    help="export the average of the last N snapshots (default: the config's avg_last)")
@@ -25,7 +27,7 @@ def run(args) -> int:
     try:
         train(args.config, args.run_dir, resume=args.resume, export_only=args.export_only,
               export_to=args.export_to, threads=args.threads,
-              init_from=args.init_from, avg_last=args.avg_last)
+              init_from=args.init_from, avg_last=args.avg_last, device=args.device)
     except (FileExistsError, FileNotFoundError, ValueError) as e:  # their messages say what to do
         print(f"attnserve train: {e}", file=sys.stderr)
         return 2
