@@ -1,3 +1,4 @@
+import hashlib
 import os
 import signal
 import sys
@@ -10,6 +11,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shipped_weights_untouched():
+    """No test may write the repository's shipped checkpoints: a finished training run exports to
+    weights/attnserve-zh-en unless told otherwise (`export_to`, `--export-to`)."""
+    def digest() -> dict[str, str]:
+        return {str(p.relative_to(ROOT)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted((ROOT / "weights").rglob("*")) if p.is_file()}
+
+    before = digest()
+    yield
+    assert digest() == before, "a test wrote into weights/: give training runs an export_to / --export-to"
 
 
 @pytest.fixture(autouse=True)

@@ -177,7 +177,7 @@ def test_resume_on_other_data_keeps_the_epochs_fraction_not_a_stale_batch_index(
     path, cfg, data, run = tiny_run
     cfg["max_steps"] = 10  # part of the first epoch
     path.write_text(json.dumps(cfg))
-    train(path, run, data_dir=data)
+    train(path, run, data_dir=data, export_to=tmp_path / "export")
     before = json.loads((run / "state.json").read_text())
     n_examples, n_batches = before["epoch_batches"]
     assert before["batch_in_epoch"] == 10 and before["epoch"] == 0
@@ -185,7 +185,7 @@ def test_resume_on_other_data_keeps_the_epochs_fraction_not_a_stale_batch_index(
         f.write((data / "train.tsv").read_text(encoding="utf-8"))
     cfg["max_steps"] = 11
     path.write_text(json.dumps(cfg))
-    train(path, run, data_dir=data, resume=True)
+    train(path, run, data_dir=data, resume=True, export_to=tmp_path / "export")
     event = [r for r in _log(run) if r.get("event") == "epoch_rebatched"][-1]
     after = json.loads((run / "state.json").read_text())
     assert event["examples"] == [n_examples, after["epoch_batches"][0]]
@@ -194,7 +194,7 @@ def test_resume_on_other_data_keeps_the_epochs_fraction_not_a_stale_batch_index(
     assert after["batch_in_epoch"] == event["batch_in_epoch"][1] + 1 and after["epoch"] == 0
 
 
-def test_where_the_loss_cannot_compile_training_says_so_and_goes_on_eagerly(tiny_run, monkeypatch):
+def test_where_the_loss_cannot_compile_training_says_so_and_goes_on_eagerly(tiny_run, tmp_path, monkeypatch):
     path, cfg, data, run = tiny_run
     cfg["max_steps"] = 3
     path.write_text(json.dumps(cfg))
@@ -205,7 +205,7 @@ def test_where_the_loss_cannot_compile_training_says_so_and_goes_on_eagerly(tiny
         return broken
 
     monkeypatch.setattr(torch, "compile", no_compiler)
-    train(path, run, data_dir=data)
+    train(path, run, data_dir=data, export_to=tmp_path / "export")
     events = [r for r in _log(run) if r.get("event") == "compile_loss_unavailable"]
     assert len(events) == 1 and "no C++ compiler" in events[0]["error"]
     assert json.loads((run / "state.json").read_text())["step"] == 3
