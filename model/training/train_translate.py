@@ -187,7 +187,8 @@ def load_state(run: Path, model, opt) -> dict:
                             "exp_avg": tensors[f"opt.{n}.exp_avg"].to(p.device),
                             "exp_avg_sq": tensors[f"opt.{n}.exp_avg_sq"].to(p.device)}
     torch.set_rng_state(tensors["rng.torch"])
-    if next(model.parameters()).is_cuda and "rng.cuda" in tensors:  # a run that moves between devices starts that generator afresh
+    # a run that moved from CPU has no CUDA generator state: that generator starts afresh
+    if next(model.parameters()).is_cuda and "rng.cuda" in tensors:
         torch.cuda.set_rng_state(tensors["rng.cuda"])
     return meta
 
