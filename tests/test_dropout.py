@@ -1,10 +1,10 @@
 """model/dropout.py: the hash-mask dropout the models train with (C++ kernel on CPU)."""
 
 import dataclasses
+import inspect
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -53,34 +53,27 @@ def test_identity_in_eval_mode_or_at_p_zero():
     assert dropout(x, 0.0) is x
 
 
-def test_vector_and_plain_kernels_give_the_same_bits(native):
-    """AVX2 is picked at run time; ATTNSERVE_ISA=scalar forces the plain C++ loop: same masks, same rounding,
-    over tensors that several threads split."""
-    script = ("import torch, sys\nfrom model.dropout import dropout\n"
-              "x = torch.randn(3, 100_003, generator=torch.Generator().manual_seed(0))\n"
-              "out = []\n"
-              "for dt in (torch.float32, torch.bfloat16):\n"
-              "    torch.manual_seed(5)\n"
-              "    out.append(dropout(x.to(dt), 0.1).float())\n"
-              "torch.save(out, sys.argv[1])\n")
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"dropout-{os.getpid()}-scalar.pt"
-    env = dict(os.environ, ATTNSERVE_ISA="scalar", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True,
-                       timeout=600, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = torch.load(path)
-    path.unlink()
-    for ref, out in zip(_in_process(), got):
-        assert torch.equal(ref, out)
-
-
-def _in_process():
+def _outputs():
     x = torch.randn(3, 100_003, generator=torch.Generator().manual_seed(0))
     out = []
     for dt in (torch.float32, torch.bfloat16):
         torch.manual_seed(5)
         out.append(dropout(x.to(dt), 0.1).float())
     return out
+
+
+def test_vector_and_plain_kernels_give_the_same_bits(native, tmp_path):
+    """AVX2 is picked at run time; ATTNSERVE_ISA=scalar forces the plain C++ loop: same masks, same rounding,
+    over tensors that several threads split."""
+    script = ("import sys\nimport torch\nfrom model.dropout import dropout\n" + inspect.getsource(_outputs)
+              + "torch.save(_outputs(), sys.argv[1])\n")
+    path = tmp_path / "scalar.pt"
+    env = dict(os.environ, ATTNSERVE_ISA="scalar", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True,
+                       timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for ref, out in zip(_outputs(), torch.load(path), strict=True):
+        assert torch.equal(ref, out)
 
 
 def test_torch_dropout_serves_where_the_kernel_is_not_loaded(monkeypatch):

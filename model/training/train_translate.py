@@ -73,17 +73,17 @@ def token_loss(logits: torch.Tensor, tgt_out: torch.Tensor, pad_id: int, smoothi
 def compiled_loss(log):
     """token_loss through inductor; where that cannot build (no C++ compiler) the first call says so in the
     log and training goes on with the eager loss."""
-    fn = {"loss": torch.compile(token_loss, dynamic=True)}
+    fn = torch.compile(token_loss, dynamic=True)
 
     def loss(*args):
-        try:
-            return fn["loss"](*args)
-        except Exception as e:
-            if fn["loss"] is token_loss:
-                raise
-            log(event="compile_loss_unavailable", error=f"{type(e).__name__}: {str(e)[:300]}")
-            fn["loss"] = token_loss
-            return token_loss(*args)
+        nonlocal fn
+        if fn is not token_loss:
+            try:
+                return fn(*args)
+            except Exception as e:
+                log(event="compile_loss_unavailable", error=f"{type(e).__name__}: {str(e)[:300]}")
+                fn = token_loss
+        return token_loss(*args)
 
     return loss
 
@@ -156,10 +156,16 @@ def collate(examples, idx, pad: int):
 
 # --- resumable state, without pickle ------------------------------------------------------------
 
-def save_state(run: Path, model, opt, meta: dict) -> None:
+def cpu_weights(model) -> dict[str, torch.Tensor]:
+    """The model's state dict as contiguous CPU tensors (what safetensors writes), from any device."""
+    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+
+
+def save_state(run: Path, model, opt, meta: dict, weights: dict[str, torch.Tensor]) -> None:
+    """The resumable state: `weights` (cpu_weights(model)), Adam's moments, the RNG states, `meta`."""
     from safetensors.torch import save_file
 
-    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    tensors = {f"model.{k}": v for k, v in weights.items()}
     names = {id(p): n for n, p in model.named_parameters()}
     for p, st in opt.state.items():
         for k in ("exp_avg", "exp_avg_sq"):
@@ -443,11 +449,11 @@ def warm_start(model, ckpt: Path) -> dict:
 def checkpoint(run: Path, model, opt, meta: dict, cfg: TrainConfig) -> None:
     from safetensors.torch import save_file
 
-    save_state(run, model, opt, meta)
+    weights = cpu_weights(model)
+    save_state(run, model, opt, meta, weights)
     snaps = run / "snapshots"
     snaps.mkdir(exist_ok=True)
-    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(sd, str(snaps / f"step-{meta['step']}.safetensors"))
+    save_file(weights, str(snaps / f"step-{meta['step']}.safetensors"))
     old = sorted(snaps.glob("step-*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))
     for p in old[: -cfg.avg_last]:
         p.unlink()
