@@ -209,3 +209,23 @@ def test_where_the_loss_cannot_compile_training_says_so_and_goes_on_eagerly(tiny
     events = [r for r in _log(run) if r.get("event") == "compile_loss_unavailable"]
     assert len(events) == 1 and "no C++ compiler" in events[0]["error"]
     assert json.loads((run / "state.json").read_text())["step"] == 3
+
+
+def test_upsampling_repeats_a_sources_pairs_in_each_epoch_and_rejects_unknown_sources(tiny_run, tmp_path):
+    from model.training.translate_data import upsample
+
+    pairs, sources = [("a", "甲"), ("b", "乙"), ("c", "丙")], ["hk", "ted", "hk"]
+    assert upsample(pairs, sources, {"ted": 3}) == [("a", "甲"), ("b", "乙"), ("b", "乙"), ("b", "乙"), ("c", "丙")]
+    with pytest.raises(ValueError, match="tedx"):
+        upsample(pairs, sources, {"tedx": 2})
+    with pytest.raises(ValueError, match="whole numbers"):
+        upsample(pairs, sources, {"ted": 1.5})
+
+    path, cfg, data, run = tiny_run
+    n_train = len((data / "train.tsv").read_text(encoding="utf-8").splitlines())
+    (data / "train.source").write_text("ted\n" * 100 + "hk\n" * (n_train - 100), encoding="utf-8")
+    cfg.update(max_steps=2, upsample={"ted": 3})
+    path.write_text(json.dumps(cfg))
+    train(path, run, data_dir=data, export_to=tmp_path / "export")
+    start = [r for r in _log(run) if r.get("event") == "start"][0]
+    assert start["examples"] == 2 * (n_train + 2 * 100)  # both directions of each copy

@@ -53,6 +53,7 @@ class TrainConfig:
     eval_minutes: float = 15.0
     eval_sentences: int = 200
     eval_splits: list = field(default_factory=lambda: ["dev"])  # held-out splits scored during training
+    upsample: dict = field(default_factory=dict)  # train.source name -> copies per epoch, e.g. {"ted": 2}
     back_translation: bool = False  # also train on bt.tsv (`attnserve data backtranslate`), tagged, one way
     avg_last: int = 5
     log_every: int = 20
@@ -307,6 +308,8 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     if export_only:
         return export(run, model, tok, cfg, meta, export_to, log)
 
+    if cfg.upsample:  # after the vocabulary: it is trained on each pair once
+        train_pairs = translate_data.upsample(train_pairs, translate_data.read_sources(data_dir), cfg.upsample)
     examples = make_examples(train_pairs, tok, cfg.max_len)
     if cfg.back_translation:
         from model.training import back_translate

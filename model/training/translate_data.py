@@ -496,10 +496,25 @@ def alignment_sample(n: int = 50, seed: int = 50, directory: Path | None = None)
 
     directory = directory or data_dir()
     train = read_split("train", directory)
-    sources = (directory / "train.source").read_text(encoding="utf-8").splitlines()
-    ted = [p for p, s in zip(train, sources, strict=True) if s == "ted"]
+    ted = [p for p, s in zip(train, read_sources(directory), strict=True) if s == "ted"]
     ted += read_split("ted_dev", directory) + read_split("ted_test", directory)
     return random.Random(seed).sample(ted, min(n, len(ted)))
+
+
+def read_sources(directory: Path | None = None) -> list[str]:
+    """The source ("hk", "ted", "cedict", ...) of each train.tsv line."""
+    return ((directory or data_dir()) / "train.source").read_text(encoding="utf-8").splitlines()
+
+
+def upsample(pairs: list, sources: list[str], times: dict[str, int]) -> list:
+    """Each pair `times[its source]` times (once where not named): a small domain weighs more in an epoch."""
+    unknown = sorted(set(times) - set(sources))
+    if unknown:
+        raise ValueError(f"upsample: no training pairs from {unknown}; the sources are {sorted(set(sources))}")
+    bad = {k: v for k, v in times.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
+    if bad:
+        raise ValueError(f"upsample: times must be whole numbers >= 1, got {bad}")
+    return [p for p, s in zip(pairs, sources, strict=True) for _ in range(times.get(s, 1))]
 
 
 def read_split(name: str, directory: Path | None = None) -> list[tuple[str, str]]:
