@@ -82,7 +82,7 @@ def read_config(directory: str | Path) -> tuple[str, DecoderConfig | Seq2SeqConf
     return arch, cfg, meta
 
 
-def load_state(model: nn.Module, weights: str | Path, dtype: torch.dtype | None = None) -> None:
+def load_state(model: nn.Module, weights: str | Path) -> None:
     """Load safetensors into `model`, checking names and shapes; raise CheckpointError otherwise."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -106,8 +106,6 @@ def load_state(model: nn.Module, weights: str | Path, dtype: torch.dtype | None 
             raise CheckpointError(f"{weights}: tensor {name} has shape {tuple(t.shape)}, "
                                   f"config expects {tuple(expected[name].shape)}")
     model.load_state_dict(state, strict=False)
-    if dtype is not None:
-        model.to(dtype)
 
 
 def load_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None,

@@ -182,7 +182,3 @@ class BeamState:
     def best(self) -> list[int]:
         """Best target tokens once done."""
         return self.hypotheses()[0].tokens
-
-    @property
-    def generated(self) -> int:
-        return len(self.best()) if self.done else max(len(s) for s in self.seqs)

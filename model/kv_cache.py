@@ -29,13 +29,6 @@ class KVCache:
             self.cross_v = torch.zeros(cshape, dtype=dtype, device=device)
             self.src_len = torch.zeros(n_slots, dtype=torch.long, device=device)  # (S,)
 
-    @property
-    def nbytes(self) -> int:
-        n = self.k.nbytes + self.v.nbytes
-        if self.cross_len:
-            n += self.cross_k.nbytes + self.cross_v.nbytes
-        return n
-
     def context(self, slots: torch.Tensor | list[int], positions: torch.Tensor) -> CacheContext:
         """Per-forward view: which slots the batch rows use and how far to read."""
         slots_t = torch.as_tensor(slots, dtype=torch.long, device=self.k.device)  # (B,)

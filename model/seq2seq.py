@@ -128,9 +128,8 @@ class EncoderDecoder(nn.Module):
         cache.set_cross_all(slots_t, *self.cross_kv(memory), src_mask.sum(-1))
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | StepContext,
-               slots: torch.Tensor | list[int] | None = None,
-               output_index: torch.Tensor | None = None) -> torch.Tensor:
-        """Decoder step(s) over the cache: tokens, positions (B, T) -> logits (B, T, V) or (B, V).
+               slots: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+        """Decoder step(s) over the cache: tokens, positions (B, T) -> logits (B, T, V).
 
         With a `KVCache`, row b's new K/V go to slot `slots[b]`; with a `StepContext` (T = 1,
         `decode_step`), rows attend its prefix views and their new K/V are collected in it instead.
@@ -145,17 +144,12 @@ class EncoderDecoder(nn.Module):
         self_mask, cross_mask = ctx.self_mask(), ctx.cross_mask()
         for i, layer in enumerate(self.decoder):
             x = layer(x, self_mask, None, cross_mask, ctx, i)
-        if output_index is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), output_index]  # (B, d)
-        return self.dec_norm(x) @ self.embed.weight.T  # (B, [T,] V), tied output projection
+        return self.dec_norm(x) @ self.embed.weight.T  # (B, T, V), tied output projection
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_mask: torch.Tensor | None = None,
-                tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Teacher forcing: src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
         if src_mask is None:
             src_mask = src != self.cfg.pad_id
-        if tgt_mask is None:
-            tgt_mask = tgt_in != self.cfg.pad_id
         memory = self.encode(src, src_mask)
         b, t = tgt_in.shape
         if t > self.cfg.max_tgt_len:

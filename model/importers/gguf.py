@@ -183,7 +183,7 @@ def _meta(reader, key: str, default=None):
     return f.contents()
 
 
-def read_metadata(reader, path: Path) -> dict:
+def read_metadata(reader) -> dict:
     """All scalar/array metadata as Python values."""
     return {k: _meta(reader, k) for k in reader.fields}
 
@@ -351,7 +351,7 @@ def _load_gguf(path: Path, show_progress: bool = False) -> GGUFModel:
 
     reader = _open(path)
     check_metadata_types(reader, path)
-    meta = read_metadata(reader, path)
+    meta = read_metadata(reader)
     cfg = config_from_metadata(meta, path)
     g = _tensors(reader, path, show_progress)
     if "output.weight" in g:

@@ -97,14 +97,14 @@ class Bead:
         return f"{self.zh[1] - self.zh[0]}-{self.en[1] - self.en[0]}"
 
 
-def align(zh_lens: list[int], en_lens: list[int], lm: LengthModel, *, priors: dict | None = None,
+def align(zh_lens: list[int], en_lens: list[int], lm: LengthModel, *,
           breaks: tuple[set[int], set[int]] | None = None, band: int | None = None) -> list[Bead]:
     """Gale-Church dynamic programming over sentence lengths; beads in order.
 
     breaks: sentence indices at which a paragraph ends on each side; a bead ending where both sides end
     a paragraph costs BREAK_BONUS less, so interleaved files keep their paragraph pairs where the lengths
     allow. band: only cells within this many sentences of the diagonal (long documents)."""
-    costs = [(di, dj, -math.log(p)) for (di, dj), p in (priors or SENTENCE_PRIORS).items()]
+    costs = [(di, dj, -math.log(p)) for (di, dj), p in SENTENCE_PRIORS.items()]
     n, m = len(zh_lens), len(en_lens)
     zc, ec = [0], [0]
     for x in zh_lens:
@@ -142,7 +142,7 @@ def align(zh_lens: list[int], en_lens: list[int], lm: LengthModel, *, priors: di
                 b_ij -= BREAK_BONUS
             best[i][j], back[i][j] = b_ij, arg
     if back[n][m] is None and (n or m):
-        return align(zh_lens, en_lens, lm, priors=priors, breaks=breaks)  # the band cut every path: no band
+        return align(zh_lens, en_lens, lm, breaks=breaks)  # the band cut every path: no band
     beads = []
     i, j = n, m
     while i or j:

@@ -31,8 +31,8 @@ class CompletionLogprobs:
     """Accumulates one choice's completions-shape logprobs; `text_offset` counts characters of the
     choice's text from its start (the echoed prompt included)."""
 
-    def __init__(self, texts: TokenTexts, offset: int = 0):
-        self.texts, self.offset = texts, offset
+    def __init__(self, texts: TokenTexts):
+        self.texts, self.offset = texts, 0
 
     def render(self, pairs: list[tuple[int, TokenLogprob | None]]) -> dict:
         """pairs: (token id, its logprob entry or None) -> the lists for these tokens."""
@@ -59,15 +59,6 @@ def prompt_pairs(prompt_ids: list[int], entries: list[TokenLogprob | None]) -> l
 
 def output_pairs(entries: list[TokenLogprob]) -> list[tuple[int, TokenLogprob | None]]:
     return [(e.token_id, e) for e in entries]
-
-
-def merge(parts: list[dict]) -> dict:
-    """Concatenate completions-shape logprob dicts."""
-    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for p in parts:
-        for key in out:
-            out[key].extend(p[key])
-    return out
 
 
 def chat_content(texts: TokenTexts, entries: list[TokenLogprob]) -> list[dict]:

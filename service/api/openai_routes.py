@@ -20,7 +20,7 @@ from service.api.generation import (
     new_id,
     usage_dict,
 )
-from service.api.logprob_format import CompletionLogprobs, TokenTexts, chat_content, merge, output_pairs, prompt_pairs
+from service.api.logprob_format import CompletionLogprobs, TokenTexts, chat_content, output_pairs, prompt_pairs
 from service.api.schemas import ChatCompletionBody, CompletionBody
 from service.api.streaming import collect, sse_stream, unless_disconnected
 from service.api.structured import response_schema
@@ -142,9 +142,8 @@ async def completions(body: CompletionBody, request: Request):
     for c in choices:
         lp = None
         if want_lp:
-            state = CompletionLogprobs(texts)
-            parts = [state.render(prompt_pairs(ids, c.prompt_logprobs))] if body.echo else []
-            lp = merge(parts + [state.render(output_pairs(c.logprobs))])
+            echoed = prompt_pairs(ids, c.prompt_logprobs) if body.echo else []
+            lp = CompletionLogprobs(texts).render(echoed + output_pairs(c.logprobs))
         out.append({"index": c.index, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason})
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": gen.name,
             "choices": out, "usage": usage_dict(usage)}

@@ -150,7 +150,7 @@ class GenerationEngine(EngineLoop):
         self.scheduler.check_room(1)
         matchers = [self.grammars.compile(p.json_schema) if p.json_schema is not None else None
                     for _ in range(req.n)]
-        group = [Sequence(req=req, prompt=prompt, params=p, queue=queue,
+        group = [Sequence(prompt=prompt, params=p, queue=queue,
                           detok=IncrementalDetokenizer(self.tokenizer, skip_ids=self.eos_ids),
                           stopper=StopMatcher(p.stop), generator=make_generator(None if p.seed is None else p.seed + i),
                           deadline=now + limit if limit is not None else None, t_submit=now, index=i,

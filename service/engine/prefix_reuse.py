@@ -43,9 +43,6 @@ class PrefixIndex:
         for s in slots:
             self.freed.pop(s, None)
 
-    def clear(self) -> None:
-        self.freed.clear()
-
     def longest(self, prompt: Sequence[int], sources: Iterable[tuple[int, Sequence[int]]]) -> tuple[int, int]:
         """The source (slot, cached tokens) sharing the longest prefix with `prompt` -> (slot, positions
         to reuse), at most len(prompt) - 1; (-1, 0) when none reaches `min_tokens`."""

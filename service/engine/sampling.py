@@ -100,7 +100,8 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams],
     sp = [params[i] for i in rows]
     temp = torch.tensor([p.temperature for p in sp], device=dev, dtype=logits.dtype)
     x = logits[rows] / temp[:, None]  # (N, V)
-    u = torch.cat([torch.rand(1, generator=generators[i], device=dev) for i in rows])  # (N,)
+    # drawn on the CPU, where the per-request generators live: a seed gives the same draws on any device
+    u = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).to(dev)  # (N,)
     choice = torch.empty(len(rows), dtype=torch.long, device=dev)  # (N,)
     # top-k / top-p rows sample from their sorted, filtered logits; the others from the logits as they
     # are, whatever the batch company (the inverse CDF of another order picks another token for one u)
@@ -127,10 +128,10 @@ def _inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=cdf.shape[1] - 1)[:, 0]
 
 
-def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
-    """A per-request generator; None (the global RNG) when the request has no seed."""
+def make_generator(seed: int | None) -> torch.Generator | None:
+    """A per-request (CPU) generator; None (the global RNG) when the request has no seed."""
     if seed is None:
         return None
-    g = torch.Generator(device=device)
+    g = torch.Generator()
     g.manual_seed(int(seed))
     return g

@@ -11,12 +11,11 @@ import torch
 from model.tokenizer import IncrementalDetokenizer
 from service.engine.scheduler import Expiry
 from service.engine.stopping import StopMatcher
-from service.engine.types import GenerateRequest, GenerationEvent, SamplingParams, TokenLogprob
+from service.engine.types import GenerationEvent, SamplingParams, TokenLogprob
 
 
 @dataclass(eq=False)
 class Sequence:
-    req: GenerateRequest
     prompt: list[int]
     params: SamplingParams
     queue: asyncio.Queue  # the request's event stream, shared by its choices

@@ -15,10 +15,6 @@ class GeneratorFrontend:
         self.engine, self.tokenizer, self.name, self.chat_template = engine, tokenizer, name, chat_template
 
     @property
-    def model(self):
-        return self.engine.model
-
-    @property
     def max_context(self) -> int:
         return self.engine.max_context
 
