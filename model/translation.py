@@ -12,7 +12,7 @@ LANGS = ("en", "zh")
 TAGS = {"en": "<2en>", "zh": "<2zh>"}
 # Decoding defaults of every translation path (HTTP, CLI, evaluation); chosen on the dev splits (docs/performance.md).
 DEFAULT_BEAM_SIZE = 4
-DEFAULT_LENGTH_PENALTY = 1.2
+DEFAULT_LENGTH_PENALTY = 2.0
 DEFAULT_NO_REPEAT_NGRAM = 3
 _CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
 
