@@ -94,10 +94,7 @@ def translate(translator, texts: list[str], *, progress: Callable[[int], None] |
 
     engine = translator.engine
     threads = engine.config.threads or default_threads()
-    try:
-        build = engine.config.compile and not engine.runner.compiled_steps_built(threads)
-    except ValueError:  # sizes the compiled step cannot take: the engine runs eagerly
-        build = False
+    build = engine.config.compile and not engine.runner.compiled_steps_built(threads)
     if build:
         print("attnserve: compiling the translator's steps for this host (once; later runs load them from "
               "$ATTNSERVE_HOME/compile)", file=sys.stderr, flush=True)

@@ -41,3 +41,15 @@ def test_a_child_builds_the_translator_packages_and_the_replica_loads_them(tmp_p
     loaded = [line for line in r.stderr.splitlines() if ": loaded " in line]
     assert len(built) == 2 and all(line.startswith("prebuild: ") for line in built)  # by the child
     assert len(loaded) == 2 and not any(line.startswith("prebuild: ") for line in loaded)  # by the replica
+
+
+def test_no_child_where_the_translators_sizes_run_eagerly():
+    """A compiled translator too small for the compiled step (one slot) runs eagerly: nothing to build, and
+    the replica's start must not fail on it."""
+    from service.config import ServiceConfig
+    from service.models import load_translator
+    from service.prebuild import start_translator_build
+
+    cfg = ServiceConfig.from_dict({"translator": {"device": "cpu", "dtype": "float32",
+                                                  "engine": {"max_slots": 1, "max_seq_len": 32, "compile": True}}})
+    assert start_translator_build(cfg, load_translator(cfg.translator)) is None

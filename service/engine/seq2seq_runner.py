@@ -28,8 +28,12 @@ class Seq2SeqRunner:
         self.compiled = compiled
 
     def compiled_steps_built(self, threads: int) -> bool:
-        """Whether `compile` would load this host's packages rather than build them."""
-        return CompiledTranslator(self.model, self.cache).built(threads)
+        """Whether `compile` has nothing to build: this host's packages exist, or the sizes are ones the
+        compiled step cannot take (the engine then runs eagerly)."""
+        try:
+            return CompiledTranslator(self.model, self.cache).built(threads)
+        except ValueError:
+            return True
 
     def encode(self, sources: list[list[int]], copies: list[int], slots: list[int]) -> None:
         """Encode `sources` and store their cross K/V in `slots`: source i fills the next copies[i] slots
