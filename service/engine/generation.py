@@ -38,7 +38,7 @@ from service.engine.prefix_reuse import MIN_REUSE, PrefixIndex
 from service.engine.sampling import make_generator, sample_next
 from service.engine.sequence import Sequence
 from service.engine.slot_table import Move
-from service.engine.stats import EngineStats, MetricsSink
+from service.engine.stats import MetricsSink
 from service.engine.stopping import StopMatcher
 from service.engine.structured import GrammarError, Grammars, apply_bitmask
 from service.engine.types import (
@@ -87,9 +87,9 @@ class GenerationEngine(EngineLoop):
         """Most choices (n) one request may ask for: each holds a slot."""
         return self.config.max_slots
 
-    def stats(self) -> EngineStats:
-        running = self.scheduler.running
-        return self._stats(len(running), len(self.scheduler.waiting), sum(s.n_cached for s in running))
+    def _kv_used(self) -> int:
+        """Cache positions the running sequences hold."""
+        return sum(s.n_cached for s in self.scheduler.running)
 
     # --- submit ------------------------------------------------------------------------------
     def validate(self, req: GenerateRequest) -> None:
@@ -145,7 +145,7 @@ class GenerationEngine(EngineLoop):
         self._check_started()
         self.validate(req)
         now = time.monotonic()
-        limit = req.deadline_s if req.deadline_s is not None else self.config.default_deadline_s
+        deadline = self._deadline(req.deadline_s, now)
         p, queue, prompt = req.params, asyncio.Queue(), list(req.prompt_ids)
         self.scheduler.check_room(1)
         matchers = [self.grammars.compile(p.json_schema) if p.json_schema is not None else None
@@ -153,7 +153,7 @@ class GenerationEngine(EngineLoop):
         group = [Sequence(prompt=prompt, params=p, queue=queue,
                           detok=IncrementalDetokenizer(self.tokenizer, skip_ids=self.eos_ids),
                           stopper=StopMatcher(p.stop), generator=make_generator(None if p.seed is None else p.seed + i),
-                          deadline=now + limit if limit is not None else None, t_submit=now, index=i,
+                          deadline=deadline, t_submit=now, index=i,
                           pending_fork=i > 0, prompt_lp=[None] if p.prompt_logprobs is not None else None,
                           matcher=matchers[i])
                  for i in range(req.n)]
@@ -212,8 +212,7 @@ class GenerationEngine(EngineLoop):
                 decode.append(seq)
         decode.sort(key=lambda s: s.slot)
         self.last_batch_size = len(prefill) + len(decode)
-        kv = sum(s.n_cached for s in sched.running) / (self.config.max_slots * self.max_positions)
-        self.sink.on_step(self.name, self.last_batch_size, kv, len(sched.running), len(sched.waiting))
+        self.sink.on_step(self.name, self.last_batch_size, self._kv_usage(), len(sched.running), len(sched.waiting))
         return _Step(prefill, decode, moves, reuse)
 
     def _reuse_prefixes(self, admitted: list[Sequence], moves: list[Move]) -> list[Move]:

@@ -159,10 +159,23 @@ class EngineLoop:
     def _fail_all(self, error: Exception) -> None:
         raise NotImplementedError
 
-    def _stats(self, running: int, waiting: int, kv_used: int) -> EngineStats:
+    def _deadline(self, deadline_s: float | None, now: float) -> float | None:
+        """When a request submitted at `now` times out: its own limit, else the engine's default."""
+        limit = deadline_s if deadline_s is not None else self.config.default_deadline_s
+        return now + limit if limit is not None else None
+
+    def _kv_used(self) -> int:
+        """Cache positions the running work holds."""
+        raise NotImplementedError
+
+    def _kv_usage(self) -> float:
         total = self.config.max_slots * self.max_positions
-        return EngineStats(running=running, waiting=waiting, slots_total=self.config.max_slots,
-                           slots_used=self.scheduler.table.n_used, kv_usage_ratio=kv_used / total if total else 0.0,
+        return self._kv_used() / total if total else 0.0
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                           slots_total=self.config.max_slots,
+                           slots_used=self.scheduler.table.n_used, kv_usage_ratio=self._kv_usage(),
                            steps=self.steps, last_batch_size=self.last_batch_size,
                            requests_finished=self.requests_finished)
 

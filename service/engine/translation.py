@@ -26,7 +26,7 @@ from service.engine.loop import EngineLoop
 from service.engine.scheduler import Expiry
 from service.engine.seq2seq_runner import Seq2SeqRunner
 from service.engine.slot_table import Move
-from service.engine.stats import EngineStats, MetricsSink
+from service.engine.stats import MetricsSink
 from service.engine.types import RequestRejected, SourceBatch
 
 
@@ -102,10 +102,9 @@ class TranslationEngine(EngineLoop):
         """Longest source, its tag and end token included."""
         return self.cfg.max_src_len
 
-    def stats(self) -> EngineStats:
-        running = self.scheduler.running
-        used = sum(s.beam.k * (s.beam.step + 1) for s in running)
-        return self._stats(len(running), len(self.scheduler.waiting), used)
+    def _kv_used(self) -> int:
+        """Cache positions the running hypotheses hold."""
+        return sum(s.beam.k * (s.beam.step + 1) for s in self.scheduler.running)
 
     # --- submit ------------------------------------------------------------------------------
     def _sentences(self, batch: SourceBatch, request: _Request) -> list[_Sentence]:
@@ -132,9 +131,8 @@ class TranslationEngine(EngineLoop):
         request's slots."""
         self._check_started()
         now = time.monotonic()
-        limit = batch.deadline_s if batch.deadline_s is not None else self.config.default_deadline_s
         request = _Request(batch, asyncio.get_running_loop().create_future(), [None] * len(batch.sources), now,
-                           now + limit if limit is not None else None)
+                           self._deadline(batch.deadline_s, now))
         sentences = self._sentences(batch, request)
         if not sentences:
             return []
@@ -162,9 +160,7 @@ class TranslationEngine(EngineLoop):
         if not sched.running:
             return None
         self.last_batch_size = sum(s.beam.k for s in sched.running)
-        used = sum(s.beam.k * (s.beam.step + 1) for s in sched.running)
-        self.sink.on_step(self.name, self.last_batch_size, used / (self.config.max_slots * self.max_tgt),
-                          len(sched.running), len(sched.waiting))
+        self.sink.on_step(self.name, self.last_batch_size, self._kv_usage(), len(sched.running), len(sched.waiting))
         return _Step(list(sched.running), sched.compact())
 
     # --- one step (worker thread) ------------------------------------------------------------
