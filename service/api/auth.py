@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from service.api.errors import error_body
+from service.api.errors import error_body, send_json
 
 ENV_KEYS = "ATTNSERVE_API_KEYS"
 ENV_KEYS_FILE = "ATTNSERVE_API_KEYS_FILE"
@@ -71,11 +70,7 @@ def _bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 
 async def _send_401(send, message: str, challenge: str) -> None:
-    body = json.dumps(error_body(401, message, "authorization")).encode()
-    await send({"type": "http.response.start", "status": 401,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"www-authenticate", challenge.encode())]})
-    await send({"type": "http.response.body", "body": body})
+    await send_json(send, 401, error_body(401, message, "authorization"), {"www-authenticate": challenge})
 
 
 class ApiKeyAuth:

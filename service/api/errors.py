@@ -3,6 +3,7 @@ with a 4xx/503 status. Validation errors name the field; engine errors map to th
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -30,6 +31,16 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+async def send_json(send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
+    """A JSON response from pure-ASGI middleware (outside FastAPI's handlers)."""
+    data = json.dumps(body).encode()
+    extra = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *extra]})
+    await send({"type": "http.response.body", "body": data})
 
 
 def engine_error(e: EngineError) -> ApiError:

@@ -3,17 +3,12 @@ transport whose `receive` fails read as a client disconnect, and a fast 503 whil
 
 from __future__ import annotations
 
-import json
-
 from service import metrics
-from service.api.errors import error_body
+from service.api.errors import error_body, send_json
 
 
 async def _send_413(send, limit: int) -> None:
-    body = json.dumps(error_body(413, f"request body exceeds {limit} bytes", "body")).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+    await send_json(send, 413, error_body(413, f"request body exceeds {limit} bytes", "body"))
 
 
 class BodyLimit:
@@ -116,8 +111,4 @@ class StartupGate:
         why = f"failed to start: {snap['error']}" if state.error else f"{snap['phase']} ({snap['elapsed_s']} s)"
         body = error_body(503, f"the service is not ready: {why}; retry after {RETRY_AFTER_S} s")
         body["startup"] = snap
-        data = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": 503,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                                (b"retry-after", str(RETRY_AFTER_S).encode())]})
-        await send({"type": "http.response.body", "body": data})
+        await send_json(send, 503, body, {"retry-after": str(RETRY_AFTER_S)})

@@ -74,20 +74,25 @@ class Sampling(Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class GenerateBody(Sampling):
-    """POST /v1/generate: a raw `prompt` or chat `messages` (exactly one)."""
+class PromptOrMessages(Strict):
+    """A raw `prompt` or chat `messages` (exactly one)."""
 
     prompt: Text | None = Field(None, max_length=MAX_CHARS)
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024)
-    top_k: int = Field(0, ge=0, le=1000)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    ignore_eos: bool = False
 
     @model_validator(mode="after")
-    def _one_input(self) -> GenerateBody:
+    def _one_input(self) -> PromptOrMessages:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         return self
+
+
+class GenerateBody(Sampling, PromptOrMessages):
+    """POST /v1/generate: a raw `prompt` or chat `messages` (exactly one)."""
+
+    top_k: int = Field(0, ge=0, le=1000)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    ignore_eos: bool = False
 
 
 class StreamOptions(Strict):
@@ -171,20 +176,12 @@ class ChatCompletionBody(OpenAIBase):
     parallel_tool_calls: bool | None = None
 
 
-class TokenizeBody(Strict):
+class TokenizeBody(PromptOrMessages):
     """POST /tokenize (vLLM's shape): a raw `prompt`, or chat `messages` rendered by the chat template."""
 
     model: Text | None = Field(None, max_length=128)
-    prompt: Text | None = Field(None, max_length=MAX_CHARS)
-    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024)
     add_generation_prompt: bool = True  # messages only: end with the assistant's turn opening
     return_token_strs: bool = False  # also each token's text
-
-    @model_validator(mode="after")
-    def _one_input(self) -> TokenizeBody:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
-        return self
 
 
 class DetokenizeBody(Strict):

@@ -43,9 +43,7 @@ async def sse_stream(source: AsyncIterator, render: Callable[[object], list[dict
         a = engine_error(e)
         yield sse(error_body(a.status, a.message))
     finally:
-        close = getattr(source, "aclose", None)
-        if close is not None:
-            await close()
+        await _aclose(source)
     yield sse("[DONE]")
 
 
@@ -84,7 +82,12 @@ async def collect(source: AsyncIterator) -> list:
         async for event in source:
             events.append(event)
     finally:
-        close = getattr(source, "aclose", None)
-        if close is not None:
-            await close()
+        await _aclose(source)
     return events
+
+
+async def _aclose(source: AsyncIterator) -> None:
+    """Close an engine stream (which cancels what it still runs); plain iterators have nothing to close."""
+    close = getattr(source, "aclose", None)
+    if close is not None:
+        await close()
