@@ -28,13 +28,14 @@ class Backends:
     def ids(self) -> list[str]:
         return [b.name for b in (self.generator, self.translator) if b is not None]
 
-    def need_generator(self, model: str | None) -> GeneratorFrontend:
-        return self._need(model, self.generator, GENERATOR_ID, "completions/generation")
+    def need_generator(self, model: str | None, request=None) -> GeneratorFrontend:
+        """The generator serving `model` (the request's metrics label then names it), else an ApiError."""
+        return self._need(model, self.generator, GENERATOR_ID, "completions/generation", request)
 
-    def need_translator(self, model: str | None) -> TranslationFrontend:
-        return self._need(model, self.translator, TRANSLATOR_ID, "translation")
+    def need_translator(self, model: str | None, request=None) -> TranslationFrontend:
+        return self._need(model, self.translator, TRANSLATOR_ID, "translation", request)
 
-    def _need(self, model, backend, default_id: str, what: str):
+    def _need(self, model, backend, default_id: str, what: str, request):
         name = backend.name if backend is not None else default_id
         if model is not None and model != name:
             other = (self.translator, self.generator)
@@ -44,6 +45,8 @@ class Backends:
         if backend is None:
             reason = self.unavailable.get(name, "not loaded")
             raise ApiError(503, f"model {name} is not available: {reason}", "model")
+        if request is not None:
+            request.state.model = backend.name
         return backend
 
     async def start(self) -> None:

@@ -20,9 +20,7 @@ DEFAULT_MAX_TOKENS = 128
 async def generate(body: GenerateBody, request: Request):
     """Generate text from a `prompt` or chat `messages`. With `stream: true`, server-sent events:
     `{"text", "token_ids"}` deltas, a final event with `finish_reason` and `usage`, then `[DONE]`."""
-    backends, limits = request.app.state.backends, request.app.state.limits
-    gen = backends.need_generator(body.model)
-    request.state.model = gen.name
+    gen, limits = request.app.state.backends.need_generator(body.model, request), request.app.state.limits
     if body.prompt is not None:
         check_prompt(body.prompt, limits, "prompt")
         ids, param = gen.encode_prompt(body.prompt), "prompt"
@@ -53,9 +51,7 @@ async def generate(body: GenerateBody, request: Request):
 @router.post("/v1/translate")
 async def translate(body: TranslateBody, request: Request):
     """Translate one text or a list between Chinese and English (source detected per text when omitted)."""
-    backends, limits = request.app.state.backends, request.app.state.limits
-    tr = backends.need_translator(body.model)
-    request.state.model = tr.name
+    tr, limits = request.app.state.backends.need_translator(body.model, request), request.app.state.limits
     texts = body.texts()
     if not texts or len(texts) > limits.max_texts:
         raise ApiError(400, f"text must hold 1..{limits.max_texts} strings, got {len(texts)}", "text")

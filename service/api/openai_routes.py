@@ -84,9 +84,7 @@ def _completion_choices(body: CompletionBody, gen, limits) -> tuple[int, int]:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionBody, request: Request):
-    backends, limits = request.app.state.backends, request.app.state.limits
-    gen = backends.need_generator(body.model)
-    request.state.model = gen.name
+    gen, limits = request.app.state.backends.need_generator(body.model, request), request.app.state.limits
     prompts = body.prompts()
     if len(prompts) != 1:
         raise ApiError(400, f"prompt: {len(prompts)} prompts given; give one, a string or a list of token ids "
@@ -151,9 +149,7 @@ async def completions(body: CompletionBody, request: Request):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionBody, request: Request):
-    backends, limits = request.app.state.backends, request.app.state.limits
-    gen = backends.need_generator(body.model)
-    request.state.model = gen.name
+    gen, limits = request.app.state.backends.need_generator(body.model, request), request.app.state.limits
     refuse_unsupported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")

@@ -25,9 +25,7 @@ def _version() -> str:
 @router.post("/tokenize")
 async def tokenize(body: TokenizeBody, request: Request):
     """`{prompt}` or `{messages, add_generation_prompt}` -> `{count, max_model_len, tokens, token_strs}`."""
-    backends, limits = request.app.state.backends, request.app.state.limits
-    gen = backends.need_generator(body.model)
-    request.state.model = gen.name
+    gen, limits = request.app.state.backends.need_generator(body.model, request), request.app.state.limits
     if body.prompt is not None:
         check_prompt(body.prompt, limits, "prompt")
         ids = gen.encode_prompt(body.prompt)
@@ -40,8 +38,7 @@ async def tokenize(body: TokenizeBody, request: Request):
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeBody, request: Request):
     """`{tokens}` -> `{prompt}`: the text of those token ids."""
-    gen = request.app.state.backends.need_generator(body.model)
-    request.state.model = gen.name
+    gen = request.app.state.backends.need_generator(body.model, request)
     bad = [i for i in body.tokens if not 0 <= i < gen.vocab_size]
     if bad:
         raise ApiError(400, f"tokens: {bad[:5]} are not token ids of model {gen.name} "
