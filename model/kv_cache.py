@@ -81,7 +81,7 @@ class KVCache:
         dst_t = torch.tensor(dst, dtype=torch.long, device=self.k.device)
         for buf, lengths in bufs:
             k = max(lengths)
-            for i in range(buf.shape[0]):  # per layer: ~20% faster than one 5-d advanced index
+            for i in range(buf.shape[0]):  # per layer: faster than one 5-d advanced index
                 layer = buf[i, :, :, :k]  # (S, Hkv, k, D) view
                 layer.index_copy_(0, dst_t, layer.index_select(0, src_t))
 

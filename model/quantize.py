@@ -8,8 +8,8 @@ is unchanged (the layers are drop-in modules), so eager and compiled execution b
   quantized linear (fbgemm; VNNI where the CPU has it), which takes a single scale for the whole
   activation: each row is divided by its own absmax first and two constant columns (+1, -1; zero
   weights) pin the kernel's range to [-1, 1], so every row gets its own scale and a row's result does
-  not depend on the other rows of its batch. Per-row scales alone cost SmolLM2 3.5 % perplexity: a
-  few input channels carry outliers that set the row's scale. So each input channel j is first divided
+  not depend on the other rows of its batch. Per-row scales alone lose perplexity (docs/decisions.md):
+  a few input channels carry outliers that set the row's scale. So each input channel j is first divided
   by s_j = max|X_j|^a / max|W_j|^(1-a) and the weights' column j multiplied by it (SmoothQuant, Xiao et
   al. 2022), with max|X_j| recorded on a short calibration text (`model/data/calibration_en.txt`) and
   a = SMOOTH_ALPHA, chosen on that text's perplexity.
@@ -66,8 +66,8 @@ def handles_as_inputs():
 
 
 # Defined on a plain `torch.library.Library`: the dispatcher calls the kernel directly, where
-# `torch.library.custom_op`'s Python wrapper (alias checks, dispatch in Python) cost ~4x more per call
-# than the op itself at one row (docs/decisions.md).
+# `torch.library.custom_op`'s Python wrapper (alias checks, dispatch in Python) cost more per call than
+# the op itself at one row (docs/decisions.md).
 _lib = torch.library.Library("attnserve", "DEF")
 _lib.define("int8_linear(Tensor x, SymInt handle, int out_features) -> Tensor")
 _lib.define("int4_linear(Tensor x, Tensor packed, int out_features) -> Tensor")
@@ -353,7 +353,7 @@ def choose_quantization(dtype: torch.dtype = torch.float32, compiled: bool = Fal
     """'auto': the mode with the least linear time summed over AUTO_ROWS rows on this CPU, measured once
     per process (what `dtype: auto` does for bf16; hosts differ, docs/performance.md), float linears
     as the engine will run them (`compiled`: prepacked). int8 competes only where the CPU has VNNI: the
-    7-bit activations needed without it cost SmolLM2 12 % perplexity."""
+    7-bit activations needed without it cost perplexity (docs/decisions.md)."""
     modes = [m for m in QUANTIZATIONS if m != "int8" or not _REDUCE_RANGE]
     totals = {mode: sum(time_linears(mode, rows, dtype, prepacked=compiled) for rows in AUTO_ROWS) for mode in modes}
     return min(totals, key=totals.get)
@@ -368,7 +368,7 @@ def quantization_of(model: nn.Module) -> str:
 def quantize_decoder(model: nn.Module, tokenizer, mode: str) -> int:
     """Quantize a decoder-only LM for serving -> layers replaced. int8: every linear, calibrated on
     CALIBRATION_TEXT. int4: the blocks' linears in int4 and the output projection in int8 (SmolLM2's
-    comes from a Q8_0 tensor, which 4 bits in groups of 32 would not hold: +6 % perplexity)."""
+    comes from a Q8_0 tensor, which 4 bits in groups of 32 would not hold: docs/decisions.md)."""
     if mode == "none":
         return 0
     ids = torch.tensor([tokenizer.encode(CALIBRATION_TEXT.read_text(encoding="utf-8"))])  # (1, T)

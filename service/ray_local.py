@@ -23,8 +23,7 @@ LOOPBACK_ENV = {
 }
 # Part of Ray Serve's own RAY_SERVE_THROUGHPUT_OPTIMIZED mode, without its topology changes (direct
 # ingress, gRPC): user code and the router share the replica's / proxy's event loop instead of a
-# thread hop per message. Service tok/s vs engine-only at 16 streams: 74.5 % -> 80.4 % (one run each,
-# docs/decisions.md). Set before Ray starts: every Ray process reads them at import.
+# thread hop per message (docs/decisions.md). Set before Ray starts: every Ray process reads them at import.
 SERVE_TUNING_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",

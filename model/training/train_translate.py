@@ -129,8 +129,8 @@ def _example(tok, src: str, tgt: str, lang: str, max_len: int, extra_tag: int | 
 def make_batches(examples, batch_tokens: int, rng: random.Random) -> list[list[int]]:
     """Group examples of similar length; each batch holds ~batch_tokens (padded) tokens.
 
-    Sorted by source then target length: sorting by the source alone left targets (either language)
-    ~44 % padding."""
+    Sorted by source then target length: sorted by the source alone, targets (either language) were
+    largely padding (docs/decisions.md)."""
     order = sorted(range(len(examples)), key=lambda i: (len(examples[i][0]), len(examples[i][1]), rng.random()))
     batches, cur, longest = [], [], 0
     for i in order:

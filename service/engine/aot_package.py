@@ -1,8 +1,8 @@
 """Compiled steps kept across starts as AOTInductor packages under `$ATTNSERVE_HOME/compile`.
 
 `torch.compile` redoes dynamo's tracing at every start even when inductor's cache hits, and a step whose
-float linears are frozen into oneDNN's prepacked form cannot enter that cache at all (the translator's:
-~38 s on every start). `torch.export` + AOTInductor compiles the same pure step function once into a
+float linears are frozen into oneDNN's prepacked form cannot enter that cache at all (the translator's
+step). `torch.export` + AOTInductor compiles the same pure step function once into a
 package (generated C++, its shared library and the weights as constants) that later starts load in a
 fraction of a second, with the same dynamic sizes and bit-identical outputs to the `torch.compile`d step
 (docs/decisions.md). A package is found again only for the same torch version, CPU flags, engine thread
