@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from model.strict_fields import reject_unknown
+from model.strict_fields import check_choices, reject_unknown
 
 
 def _from_dict(cls, data: dict[str, Any]):
@@ -58,12 +58,7 @@ class DecoderConfig:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={kv}")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
-        if self.norm not in ("layernorm", "rmsnorm"):
-            raise ValueError(f"unknown norm {self.norm!r}")
-        if self.positions not in ("learned", "rope"):
-            raise ValueError(f"unknown positions {self.positions!r}")
-        if self.mlp not in ("gelu", "swiglu"):
-            raise ValueError(f"unknown mlp {self.mlp!r}")
+        check_choices(self)
 
     @property
     def kv_heads(self) -> int:
@@ -103,8 +98,7 @@ class Seq2SeqConfig:
     def __post_init__(self):
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
-        if self.activation not in ("relu", "gelu"):
-            raise ValueError(f"unknown activation {self.activation!r}")
+        check_choices(self)
 
     @property
     def dim_head(self) -> int:

@@ -5,8 +5,9 @@ the known names instead of being ignored."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 
 def reject_unknown(data: Mapping[str, Any], known: Iterable[str], where: str) -> None:
@@ -27,3 +28,13 @@ def from_dict(cls, data: Mapping[str, Any] | None, *, where: str | None = None,
         if key in data and not isinstance(data[key], sub):
             data[key] = sub.from_dict(data[key])
     return cls(**data)
+
+
+def check_choices(obj) -> None:
+    """Raise ValueError naming the field where a `Literal[...]` field of dataclass `obj` holds another value."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if typing.get_origin(hints[f.name]) is Literal:
+            choices, value = typing.get_args(hints[f.name]), getattr(obj, f.name)
+            if value not in choices:
+                raise ValueError(f"{type(obj).__name__}.{f.name} must be one of {list(choices)}, got {value!r}")

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from model.importers.smollm2 import MODEL_NAME as SMOLLM2_ID
 from model.paths import REPO_ROOT, SHIPPED_TRANSLATOR
-from model.strict_fields import from_dict
+from model.strict_fields import check_choices, from_dict
 
 GENERATOR_ID = SMOLLM2_ID
 TRANSLATOR_ID = SHIPPED_TRANSLATOR.name
@@ -65,12 +65,7 @@ class ModelSpec:
     chat_template: str | None = None  # Jinja chat template overriding the tokenizer's (generator only)
 
     def __post_init__(self):
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"ModelSpec.device must be auto, cpu or cuda, got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"ModelSpec.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quantization not in ("auto", "none", "int8", "int4"):
-            raise ValueError(f"ModelSpec.quantization must be auto, none, int8 or int4, got {self.quantization!r}")
+        check_choices(self)
         bad = {"device", "dtype"} & set(self.engine)
         if bad:
             raise ValueError(f"ModelSpec.engine must not set {sorted(bad)}: use ModelSpec.device/dtype")
@@ -90,8 +85,7 @@ class ServiceConfig:
     serve_batch_wait_s: float = 0.05
 
     def __post_init__(self):
-        if self.batching not in ("engine", "serve_batch"):
-            raise ValueError(f"ServiceConfig.batching must be 'engine' or 'serve_batch', got {self.batching!r}")
+        check_choices(self)
         if self.serve_batch_size < 1 or self.serve_batch_wait_s < 0:
             raise ValueError("ServiceConfig.serve_batch_size must be >= 1 and serve_batch_wait_s >= 0")
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model.config import DecoderConfig, Seq2SeqConfig
 from service.config import GENERATOR_ID, TRANSLATOR_ID, ApiLimits, ModelSpec, ServiceConfig
+from service.engine.config import EngineConfig
 from service.models import ModelUnavailable, engine_config, load_backends, select_device
 
 
@@ -76,10 +78,6 @@ def test_engine_config_on_a_cpu_follows_the_bf16_decision(monkeypatch, bf16_fast
 
 
 def test_kv_cache_dtype_defaults_to_the_weights_dtype_and_can_be_wider():
-    import torch
-
-    from service.engine.config import EngineConfig
-
     assert EngineConfig(device="cpu", dtype="bfloat16").kv_torch_dtype == torch.bfloat16
     assert EngineConfig(device="cuda", dtype="float16").kv_torch_dtype == torch.float16
     assert EngineConfig(device="cpu", dtype="bfloat16", kv_dtype="float32").kv_torch_dtype == torch.float32
@@ -108,3 +106,15 @@ def test_missing_translator_is_reported_not_fatal(tmp_path):
     assert b.generator is None and b.translator is None
     assert "no translator checkpoint" in b.unavailable[TRANSLATOR_ID]
     assert "disabled" in b.unavailable[GENERATOR_ID]
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: EngineConfig(mode="batchy"), "EngineConfig.mode"),
+    (lambda: ModelSpec(quantization="int3"), "ModelSpec.quantization"),
+    (lambda: ServiceConfig(batching="ray"), "ServiceConfig.batching"),
+    (lambda: DecoderConfig(mlp="relu"), "DecoderConfig.mlp"),
+    (lambda: Seq2SeqConfig(activation="tanh"), "Seq2SeqConfig.activation"),
+])
+def test_a_choice_field_outside_its_choices_is_refused_naming_the_field_and_the_choices(make, field):
+    with pytest.raises(ValueError, match=rf"{field} must be one of \[.*\], got"):
+        make()

@@ -8,9 +8,8 @@ from typing import Any, Literal
 
 import torch
 
-from model.strict_fields import from_dict
+from model.strict_fields import check_choices, from_dict
 
-MODES = ("continuous", "static", "serial")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -46,12 +45,7 @@ class EngineConfig:
     compile: bool = False
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"EngineConfig.mode must be one of {MODES}, got {self.mode!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.kv_dtype != "auto" and self.kv_dtype not in DTYPES:
-            raise ValueError(f"EngineConfig.kv_dtype must be auto or one of {sorted(DTYPES)}, got {self.kv_dtype!r}")
+        check_choices(self)
         for name in ("max_slots", "max_seq_len", "prefill_chunk", "prefill_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
