@@ -39,26 +39,24 @@ async def models(request: Request):
                      for m in request.app.state.backends.ids()]}
 
 
-def _stream(events, rid: str, model: str, include_usage: bool, chunk, obj: str) -> StreamingResponse:
+def _envelope(rid: str, obj: str, model: str, choices: list[dict], **more) -> dict:
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices, **more}
+
+
+def _stream(events, rid: str, model: str, body, chunk, obj: str) -> StreamingResponse:
     """`chunk(ev)` -> the choice dicts of one event; usage (every choice's) goes in one last chunk when
-    asked for."""
-    usage = UsageTotal()
+    the body's stream_options ask for it."""
+    usage, include_usage = UsageTotal(), bool(body.stream_options and body.stream_options.include_usage)
 
     def render(ev) -> list[dict]:
         usage.add(ev)
-        out = []
-        for choice in chunk(ev):
-            c = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
-            if include_usage:
-                c["usage"] = None
-            out.append(c)
-        return out
+        return [_envelope(rid, obj, model, [choice], **({"usage": None} if include_usage else {}))
+                for choice in chunk(ev)]
 
     def tail() -> list[dict]:
         if not include_usage or not usage.finished:
             return []
-        return [{"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
-                 "usage": usage_dict(usage)}]
+        return [_envelope(rid, obj, model, [], usage=usage_dict(usage))]
 
     return StreamingResponse(sse_stream(events, render, tail), media_type="text/event-stream")
 
@@ -131,8 +129,7 @@ async def completions(body: CompletionBody, request: Request):
             return [{"index": ev.index, "text": text, "logprobs": state.render(pairs) if pairs else None,
                      "finish_reason": ev.finish_reason}]
 
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream(events, rid, gen.name, include, chunk, "text_completion")
+        return _stream(events, rid, gen.name, body, chunk, "text_completion")
     choices, usage = gather(await unless_disconnected(request, collect(events)))
     if best_of > n:
         choices = best(choices, n)
@@ -143,8 +140,7 @@ async def completions(body: CompletionBody, request: Request):
             echoed = prompt_pairs(ids, c.prompt_logprobs) if body.echo else []
             lp = CompletionLogprobs(texts).render(echoed + output_pairs(c.logprobs))
         out.append({"index": c.index, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason})
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": gen.name,
-            "choices": out, "usage": usage_dict(usage)}
+    return _envelope(rid, "text_completion", gen.name, out, usage=usage_dict(usage))
 
 
 @router.post("/v1/chat/completions")
@@ -182,11 +178,9 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
                 out.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason})
             return out
 
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream(events, rid, gen.name, include, chunk, "chat.completion.chunk")
+        return _stream(events, rid, gen.name, body, chunk, "chat.completion.chunk")
     choices, usage = gather(await unless_disconnected(request, collect(events)))
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": gen.name,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": {"content": chat_content(texts, c.logprobs)} if body.logprobs else None,
-                         "finish_reason": c.finish_reason} for c in choices],
-            "usage": usage_dict(usage)}
+    return _envelope(rid, "chat.completion", gen.name,
+                     [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                       "logprobs": {"content": chat_content(texts, c.logprobs)} if body.logprobs else None,
+                       "finish_reason": c.finish_reason} for c in choices], usage=usage_dict(usage))
