@@ -89,7 +89,8 @@ def beam_candidates(states: list[BeamState], logits: torch.Tensor,
                     ban_toks.append(tok)
         if ban_rows:
             logp[ban_rows, ban_toks] = NEG_INF
-        scores = torch.tensor([x for i in mine for x in states[i].scores], dtype=logp.dtype)[:, None]  # (n k, 1)
+        scores = torch.tensor([x for i in mine for x in states[i].scores], dtype=logp.dtype,
+                              device=logp.device)[:, None]  # (n k, 1)
         top_s, top_i = (scores + logp).view(len(mine), k * v).topk(2 * k)  # (n, 2k)
         for i, s_, i_ in zip(mine, top_s.tolist(), top_i.tolist(), strict=True):
             out[i] = (s_, i_)

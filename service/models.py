@@ -63,8 +63,9 @@ def _placement(spec: ModelSpec) -> tuple[str, str]:
     except ImportError:
         pass
     cuda = torch.cuda.is_available()
+    native_bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)  # emulated bf16 is slow
     return select_device(spec.device, spec.dtype, cuda_available=cuda, ray_gpu_ids=gpu_ids,
-                         bf16_supported=cuda and torch.cuda.is_bf16_supported(), cpu_bf16=cpu_has_native_bf16())
+                         bf16_supported=native_bf16, cpu_bf16=cpu_has_native_bf16())
 
 
 def engine_config(spec: ModelSpec) -> EngineConfig:
@@ -154,6 +155,8 @@ def load_translator(spec: ModelSpec, sink=None) -> TranslationFrontend:
 def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Backends:
     """Every enabled model that loads; the others with the reason they did not. `startup`
     (service/startup.py) hears each model's phase: loading, loaded (MB, MB/s), unavailable."""
+    import torch
+
     from model.checkpoint import CheckpointError
     from service.engine.cpu_runtime import single_threaded_caller
 
@@ -169,7 +172,9 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Bac
         t0 = time.perf_counter()
         try:
             backend = loader(spec, sink)
-        except (ModelUnavailable, CheckpointError, FileNotFoundError, OSError, ImportError, ValueError) as e:
+        # a GPU too small for this model (two replicas may share one) leaves the other model served
+        except (ModelUnavailable, CheckpointError, FileNotFoundError, OSError, ImportError, ValueError,
+                torch.OutOfMemoryError) as e:
             backends.unavailable[name] = str(e)
             log(f"attnserve: {name} not served: {e}")
             if startup is not None:

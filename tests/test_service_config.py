@@ -108,6 +108,18 @@ def test_missing_translator_is_reported_not_fatal(tmp_path):
     assert "disabled" in b.unavailable[GENERATOR_ID]
 
 
+def test_a_model_that_runs_out_of_device_memory_is_reported_and_the_other_still_served(monkeypatch):
+    from service import models
+
+    def oom(spec, sink=None, log=None):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB")
+
+    monkeypatch.setattr(models, "load_generator", oom)
+    b = load_backends(ServiceConfig.from_dict({"translator": {"device": "cpu"}}), log=lambda *_: None)
+    assert b.generator is None and "out of memory" in b.unavailable[GENERATOR_ID]
+    assert b.translator is not None
+
+
 @pytest.mark.parametrize("make, field", [
     (lambda: EngineConfig(mode="batchy"), "EngineConfig.mode"),
     (lambda: ModelSpec(quantization="int3"), "ModelSpec.quantization"),

@@ -173,8 +173,9 @@ def save_state(run: Path, model, opt, meta: dict, weights: dict[str, torch.Tenso
             tensors[f"opt.{names[id(p)]}.{k}"] = st[k].cpu().contiguous()
         meta["opt_step"] = float(st["step"])  # Adam's step count (one for all parameters)
     tensors["rng.torch"] = torch.get_rng_state()
-    if next(model.parameters()).is_cuda:  # dropout masks on the GPU draw from its own generator
-        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    dev = next(model.parameters()).device
+    if dev.type == "cuda":  # dropout masks on the GPU draw from its own generator
+        tensors["rng.cuda"] = torch.cuda.get_rng_state(dev)
     tmp = run / "state.safetensors.tmp"
     save_file(tensors, str(tmp))
     tmp.replace(run / "state.safetensors")
@@ -195,8 +196,9 @@ def load_state(run: Path, model, opt) -> dict:
                             "exp_avg_sq": tensors[f"opt.{n}.exp_avg_sq"].to(p.device)}
     torch.set_rng_state(tensors["rng.torch"])
     # a run that moved from CPU has no CUDA generator state: that generator starts afresh
-    if next(model.parameters()).is_cuda and "rng.cuda" in tensors:
-        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    dev = next(model.parameters()).device
+    if dev.type == "cuda" and "rng.cuda" in tensors:
+        torch.cuda.set_rng_state(tensors["rng.cuda"], dev)
     return meta
 
 
@@ -254,6 +256,8 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
         raise ValueError(f"--device {device}: {e}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: this torch ({torch.__version__}) sees no CUDA device")
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)  # calls without a device (RNG state, bf16 support) then mean this one
     if threads:  # a resource setting, not part of the recipe: e.g. 1 while the cores are shared
         cfg = dataclasses.replace(cfg, threads=threads)
     if avg_last:  # export only: how many of the kept snapshots to average (at most the config's avg_last are kept)
@@ -273,7 +277,9 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     if cfg.bf16 == "auto":
         from model.cpu_features import prefers_bf16
 
-        cfg = dataclasses.replace(cfg, bf16=torch.cuda.is_bf16_supported() if dev.type == "cuda" else prefers_bf16())
+        # on CUDA only where the GPU computes bf16 natively (Ampere on): emulated bf16 is slow
+        bf16 = torch.cuda.is_bf16_supported(including_emulation=False) if dev.type == "cuda" else prefers_bf16()
+        cfg = dataclasses.replace(cfg, bf16=bf16)
     torch.manual_seed(cfg.seed)
 
     def log(**kv):
