@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 def use_persistent_cache() -> Path:
-    """Point inductor's caches at `$ATTNSERVE_HOME/compile/<torch version>-<CPU flags hash>` (unless the
+    """Point inductor's caches at `$ATTNSERVE_HOME/compile/<torch version>-<CPU flags and GPUs hash>` (unless the
     user set TORCHINDUCTOR_CACHE_DIR), so a second start, or a replica Ray restarts, loads the generated
     code instead of compiling it again. Inductor keys each entry by the graph and its config itself; the
     folder name keeps hosts apart where ATTNSERVE_HOME is shared. Graphs with oneDNN-prepacked float
@@ -57,7 +57,11 @@ def use_persistent_cache() -> Path:
     # inductor writes its default into the environment on first use: only a different value is the user's
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
-        flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+        host = " ".join(sorted(cpu_flags()))
+        if torch.cuda.is_available():  # GPU kernels are built for the device's architecture
+            host += "".join(f" {torch.cuda.get_device_name(i)}:{torch.cuda.get_device_capability(i)}"
+                            for i in range(torch.cuda.device_count()))
+        flags = hashlib.sha256(host.encode()).hexdigest()[:12]
         d = home() / "compile" / f"torch-{torch.__version__}-{flags}"
         d.mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(d)
