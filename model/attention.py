@@ -98,11 +98,24 @@ class Attention(nn.Module):
         elif self.training and self.dropout > 0 and q.device.type == "cpu":
             y = dropout_attention(q, k, v, mask, self.dropout)  # (B, H, T, D)
         else:  # on CUDA, training too: SDPA's fused kernels drop out themselves
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, D)
+            y = sdpa(q, k, v, mask, self.dropout if self.training else 0.0,
+                     expand_kv=q.device.type != "cpu")  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(b, t, self.n_heads * hd).to(x.dtype)  # (B, T, H*D)
         return self.o_proj(y)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float = 0.0,
+         *, expand_kv: bool = False) -> torch.Tensor:
+    """SDPA over grouped-query heads. q (B, H, T, D); k, v (B, Hkv, S, D) -> (B, H, T, D).
+
+    With a mask, CUDA's fused kernels (memory-efficient, cuDNN) do not take `enable_gqa` and SDPA falls
+    back to its math kernel (the full score matrix in float32): `expand_kv` repeats the K/V heads
+    instead, which they do take. On CPU the flash kernel takes both, so K/V stay unrepeated."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and expand_kv and mask is not None:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, S, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 def dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
