@@ -26,6 +26,15 @@ def test_top_k_1_is_argmax_even_when_sampling():
     assert sample_next(x.clone(), p, gens, [[]] * 4) == x.argmax(-1).tolist()
 
 
+def test_tiny_temperature_and_top_p_are_greedy_not_garbage():
+    # 1e-40 underflows float32 (x / 0 = inf); top_p 1e-300 rounds to 0 (every token dropped, NaN CDF)
+    x = _logits()
+    gens = [make_generator(i) for i in range(4)]
+    for p in (SamplingParams(temperature=1e-40), SamplingParams(temperature=1e-6),
+              SamplingParams(temperature=1.0, top_p=1e-300), SamplingParams(temperature=0.7, top_p=1e-45)):
+        assert sample_next(x.clone(), [p] * 4, gens, [[]] * 4) == x.argmax(-1).tolist(), p
+
+
 def test_top_k_restricts_support():
     x = _logits(b=1, v=100)
     allowed = set(x[0].topk(5).indices.tolist())

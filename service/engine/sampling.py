@@ -65,6 +65,10 @@ def apply_output_penalties(logits: torch.Tensor, params: list[SamplingParams], o
                           -torch.tensor(pens, device=dev, dtype=logits.dtype), accumulate=True)
 
 
+# Temperatures below this sample greedily (as vLLM): dividing by them overflows float32 logits to inf.
+GREEDY_BELOW = 1e-5
+
+
 def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (-inf) sorted (N, V) logits beyond each row's top_k (0 = off) and top_p nucleus."""
     n, v = sorted_logits.shape
@@ -73,14 +77,14 @@ def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torc
     drop = rank >= k
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), -1)
     before = probs.cumsum(-1) - probs  # mass strictly before each token
-    drop |= before >= top_p[:, None]  # keep the smallest prefix reaching top_p (always >= 1 token)
+    drop |= (before >= top_p[:, None]) & (rank > 0)  # the smallest prefix reaching top_p, never empty
     return sorted_logits.masked_fill(drop, float("-inf"))
 
 
 def sample_next(logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None], histories: list[list[int]],
                 outputs: list[list[int]] | None = None) -> list[int]:
-    """logits (B, V) float32 -> one token id per row. temperature 0 = greedy (argmax).
+    """logits (B, V) float32 -> one token id per row. temperature 0 (below `GREEDY_BELOW`) = greedy (argmax).
     `histories`: prompt + output per row, for the repetition penalty; `outputs`: the output so far,
     for the presence and frequency penalties (rows without them may pass []).
 
@@ -93,7 +97,7 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams],
     if outputs is not None:
         apply_output_penalties(logits, params, outputs)
     out = logits.argmax(-1)  # (B,) greedy for every row; sampled rows overwritten below
-    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
     if not rows:
         return out.tolist()
     dev = logits.device
