@@ -117,3 +117,25 @@ def test_scoring_the_prompt_prefills_it_all():
 
     before = run_engine(engine, go)
     assert engine.prefix_tokens_reused == before  # every position's logits are needed: nothing copied
+
+
+def test_scored_prompt_choices_leave_no_prefix_they_never_wrote():
+    """n choices scoring a prompt (max_new_tokens 0) share one prefill and copy no K/V: the other choices'
+    slots must not be offered for reuse as if they held the prompt."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(5, TOK.vocab_size) for _ in range(20)]
+    other = [rng.randrange(5, TOK.vocab_size) for _ in range(12)]
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    later = GenerateRequest(prompt_ids=prompt + [40, 41], params=greedy)
+    (want,), _ = _run(False, [later], concurrent=False, max_slots=4)
+    engine = _engine(True, max_slots=4)
+
+    async def go(engine):
+        await _answer(engine, GenerateRequest(prompt_ids=prompt, n=2,
+                                              params=SamplingParams(max_new_tokens=0, prompt_logprobs=0)))
+        # the unrelated prompt takes slot 0; `later` then takes the second choice's slot
+        _, got = await asyncio.gather(_answer(engine, GenerateRequest(prompt_ids=other, params=greedy)),
+                                      _answer(engine, later))
+        return got
+
+    assert run_engine(engine, go) == want

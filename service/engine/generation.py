@@ -356,10 +356,11 @@ class GenerationEngine(EngineLoop):
         returns every live choice, each with its prompt logprobs staged when asked."""
         choices = [seq] + [c for c in seq.forks if c.slot >= 0 and c.finish_reason is None]
         forks, seq.forks = choices[1:], []
-        if forks and seq.params.max_new_tokens > 0:
+        copied = seq.params.max_new_tokens > 0  # a scored prompt's choices generate nothing: no copy
+        if forks and copied:
             self.scheduler.table.copy([(seq.slot, c.slot, len(seq.prompt)) for c in forks])
-        for c in forks:
-            c.n_cached, c.pending_fork, c.prompt_lp = len(seq.prompt), False, seq.prompt_lp
+        for c in forks:  # n_cached: what the slot holds, which prefix reuse trusts once it is freed
+            c.n_cached, c.pending_fork, c.prompt_lp = len(seq.prompt) if copied else 0, False, seq.prompt_lp
         for c in choices:
             if c.prompt_lp is not None:
                 c.outbox.append(GenerationEvent(index=c.index, prompt_logprobs=c.prompt_lp))
