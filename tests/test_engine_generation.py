@@ -13,6 +13,7 @@ from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
 from service.engine.hooks import StepHooks
 from service.engine.types import (
+    EngineError,
     EngineOverloaded,
     EngineStopped,
     GenerateRequest,
@@ -285,6 +286,32 @@ def test_no_slot_leaks_under_mixed_load_with_cancellations(mode):
     assert st.slots_used == 0 and st.running == 0 and st.waiting == 0
     assert set(outcomes) <= {"stop", "length", "cancelled"} and "cancelled" in outcomes
     assert st.requests_finished == n - outcomes.count("overloaded")
+
+
+def test_an_error_between_steps_fails_the_requests_and_the_engine_serves_on():
+    """A bug outside the worker step (here a hook raising while the plan is made) must not end the engine's
+    task silently: its requests fail with an engine error, and later requests are served."""
+
+    class Failing(StepHooks):
+        failed = False
+
+        def on_plan(self, plan):
+            if not self.failed:
+                Failing.failed = True
+                raise RuntimeError("hook bug")
+
+    req = GenerateRequest(prompt_ids=TARGET.prompt_ids, params=SamplingParams(max_new_tokens=3, ignore_eos=True))
+
+    async def main(engine):
+        engine.hooks = Failing()
+        with pytest.raises(EngineError, match="hook bug"):
+            await asyncio.wait_for(collect(engine, req), 60)
+        _, ids, final = await asyncio.wait_for(collect(engine, req), 60)
+        return ids, final, engine.stats()
+
+    ids, final, stats = run(main)
+    assert len(ids) == 3 and final.finish_reason == "length"
+    assert stats.running == 0 and stats.slots_used == 0
 
 
 def test_metrics_sink_sees_running_return_to_zero_when_idle():

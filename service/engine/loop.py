@@ -23,7 +23,7 @@ from service.engine.hooks import StepHooks
 from service.engine.scheduler import Scheduler
 from service.engine.slot_table import SlotTable
 from service.engine.stats import EngineStats, MetricsSink, NullSink
-from service.engine.types import EngineStopped
+from service.engine.types import EngineError, EngineStopped
 
 log = logging.getLogger(__name__)
 IDLE_REPORT_S = 2.0  # an idle engine re-reports its gauges this often
@@ -112,20 +112,28 @@ class EngineLoop:
             # one turn of the event loop first: callers that the last _deliver woke (a finished request's
             # client sending its next one) submit now and are admitted by this plan, not one step later
             await asyncio.sleep(0)
-            await self.scheduler.wait_for_batch()
-            plan = self._plan()
-            if plan is None:
-                await asyncio.sleep(0)  # e.g. only cancelled requests were dropped
-                continue
-            self.hooks.on_plan(plan)
             try:
-                result = await loop.run_in_executor(self._pool, self._step, plan)
-            except Exception as e:  # a bug or a model error: fail this step's requests, keep serving
-                log.exception("engine %s step failed", self.name)
-                self._fail_plan(plan, e)
-                continue
-            self.steps += 1
-            self._deliver(result)
+                await self._turn(loop)
+            except Exception as e:  # a bug outside the step (planning, delivery, a hook): without this the
+                # task would end and every request, current or later, would wait forever
+                log.exception("engine %s failed between steps", self.name)
+                self._fail_all(EngineError(f"engine {self.name} error: {type(e).__name__}: {e}"))
+
+    async def _turn(self, loop: asyncio.AbstractEventLoop) -> None:
+        await self.scheduler.wait_for_batch()
+        plan = self._plan()
+        if plan is None:
+            await asyncio.sleep(0)  # e.g. only cancelled requests were dropped
+            return
+        self.hooks.on_plan(plan)
+        try:
+            result = await loop.run_in_executor(self._pool, self._step, plan)
+        except Exception as e:  # a bug or a model error: fail this step's requests, keep serving
+            log.exception("engine %s step failed", self.name)
+            self._fail_plan(plan, e)
+            return
+        self.steps += 1
+        self._deliver(result)
 
     def _step(self, plan: Any) -> Any:
         self.hooks.step_started(plan)
