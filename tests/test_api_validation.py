@@ -113,3 +113,43 @@ def test_beam_and_length_limits_are_the_lower_of_api_limits_and_the_translator()
         assert "must be <= 63" in got["max_length", 64][1]["message"]
         assert got["beam_size", 8][0] == 200 and got["max_length", 63][0] == 200
     run(main, backends(), ApiLimits(max_beam_size=64, max_translate_length=4096))
+
+
+def test_http_counter_records_500s_and_413s(monkeypatch):
+    """`attnserve_http_requests_total` by status: an unhandled error is a 500 (not a client gone, 499), and
+    bodies refused for their size are counted as the 413 the client got."""
+    import asyncio
+
+    import httpx
+    from api_util import metric
+
+    from service.api.app import create_app
+    from service.frontend.generator import GeneratorFrontend
+
+    def boom(self, text):
+        raise RuntimeError("a bug")
+
+    async def main():
+        b = backends(with_translator=False)
+        app = create_app(b, LIMITS)
+        await b.start()
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                before = (await c.get("/metrics")).text
+
+                async def chunks():
+                    for _ in range(30):
+                        yield b"x" * 1000
+                assert (await c.post("/v1/generate", json={"prompt": "a" * 30_000})).status_code == 413
+                r = await c.post("/v1/generate", content=chunks(), headers={"content-type": "application/json"})
+                assert r.status_code == 413
+                monkeypatch.setattr(GeneratorFrontend, "encode_prompt", boom)
+                assert (await c.post("/v1/generate", json={"prompt": "hi"})).status_code == 500
+                after = (await c.get("/metrics")).text
+        finally:
+            await b.stop()
+        name = "attnserve_http_requests_total"
+        return {s: metric(after, name, status=s) - metric(before, name, status=s) for s in ("500", "413", "400", "499")}
+
+    assert asyncio.run(main()) == {"500": 1, "413": 2, "400": 0, "499": 0}

@@ -91,7 +91,7 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
                        open_paths=("/healthz", "/readyz", "/metrics", "/", "/docs", "/openapi.json"),
                        open_prefixes=("/static/",))
     app.add_middleware(ApiKeyAuth, keys=lambda: app.state.api_keys)  # inside CountResponses: 401s are counted
-    app.add_middleware(CountResponses)
     app.add_middleware(BodyLimit, limit=lambda: app.state.limits.max_body_bytes)
+    app.add_middleware(CountResponses)  # outside BodyLimit: 413s are counted
     app.add_middleware(ReceiveErrorsAsDisconnect)
     return app

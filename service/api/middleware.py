@@ -62,6 +62,9 @@ class CountResponses:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except Exception:  # Starlette's outermost middleware turns it into the 500 response
+            status[0] = status[0] or 500
+            raise
         finally:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
