@@ -153,3 +153,30 @@ def test_http_counter_records_500s_and_413s(monkeypatch):
         return {s: metric(after, name, status=s) - metric(before, name, status=s) for s in ("500", "413", "400", "499")}
 
     assert asyncio.run(main()) == {"500": 1, "413": 2, "400": 0, "499": 0}
+
+
+def test_null_optional_fields_mean_not_given():
+    """The openai SDK sends `temperature=None` etc. as null: OpenAI and vLLM read it as the default. Required
+    fields stay required."""
+    nulls = {k: None for k in ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "stream",
+                               "logprobs", "top_logprobs", "stop", "seed", "stream_options", "response_format",
+                               "logit_bias", "user")}
+    chat = {"messages": [{"role": "user", "content": "hi", "name": None}], "max_tokens": 5, "temperature": 0.0}
+
+    async def main(c):
+        plain = await c.post("/v1/chat/completions", json=chat)
+        nulled = await c.post("/v1/chat/completions", json={**chat, **{k: v for k, v in nulls.items()
+                                                                        if k != "temperature"}})
+        comp = {"prompt": "hi", "max_tokens": 4, "temperature": 0.0}
+        comp_plain = await c.post("/v1/completions", json=comp)
+        comp_null = await c.post("/v1/completions", json={**comp, "echo": None, "logprobs": None, "best_of": None})
+        translate = await c.post("/v1/translate", json={"text": "hello", "beam_size": None, "target_lang": None})
+        required = await c.post("/v1/chat/completions", json={"messages": None})
+        return plain, nulled, comp_plain, comp_null, translate, required
+
+    plain, nulled, comp_plain, comp_null, translate, required = run(main, backends(), LIMITS)
+    assert plain.status_code == nulled.status_code == 200, nulled.text
+    assert nulled.json()["choices"] == plain.json()["choices"]
+    assert comp_null.status_code == 200 and comp_null.json()["choices"] == comp_plain.json()["choices"]
+    assert translate.status_code == 200, translate.text
+    assert required.status_code == 400 and required.json()["error"]["param"] == "messages"

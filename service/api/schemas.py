@@ -40,6 +40,16 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]  # every free-text field o
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/Infinity are JSON extensions
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """null for an optional field means "not given", as in OpenAI's API and vLLM: clients pass their
+        own unset options through as null (`temperature=None` in the openai SDK)."""
+        if isinstance(data, dict) and None in data.values():
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+        return data
+
 
 class TextPart(Strict):
     type: Literal["text"]
