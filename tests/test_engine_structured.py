@@ -179,11 +179,21 @@ def test_unsupported_or_invalid_schema_is_rejected_at_submit(schema, words):
 
 
 def test_a_vocabulary_that_cannot_spell_the_json_ends_with_an_error():
-    """CharTokenizer's 97 ids have no '}': the object can never close, and the engine says so instead of
-    returning invalid JSON as a success."""
+    """CharTokenizer's 97 ids have no '}': the object can never close, and the engine says so (an error
+    naming the request's schema field, raised to the stream's reader) instead of returning invalid JSON, or a
+    diagnostic dressed up as the answer's text."""
     small = CharTokenizer()
-    out = run(lambda e: generate(e, request(SCHEMA, small.encode("Reply in JSON: "))), tok=small)[0]
-    assert out["finish"] == "error" and "structured output" in out["text"]
+    req = request(SCHEMA, small.encode("Reply in JSON: "))
+    req.field_names = {"json_schema": "response_format"}
+
+    async def main(engine):
+        with pytest.raises(RequestRejected, match="cannot produce") as e:
+            await generate(engine, req)
+        assert e.value.param == "response_format"
+        return engine.stats()
+
+    stats = run(main, tok=small)
+    assert stats.running == 0 and stats.slots_used == 0
 
 
 def test_ignore_eos_with_a_schema_is_rejected():

@@ -168,3 +168,16 @@ def test_ignore_eos_with_a_schema_is_refused(client):
         client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2, response_format=FORMAT,
                                        extra_body={"ignore_eos": True})
     assert e.value.param == "ignore_eos" and "response_format" in e.value.message
+
+
+def test_a_schema_the_vocabulary_cannot_spell_is_an_error_not_content(client):
+    """CharTokenizer(100) has no 'é': the grammar fails mid-answer. The client gets an error naming the field,
+    never a 200 whose content is a diagnostic instead of JSON; streamed, an error event."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "e", "schema": {"type": "string", "enum": ["é"]}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, response_format=fmt)
+    assert e.value.param == "response_format" and "cannot produce" in e.value.message
+    with pytest.raises(openai.APIError, match="cannot produce"):
+        for _ in client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, response_format=fmt,
+                                                stream=True):
+            pass

@@ -1,5 +1,5 @@
 """Error responses: every failure is a JSON body in OpenAI's shape, `{"error": {message, type, param, code}}`,
-with a 4xx/503 status. Validation errors name the field; engine errors map to their status code."""
+with a 4xx or 5xx status. Validation errors name the field; engine errors map to their status code."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ async def send_json(send, status: int, body: dict, headers: dict[str, str] | Non
 
 
 def engine_error(e: EngineError) -> ApiError:
-    """The HTTP form of an engine error: 429 + Retry-After, 400, or 503."""
-    status = e.status_code if e.status_code in (400, 429, 503) else 503
+    """The HTTP form of an engine error: 429 + Retry-After, 400, 503, or 500 (a step that failed)."""
+    status = e.status_code if e.status_code in (400, 429, 500, 503) else 500
     headers = None
     if isinstance(e, EngineOverloaded):
         headers = {"Retry-After": str(max(1, round(e.retry_after)))}

@@ -100,7 +100,7 @@ def run(args) -> int:
     from model.quantize import quantization_of
     from service import local
     from service.engine.cpu_runtime import single_threaded_caller
-    from service.engine.types import RequestRejected, SamplingParams
+    from service.engine.types import EngineError, SamplingParams
     from service.models import ModelUnavailable, load_generator
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
@@ -135,7 +135,7 @@ def run(args) -> int:
         for delta in stream_engine(engine, ids, params, stats):
             sys.stdout.write(delta)
             sys.stdout.flush()
-    except RequestRejected as e:
+    except EngineError as e:  # a rejection (the field named) or a failed step
         print(f"attnserve generate: {e}", file=sys.stderr)
         return 2
     sys.stdout.write("\n")

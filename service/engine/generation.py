@@ -42,6 +42,7 @@ from service.engine.stats import MetricsSink
 from service.engine.stopping import StopMatcher
 from service.engine.structured import GrammarError, Grammars, apply_bitmask
 from service.engine.types import (
+    EngineError,
     GenerateRequest,
     GenerationEvent,
     RequestRejected,
@@ -155,7 +156,7 @@ class GenerationEngine(EngineLoop):
                           stopper=StopMatcher(p.stop), generator=make_generator(None if p.seed is None else p.seed + i),
                           deadline=deadline, t_submit=now, index=i,
                           pending_fork=i > 0, prompt_lp=[None] if p.prompt_logprobs is not None else None,
-                          matcher=matchers[i])
+                          matcher=matchers[i], schema_field=req.field_names.get("json_schema", "json_schema"))
                  for i in range(req.n)]
         for seq in group:
             seq.group = group
@@ -182,7 +183,11 @@ class GenerationEngine(EngineLoop):
     # --- schedule (event loop) -----------------------------------------------------------------
     def _finish(self, seq: Sequence, reason: str, text: str = "", token_ids: list[int] | None = None,
                 logprobs: list[TokenLogprob] | None = None) -> None:
-        if self.output.finish(seq, reason, text, token_ids, logprobs):
+        if reason == "error":
+            done = self.output.fail(seq, seq.error or EngineError(f"engine {self.name}: {text or 'error'}"))
+        else:
+            done = self.output.finish(seq, reason, text, token_ids, logprobs)
+        if done:
             self.requests_finished += 1
 
     def _plan(self) -> _Step | None:
@@ -304,7 +309,9 @@ class GenerationEngine(EngineLoop):
                     with self.hooks.phase("grammar"):
                         complete = self.grammars.advance(seq.matcher, tok)
                 except GrammarError as e:  # the vocabulary cannot spell what the grammar needs next
-                    seq.done = ("error", f"[structured output: {e}]", [], None)
+                    seq.error = RequestRejected(f"{seq.schema_field}: the model's vocabulary cannot produce what "
+                                                f"the schema requires next ({e})", seq.schema_field)
+                    seq.done = ("error", "", [], None)
                     continue
             self.output.token(seq, tok, now, lp, complete)
 
@@ -386,7 +393,8 @@ class GenerationEngine(EngineLoop):
         for seq in [s for s, _ in step.prefill] + step.decode:
             for s in seq.group:
                 if s.finish_reason is None:
-                    self._finish(s, "error", f"[engine error: {error}]")
+                    s.error = EngineError(f"engine {self.name} step failed: {type(error).__name__}: {error}")
+                    self._finish(s, "error")
                 self.scheduler.release(s)
         self.scheduler.drop_released()
 

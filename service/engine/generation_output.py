@@ -61,6 +61,17 @@ class OutputProcessor:
             seq.queue.put_nowait(ev)
         seq.outbox.clear()
 
+    def fail(self, seq: Sequence, error: Exception) -> bool:
+        """Event loop: end the choice's request with `error`, raised to its stream's reader (whose leaving
+        cancels the other choices); no partial text is passed off as an answer -> whether this was the
+        request's first failure."""
+        first = not any(s.finish_reason == "error" for s in seq.group if s is not seq)
+        seq.finish_reason = "error"
+        if first:
+            seq.queue.put_nowait(error)
+            self.sink.on_finish(self.name, "error", len(seq.prompt), len(seq.output), time.monotonic() - seq.t_submit)
+        return first
+
     def finish(self, seq: Sequence, reason: str, text: str = "", token_ids: list[int] | None = None,
                logprobs: list[TokenLogprob] | None = None) -> bool:
         """Event loop: the choice's last event -> whether it was the request's last choice."""

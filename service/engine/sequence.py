@@ -35,6 +35,7 @@ class Sequence:
     # (finish reason, last text, last ids, their logprobs), set by the worker
     done: tuple[str, str, list[int], list[TokenLogprob] | None] | None = None
     finish_reason: str | None = None  # set on the event loop when the final event is queued
+    error: Exception | None = None  # with done[0] == "error": what its stream's reader gets raised
     index: int = 0  # which of the request's choices
     group: list[Sequence] = field(default_factory=list)  # every choice of the request, this one included
     forks: list[Sequence] = field(default_factory=list)  # choices waiting for this one's prefill
@@ -42,6 +43,7 @@ class Sequence:
     prompt_lp: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs: filled by prefill
     cum_logprob: float = 0.0  # with params.logprobs: sum over the sampled tokens
     matcher: object | None = None  # with params.json_schema: this choice's grammar state
+    schema_field: str = "json_schema"  # the request's name for its schema, in errors
 
     @property
     def slot(self) -> int:
