@@ -42,6 +42,8 @@ CASES = [
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": "x"}}, 400,
      "stream_options.include_usage"),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/chat/completions", {"messages": MSG, "stream": False, "stream_options": {}}, 400, "stream_options"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 10_000}, 400, "max_tokens"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 500}, 400, "max_completion_tokens"),

@@ -61,6 +61,11 @@ def _stream(events, rid: str, model: str, body, chunk, obj: str) -> StreamingRes
     return StreamingResponse(sse_stream(events, render, tail), media_type="text/event-stream")
 
 
+def _check_stream_options(body) -> None:
+    if body.stream_options is not None and not body.stream:  # as OpenAI and vLLM answer
+        raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+
+
 def _penalties(body) -> dict:
     return {"presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
             "logit_bias": body.logit_bias}
@@ -83,6 +88,7 @@ def _completion_choices(body: CompletionBody, gen, limits) -> tuple[int, int]:
 @router.post("/v1/completions")
 async def completions(body: CompletionBody, request: Request):
     gen, limits = request.app.state.backends.need_generator(body.model, request), request.app.state.limits
+    _check_stream_options(body)
     prompts = body.prompts()
     if len(prompts) != 1:
         raise ApiError(400, f"prompt: {len(prompts)} prompts given; give one, a string or a list of token ids "
@@ -147,6 +153,7 @@ async def completions(body: CompletionBody, request: Request):
 async def chat_completions(body: ChatCompletionBody, request: Request):
     gen, limits = request.app.state.backends.need_generator(body.model, request), request.app.state.limits
     refuse_unsupported(body)
+    _check_stream_options(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     check_choices(gen, body.n, limits, "n")
