@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+from model.punctuation import normalise_input
+
 LANGS = ("en", "zh")
 TAGS = {"en": "<2en>", "zh": "<2zh>"}
 # Decoding defaults of every translation path (HTTP, CLI, evaluation); chosen on the dev splits (docs/performance.md).
@@ -15,36 +17,63 @@ DEFAULT_BEAM_SIZE = 4
 DEFAULT_LENGTH_PENALTY = 2.0
 DEFAULT_NO_REPEAT_NGRAM = 3
 _CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
+_LATIN_WORD = re.compile(r"[A-Za-z]+")
 
 
 def detect_lang(text: str) -> str:
-    """'zh' if the text is mostly CJK characters among its letters, else 'en'."""
+    """'zh' if the text has CJK characters and at least as many of them as Latin words, else 'en': a Chinese
+    sentence naming "Visual Studio Code" stays Chinese, an English one quoting 北京 stays English."""
     cjk = len(_CJK.findall(text))
-    latin = sum(c.isascii() and c.isalpha() for c in text)
-    return "zh" if cjk and cjk * 3 >= latin else "en"
+    return "zh" if cjk and cjk >= len(_LATIN_WORD.findall(text)) else "en"
 
 
-_SENT_END = re.compile(r"(?<=[。！？；!?])\s*|(?<=[.;])\s+(?=[\"“‘(\[A-Z0-9\u3400-\u9fff])")
-
-
-_ABBREV = re.compile(r"\b(?:Mr|Mrs|Ms|Dr|Prof|No|Nos|St|Co|Ltd|Inc|Cap|paras?|ss?|arts?|e\.g|i\.e|cf|vs|etc)\.$",
-                     re.IGNORECASE)
+# A sentence ends after a run of 。！？；!? or after . ; before a space and a capital, digit, CJK or opening mark;
+# the closing quotes and brackets right after the mark stay with it ("你好！”", "What?!")
+_CLOSERS = "”’」』）)\"'"
+_SENT_END = re.compile(rf"[。！？；!?]+[{_CLOSERS}]*\s*|[.;]+[{_CLOSERS}]*\s+(?=[\"“‘(\[A-Z0-9\u3400-\u9fff])")
+# a part ending like these does not end a sentence: titles, legal and citation abbreviations, initials (U.K.)
+_ABBREV = re.compile(r"\b(?:Mr|Mrs|Ms|Dr|Prof|No|Nos|St|Co|Ltd|Inc|Cap|paras?|ss?|arts?|pp?|al|figs?|vols?|approx|"
+                     r"e\.g|i\.e|cf|vs|etc|[A-Za-z])\.$", re.IGNORECASE)
+_ITEM_LABEL = re.compile(r"[(（]?(?:\d{1,3}|[IVXivx]{1,5})[.)）]")  # "1." / "(2)" / "iv." opening a list item
 
 
 def split_sentences(text: str) -> list[str]:
-    """Split a text into sentences (after 。！？；!? and after . or ; before a capital, digit or CJK);
-    each sentence is translated as its own item and the outputs are joined again."""
+    """Split one line of text into sentences; each is translated as its own item and the outputs are joined
+    again (`join_sentences`)."""
+    parts, start = [], 0
+    for m in _SENT_END.finditer(text):
+        parts.append(text[start:m.end()])
+        start = m.end()
+    parts.append(text[start:])
     out: list[str] = []
-    for p in (p.strip() for p in _SENT_END.split(text)):
-        if out and _ABBREV.search(out[-1]):
-            out[-1] = f"{out[-1]} {p}".strip()  # "Mr." / "No." / "s." do not end a sentence
-        elif p:
+    for p in (p.strip() for p in parts):
+        if not p:
+            continue
+        if out and (_ABBREV.search(out[-1]) or _ITEM_LABEL.fullmatch(out[-1])):
+            out[-1] = f"{out[-1]} {p}"  # "Mr." / "No." / "U.K." / "1." do not end a sentence
+        else:
             out.append(p)
-    return out or [text]
+    return out
 
 
 def join_sentences(parts: list[str], lang: str) -> str:
     return ("" if lang == "zh" else " ").join(p for p in parts if p)
+
+
+def split_text(text: str) -> list[list[str]]:
+    """A text's lines (line breaks are kept as they are: lists, paragraphs), each normalised as the training
+    data was (model/punctuation.py) and split into sentences."""
+    return [split_sentences(normalise_input(line)) for line in text.split("\n")]
+
+
+def join_text(lines: list[list[str]], lang: str) -> str:
+    return "\n".join(join_sentences(parts, lang) for parts in lines)
+
+
+def needs_translation(sentence: str, target_lang: str) -> bool:
+    """False for a sentence without letters (numbers, marks, emoji) or already in the target language: it
+    passes through (with the target's punctuation) instead of being rewritten by the model."""
+    return any(c.isalpha() for c in sentence) and detect_lang(sentence) != target_lang
 
 
 def other(lang: str) -> str:

@@ -257,3 +257,14 @@ def test_beam_reorder_keeps_each_hypothesis_with_its_parents_cache_in_the_fewest
         assert [cache[s] for s in new] == [f"kv of hypothesis {p}" for p in parents]
     # a pure permutation of the hypotheses (ranks swapped) costs no copy at all
     assert reassign_slots([7, 3, 9], [2, 0, 1]) == ([9, 7, 3], [])
+
+
+def test_lines_kept_and_what_needs_no_translation_passes_through():
+    text = "the cat sat.\n\n😀 \n你好，世界。\nDogs ran far!"
+    want = [offline(["the cat sat."], 1)[0], "", "😀", "你好，世界。", offline(["Dogs ran far!"], 1)[0]]
+
+    async def main(engine):
+        return await translate(engine, TranslateRequest([text], target_lang="zh", beam_size=1))
+    res = run(main)
+    assert res.translations == ["\n".join(want)]
+    assert res.usage.prompt_tokens == sum(len(encode_source(TOK, t, "zh")) for t in ("the cat sat.", "Dogs ran far!"))

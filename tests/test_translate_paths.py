@@ -91,8 +91,8 @@ def test_no_repeat_ngram_in_the_engine_equals_offline_and_never_repeats(beam):
     model, tok = tiny_seq2seq(), CharTokenizer()
     texts = ["hello there", "abcabcabc", "the cat sat on the mat", "xyz"]
     translator = TranslationFrontend(TranslationEngine(model, EngineConfig(max_slots=16, max_seq_len=64)), tok)
-    got = local.translate(translator, texts, target_lang="en", beam_size=beam, no_repeat_ngram=2, max_length=20)
-    srcs = [encode_source(tok, t, "en") for t in texts]
+    got = local.translate(translator, texts, target_lang="zh", beam_size=beam, no_repeat_ngram=2, max_length=20)
+    srcs = [encode_source(tok, t, "zh") for t in texts]
     off = beam_search(model, srcs, beam_size=beam, no_repeat_ngram=2, max_len_a=0, max_len_b=20)
     assert got.translations == [tok.decode(h[0].tokens) for h in off]
     assert not any(_repeats(h[0].tokens, 2) for h in off)

@@ -1,16 +1,17 @@
 """The translator's request boundary: texts in, translations out, for `/v1/translate`, `attnserve
 translate` and `attnserve eval translate` alike.
 
-On the way in each text's language is detected, the text split into sentences and each sentence tagged
-with its target language (model/translation.py); the engine gets model-ready sources. On the way out
-each sentence is detokenised and punctuated for its language (model/punctuation.py) and a text's
-sentences are joined.
+On the way in each text's language is detected, the text split into lines and sentences and each sentence
+tagged with its target language (model/translation.py); the engine gets model-ready sources. Sentences with
+nothing to translate (no letters, or already in the target language) pass through. On the way out each
+sentence is detokenised and punctuated for its language (model/punctuation.py), and a text's sentences and
+lines are joined as they came.
 """
 
 from __future__ import annotations
 
 from model.punctuation import postprocess
-from model.translation import TAGS, detect_lang, encode_source, join_sentences, other, split_sentences
+from model.translation import TAGS, detect_lang, encode_source, join_text, needs_translation, other, split_text
 from service.engine.translation import TranslationEngine
 from service.engine.types import RequestRejected, SourceBatch, TranslateRequest, TranslationResult, Usage
 
@@ -48,30 +49,36 @@ class TranslationFrontend:
             raise RequestRejected(f"target_lang must be one of {sorted(TAGS)}, got {req.target_lang!r}", "target_lang")
         max_src = self.engine.max_source_len
         sources: list[list[int]] = []
-        shape: list[int] = []  # sentences per text
+        # per text, per line, per sentence: its index in `sources`, or the text it passes through as
+        plans: list[list[list[int | str]]] = []
         source_langs, target_langs = [], []
         for i, text in enumerate(req.texts):
             src_lang = detect_lang(text)
             tgt = req.target_lang or other(src_lang)
             source_langs.append(src_lang)
             target_langs.append(tgt)
-            sentences = split_sentences(text) if text.strip() else []
-            for sentence in sentences:
-                src = encode_source(self.tokenizer, sentence, tgt)
-                if len(src) > max_src:
-                    raise RequestRejected(f"text {i} has a sentence of {len(src) - 2} tokens; the translator takes "
-                                          f"at most {max_src - 2} tokens per sentence", "text")
-                sources.append(src)
-            shape.append(len(sentences))
+            plan = []
+            for line in split_text(text):
+                items: list[int | str] = []
+                for sentence in line:
+                    if not needs_translation(sentence, tgt):
+                        items.append(postprocess(sentence, tgt))
+                        continue
+                    src = encode_source(self.tokenizer, sentence, tgt)
+                    if len(src) > max_src:
+                        raise RequestRejected(f"text {i} has a sentence of {len(src) - 2} tokens; the translator "
+                                              f"takes at most {max_src - 2} tokens per sentence", "text")
+                    items.append(len(sources))
+                    sources.append(src)
+                plan.append(items)
+            plans.append(plan)
         outputs = await self.engine.run(SourceBatch(
             sources, beam_size=req.beam_size, length_penalty=req.length_penalty,
             no_repeat_ngram=req.no_repeat_ngram, max_length=req.max_length, request_id=req.request_id,
             deadline_s=req.deadline_s))
         usage = Usage(prompt_tokens=sum(map(len, sources)), completion_tokens=sum(map(len, outputs)))
-        texts, k = [], 0
-        for n, lang in zip(shape, target_langs, strict=True):
-            parts = [postprocess(self.tokenizer.decode(ids), lang) for ids in outputs[k:k + n]]
-            texts.append(join_sentences(parts, lang))
-            k += n
+        texts = [join_text([[postprocess(self.tokenizer.decode(outputs[x]), lang) if isinstance(x, int) else x
+                             for x in items] for items in plan], lang)
+                 for plan, lang in zip(plans, target_langs, strict=True)]
         return TranslationResult(translations=texts, source_langs=source_langs, target_langs=target_langs,
                                  usage=usage)

@@ -1,0 +1,52 @@
+"""How a text to translate is cut into lines and sentences and how its language is told (model/translation.py):
+nothing is lost or split mid-sentence, and what needs no translation passes through."""
+
+import pytest
+
+from model.translation import detect_lang, join_text, needs_translation, split_sentences, split_text
+
+
+@pytest.mark.parametrize("text, sentences", [
+    ("他说：“你好！”她笑了。", ["他说：“你好！”", "她笑了。"]),  # the closing quote stays with its sentence
+    ("What?! Really?", ["What?!", "Really?"]),  # a run of marks is one end
+    ("真的吗？！是的。", ["真的吗？！", "是的。"]),
+    ("The U.K. Government said no.", ["The U.K. Government said no."]),  # initials
+    ("Read p. 5 first. See Fig. 2 too.", ["Read p. 5 first.", "See Fig. 2 too."]),
+    ("Mr. Smith went. He left.", ["Mr. Smith went.", "He left."]),
+    ("Pi is 3.14. Next one.", ["Pi is 3.14.", "Next one."]),
+    ("1. Flour", ["1. Flour"]),  # an item's label stays with it
+    ("(2) The licence. (3) Another.", ["(2) The licence.", "(3) Another."]),
+    ("今天天气很好。我们去公园散步吧！", ["今天天气很好。", "我们去公园散步吧！"]),
+    ("", []),
+])
+def test_split_sentences(text, sentences):
+    assert split_sentences(text) == sentences
+
+
+def test_lines_and_paragraphs_are_kept():
+    text = "Ingredients:\n1. Flour\n2. Sugar\n\nMix them.  Bake."
+    lines = split_text(text)
+    assert lines == [["Ingredients:"], ["1. Flour"], ["2. Sugar"], [], ["Mix them.", "Bake."]]
+    assert join_text(lines, "en") == "Ingredients:\n1. Flour\n2. Sugar\n\nMix them. Bake."
+    assert join_text([["你好。", "再见。"], [], ["好"]], "zh") == "你好。再见。\n\n好"
+
+
+def test_inputs_are_normalised_as_the_training_data_was():
+    assert split_text("ｆｕｌｌ　width\u200b２０２３") == [["full width2023"]]
+
+
+@pytest.mark.parametrize("text, lang", [
+    ("我用Visual Studio Code写代码", "zh"), ("JavaScript框架", "zh"), ("I visited 北京 last year", "en"),
+    ("Hello world.", "en"), ("你好世界。", "zh"), ("2023", "en"),
+])
+def test_detect_lang_weighs_cjk_characters_against_latin_words(text, lang):
+    assert detect_lang(text) == lang
+
+
+@pytest.mark.parametrize("sentence, target, needed", [
+    ("？", "en", False), ("😀", "zh", False), ("2023.", "zh", False),  # nothing to translate
+    ("Hello world.", "en", False), ("你好。", "zh", False),  # already in the target language
+    ("Hello world.", "zh", True), ("你好。", "en", True),
+])
+def test_needs_translation(sentence, target, needed):
+    assert needs_translation(sentence, target) is needed
