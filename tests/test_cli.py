@@ -356,9 +356,11 @@ def test_train_translate_on_a_device_this_torch_lacks_exits_2_naming_it(home, tm
 SLEEPER = "import signal, sys, time\n{}\nprint('ready', flush=True)\ntime.sleep(120)\n"
 
 
-def _sleeper(ignore_term: bool) -> subprocess.Popen:
+def _sleeper(ignore_term: bool, as_serve: bool = True) -> subprocess.Popen:
     code = SLEEPER.format("signal.signal(signal.SIGTERM, signal.SIG_IGN)" if ignore_term else "")
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # named as `attnserve serve` is on its command line: `stop` signals nothing else
+    argv = [sys.executable, "-c", code] + (["attnserve", "serve"] if as_serve else [])
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline() == "ready\n"  # its handlers are set
     threading.Thread(target=p.wait, daemon=True).start()  # reap it as soon as it exits (as a shell would)
     return p
@@ -387,6 +389,21 @@ def test_stop_reports_a_process_that_does_not_exit(home, capsys):
         assert main(["stop", "--timeout", "1"]) == 1
         assert f"(pid {p.pid}) did not exit within 1 s" in capsys.readouterr().out
         assert p.poll() is None and (home / "serve.pid").is_file()  # left as it was, for another try
+    finally:
+        p.kill()
+
+
+@pytest.mark.parametrize("record", ["", "abc", "0", "-1", "other process"])
+def test_stop_signals_nothing_but_a_live_serve(home, capsys, record):
+    """A pid file left by a serve that died may be empty, garbled, or name another process by now (pid 0
+    would be our own process group): nothing is signalled and the stale file goes."""
+    p = _sleeper(ignore_term=False, as_serve=False)
+    try:
+        home.mkdir(parents=True)
+        (home / "serve.pid").write_text(str(p.pid) if record == "other process" else record)
+        assert main(["stop", "--timeout", "1"]) == 0
+        assert "no local `attnserve serve` is running" in capsys.readouterr().out
+        assert p.poll() is None and not (home / "serve.pid").exists()
     finally:
         p.kill()
 

@@ -20,8 +20,11 @@ def run(args) -> int:
 
     rc = 0
     f = pid_file()
-    if f.is_file():
-        pid = int(f.read_text().strip() or 0)
+    pid = _serve_pid(f) if f.is_file() else None
+    if pid is None:
+        print("no local `attnserve serve` is running")
+        f.unlink(missing_ok=True)  # a stale or unreadable record
+    else:
         try:
             os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + args.timeout
@@ -33,8 +36,23 @@ def run(args) -> int:
         except ProcessLookupError:
             print(f"stopped attnserve serve (pid {pid})")
             f.unlink(missing_ok=True)
-    else:
-        print("no local `attnserve serve` is running")
+        except PermissionError:
+            print(f"attnserve stop: not allowed to signal pid {pid}", file=sys.stderr)
+            rc = 1
     if args.ray:
         rc |= subprocess.call([os.path.join(os.path.dirname(sys.executable), "ray"), "stop"])
     return rc
+
+
+def _serve_pid(f) -> int | None:
+    """The recorded pid if it is a live `attnserve serve`: a pid file left by a serve that died (killed, a
+    reboot) may name another process by now, and signalling pid 0 would hit our own process group."""
+    import psutil
+
+    try:
+        pid = int(f.read_text().strip())
+        cmd = psutil.Process(pid).cmdline() if pid > 0 else []
+    except (ValueError, OSError, psutil.Error):
+        return None
+    ours = any("attnserve" in part or part == "service.cli" for part in cmd)
+    return pid if ours and "serve" in cmd else None
