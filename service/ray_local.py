@@ -48,10 +48,22 @@ def read_config(path: str | Path, host: str | None = None, port: int | None = No
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"Serve config not found: {p}")
-    config = yaml.safe_load(p.read_text()) or {}
-    http = config.setdefault("http_options", {})
+    try:
+        config = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{p} is not valid YAML: {e}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("http_options") or {}, dict):
+        raise ValueError(f"{p}: a Serve config is a mapping (applications, http_options, ...), with "
+                         f"http_options a mapping too")
+    http = config["http_options"] = config.get("http_options") or {}
     http["host"] = host or http.get("host") or LOOPBACK
     http["port"] = int(port or http.get("port") or 8000)
+    from ray.serve.schema import ServeDeploySchema
+
+    try:  # the schema's errors before Ray starts, not after
+        ServeDeploySchema.model_validate(config)
+    except Exception as e:  # pydantic's ValidationError
+        raise ValueError(f"{p} is not a valid Serve config: {e}") from None
     return config
 
 
@@ -64,7 +76,8 @@ def start_ray(num_cpus: int | None = None, object_store_bytes: int = OBJECT_STOR
 
     if ray.is_initialized():
         return
-    ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=num_cpus,
+    # address "local": a new instance of our own, even where RAY_ADDRESS or a running cluster could be joined
+    ray.init(address="local", _node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=num_cpus,
              object_store_memory=object_store_bytes, namespace="serve", log_to_driver=log_to_driver,
              runtime_env={"env_vars": {k: os.environ[k] for k in ("PYTHONPATH", *LOOPBACK_ENV, *SERVE_TUNING_ENV)}},
              _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS})

@@ -130,3 +130,33 @@ def test_a_model_that_runs_out_of_device_memory_is_reported_and_the_other_still_
 def test_a_choice_field_outside_its_choices_is_refused_naming_the_field_and_the_choices(make, field):
     with pytest.raises(ValueError, match=rf"{field} must be one of \[.*\], got"):
         make()
+
+
+def test_serve_config_file_http_options_and_errors(tmp_path):
+    """The file's host and port hold unless the command line gives one; a broken file is a ValueError naming
+    it (a message and exit 2 in `attnserve serve` / `deploy`), before Ray starts."""
+    from service.ray_local import DEFAULT_CONFIG, read_config
+
+    text = DEFAULT_CONFIG.read_text()
+    cfg = tmp_path / "serve.yaml"
+    assert "  port: 8000\n" in text
+    cfg.write_text(text.replace("  port: 8000\n", "  port: 9000\n", 1))
+    assert read_config(cfg)["http_options"]["port"] == 9000
+    assert read_config(cfg, None, None)["http_options"] == {**read_config(cfg)["http_options"]}
+    assert read_config(cfg, "127.0.0.1", 8123)["http_options"]["port"] == 8123
+    for bad, words in (("applications: [\n", "not valid YAML"), ("- 1\n- 2\n", "mapping"),
+                       ("http_options: 5\n", "mapping"), ("applications: 7\n", "not a valid Serve config")):
+        cfg.write_text(bad)
+        with pytest.raises(ValueError, match=words):
+            read_config(cfg)
+
+
+def test_serve_command_line_defers_to_the_config_for_host_and_port():
+    import argparse
+
+    from service.commands import serve
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    args = p.parse_args([])
+    assert args.host is None and args.port is None  # read_config then keeps the file's http_options

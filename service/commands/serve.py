@@ -19,8 +19,8 @@ def pid_file():
 def add_arguments(p) -> None:
     from service.ray_local import DEFAULT_CONFIG, OBJECT_STORE_BYTES
 
-    p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", help="HTTP host (default: the config's http_options.host, else 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default: the config's http_options.port, else 8000)")
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="Serve config (Ray Serve's YAML format)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule (default: all)")
     p.add_argument("--object-store-mb", type=int, default=OBJECT_STORE_BYTES // 2**20)
@@ -47,7 +47,11 @@ def run(args) -> int:
     on_stop_signals()
     t0 = time.monotonic()
     print(f"[{0.0:6.1f} s] starting Ray (loopback, object store {args.object_store_mb} MB) ...", flush=True)
-    ray_local.start_ray(args.num_cpus, args.object_store_mb * 2**20, log_to_driver=args.access_log)
+    try:
+        ray_local.start_ray(args.num_cpus, args.object_store_mb * 2**20, log_to_driver=args.access_log)
+    except (RuntimeError, ValueError, ConnectionError) as e:  # Ray's refusals (resources, an object store too small)
+        print(f"attnserve serve: Ray did not start: {e}", flush=True)
+        return 1
     try:
         print(f"[{time.monotonic() - t0:6.1f} s] deploying {args.config} ...", flush=True)
         ray_local.deploy(config)
