@@ -28,9 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"attnserve: unknown command {argv[0]!r}; one of: {', '.join(COMMANDS)} (attnserve --help)",
+              file=sys.stderr)
+        return 2
     name = argv[0]
     from model.cpu_features import apply_isa_cap
 
@@ -46,7 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cmd = argparse.ArgumentParser(prog=f"attnserve {name}", description=COMMANDS[name])
     module.add_arguments(cmd)
-    return int(module.run(cmd.parse_args(argv[1:])) or 0)
+    args = cmd.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's exit status for SIGINT
+        print(f"\nattnserve {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ def translator_spec(checkpoint: str | Path | None = None, *, config: str | Path 
     A compiled step is built once per host and loaded from `$ATTNSERVE_HOME` after that
     (service/engine/aot_package.py)."""
     spec = serve_config(config).translator
-    return replace(spec, checkpoint=str(checkpoint) if checkpoint else spec.checkpoint)
+    # a folder given on the command line is relative to where the command runs (the config's, to the repo)
+    return replace(spec, checkpoint=str(Path(checkpoint).resolve()) if checkpoint else spec.checkpoint)
 
 
 def load_translator(spec: ModelSpec):

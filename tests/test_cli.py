@@ -76,7 +76,32 @@ def test_help_lists_every_subcommand_and_unknown_ones_are_refused(capsys):
     out = capsys.readouterr().out
     assert all(name in out for name in COMMANDS)
     assert main(["--help"]) == 0
+    capsys.readouterr()
     assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_commands_report_missing_models_data_and_configs_without_a_traceback(home, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").mkdir()  # relative to where the command runs, not to the repository
+    for argv, words in ((["translate", "--config", str(tmp_path / "none.yaml"), "hi"], "none.yaml"),
+                        (["translate", "--model", "ckpt", "hi"], str(tmp_path / "ckpt")),
+                        (["eval", "translate", "--model", str(tmp_path / "none")], "none"),
+                        (["eval", "translate", "--beams", "1,x"], "--beams"),
+                        (["data", "backtranslate", "translate", "--model", str(tmp_path / "none")], "none"),
+                        (["data", "sample", "translate", "--out", str(tmp_path / "nodata")], "prepare")):
+        assert main(argv) == 2, argv
+        assert words in capsys.readouterr().err, argv
+
+
+def test_ctrl_c_is_a_message_and_exit_130(capsys, monkeypatch):
+    from service.commands import stop
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(stop, "run", interrupted)
+    assert main(["stop"]) == 130
+    assert "interrupted" in capsys.readouterr().err
 
 
 # --- generate and weights fetch on a SmolLM2 stand-in -----------------------------------------------

@@ -2,6 +2,8 @@
 attnserve data sample translate [--n 50] [--seed 50];
 attnserve data backtranslate translate [--sentences 30000] [--model DIR]"""
 
+import sys
+
 
 def add_arguments(p):
     p.add_argument("action", choices=["prepare", "sample", "backtranslate"],
@@ -23,14 +25,20 @@ def run(args) -> int:
 
     from model.training import translate_data
 
+    from service.models import ModelUnavailable
+
     out = Path(args.out) if args.out else None
-    if args.action == "prepare":
-        translate_data.prepare(out, heldout_sentences=args.heldout_sentences)
-        return 0
-    if args.action == "backtranslate":
-        return backtranslate(args, out)
-    for k, (en, zh) in enumerate(translate_data.alignment_sample(args.n, args.seed, out), 1):
-        print(f"{k}. ZH {zh}\n   EN {en}")
+    try:
+        if args.action == "prepare":
+            translate_data.prepare(out, heldout_sentences=args.heldout_sentences)
+            return 0
+        if args.action == "backtranslate":
+            return backtranslate(args, out)
+        for k, (en, zh) in enumerate(translate_data.alignment_sample(args.n, args.seed, out), 1):
+            print(f"{k}. ZH {zh}\n   EN {en}")
+    except (ModelUnavailable, OSError, ValueError) as e:  # no checkpoint, data not prepared yet, ...
+        print(f"attnserve data: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

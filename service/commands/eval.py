@@ -2,6 +2,9 @@
 [--split test|dev|ted_test|ted_dev] [--data DIR] [--no-repeat-ngram N] [--length-penalty A]"""
 
 
+import sys
+
+
 def add_arguments(p):
     p.add_argument("task", choices=["translate"])
     p.add_argument("--model", help="checkpoint folder (default: the shipped translator)")
@@ -24,8 +27,19 @@ def run(args) -> int:
     from model.training.eval_translate import evaluate
     from service import local
 
+    from service.models import ModelUnavailable
+
+    try:
+        beams = tuple(int(b) for b in args.beams.split(","))
+    except ValueError:
+        print(f"attnserve eval: --beams takes comma-separated integers, got {args.beams!r}", file=sys.stderr)
+        return 2
     checkpoint = args.model or paths.SHIPPED_TRANSLATOR
-    translator = local.load_translator(local.translator_spec(checkpoint))
+    try:
+        translator = local.load_translator(local.translator_spec(checkpoint))
+    except (ModelUnavailable, OSError, ValueError) as e:
+        print(f"attnserve eval: {e}", file=sys.stderr)
+        return 2
     options = {name: value for name, value in (("no_repeat_ngram", args.no_repeat_ngram),
                                                ("length_penalty", args.length_penalty)) if value is not None}
 
@@ -34,6 +48,10 @@ def run(args) -> int:
         return local.translate(translator, texts, target_lang=target_lang, beam_size=beam_size, progress=done,
                                **options).translations
 
-    evaluate(checkpoint, args.out, translate=translate, beams=tuple(int(b) for b in args.beams.split(",")),
-             limit=args.limit, split=args.split, data_dir=Path(args.data) if args.data else None)
+    try:
+        evaluate(checkpoint, args.out, translate=translate, beams=beams, limit=args.limit, split=args.split,
+                 data_dir=Path(args.data) if args.data else None)
+    except FileNotFoundError as e:  # the prepared data
+        print(f"attnserve eval: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -32,7 +32,7 @@ def run(args) -> int:
         translator = local.load_translator(local.translator_spec(args.model, config=args.config))
         result = local.translate(translator, texts, target_lang=args.to, beam_size=args.beam,
                                  no_repeat_ngram=args.no_repeat_ngram)
-    except (ModelUnavailable, RequestRejected, ValueError) as e:
+    except (ModelUnavailable, RequestRejected, OSError, ValueError) as e:
         print(f"attnserve translate: {e}", file=sys.stderr)
         return 2
     for out in result.translations:
