@@ -92,6 +92,6 @@ class ServiceConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> ServiceConfig:
         data = dict(data or {})
-        if "translator" in data and data["translator"] is not None and "checkpoint" not in data["translator"]:
+        if isinstance(data.get("translator"), dict) and "checkpoint" not in data["translator"]:
             data["translator"] = {"checkpoint": DEFAULT_TRANSLATOR_DIR, **data["translator"]}
         return from_dict(cls, data, nested={"generator": ModelSpec, "translator": ModelSpec, "limits": ApiLimits})

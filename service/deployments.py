@@ -93,7 +93,9 @@ class AttnServe:
     def reconfigure(self, user_config: dict | None) -> None:
         """`user_config: {limits: {...}}` in the Serve config: API limits, applied without a restart."""
         reject_unknown(user_config or {}, ["limits"], "user_config")
-        self.limits = ApiLimits.from_dict((user_config or {}).get("limits"))
+        # without limits here, the args' limits (or the defaults) hold: Serve calls this right after __init__
+        limits = (user_config or {}).get("limits")
+        self.limits = self.config.limits if limits is None else ApiLimits.from_dict(limits)
         if self.fastapi is not None:
             self.fastapi.state.limits = self.limits
 

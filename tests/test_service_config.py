@@ -160,3 +160,30 @@ def test_serve_command_line_defers_to_the_config_for_host_and_port():
     serve.add_arguments(p)
     args = p.parse_args([])
     assert args.host is None and args.port is None  # read_config then keeps the file's http_options
+
+
+def test_limits_in_args_hold_when_user_config_has_none():
+    """Serve calls reconfigure(user_config) right after __init__: limits given in the args must survive a
+    user_config without limits, and user_config's limits win when given."""
+    import types
+
+    from service.deployments import AttnServe
+
+    cls = AttnServe.func_or_class
+    replica = types.SimpleNamespace(config=ServiceConfig.from_dict({"limits": {"max_texts": 4}}), fastapi=None)
+    cls.reconfigure(replica, {})
+    assert replica.limits.max_texts == 4
+    cls.reconfigure(replica, {"limits": {"max_texts": 2}})
+    assert replica.limits.max_texts == 2
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"generator": {"enabled": "false"}}, "enabled must be bool"),  # a string is not a bool
+    ({"limits": {"max_texts": "10"}}, "max_texts must be int"),
+    ({"serve_batch_size": 1.5}, "serve_batch_size"),
+    ({"generator": 5}, "must be a mapping"),
+    ({"translator": [1]}, "must be a mapping"),
+])
+def test_config_values_of_the_wrong_type_are_refused_naming_the_field(data, words):
+    with pytest.raises(ValueError, match=words):
+        ServiceConfig.from_dict(data)
