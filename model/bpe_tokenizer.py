@@ -129,6 +129,10 @@ class BPETokenizer:
             out.append(bytes(byte_of[c] for c in t) if set(t) <= byte_of.keys() else t.encode("utf-8"))
         return out
 
+    def special_tokens(self) -> dict[str, str]:
+        """The special tokens' names a chat template may use ({{ bos_token }}, {{ eos_token }}), as HF passes them."""
+        return {k: self.config[k] for k in ("bos_token", "eos_token") if self.config.get(k)}
+
     @property
     def special_ids(self) -> set[int]:
         names = self.config.get("additional_special_tokens") or []

@@ -1,13 +1,15 @@
 """Render a model's Jinja chat template (as stored in its GGUF / tokenizer_config.json) with jinja2.
 
 Same environment as Hugging Face's `apply_chat_template`: sandboxed, `trim_blocks` and
-`lstrip_blocks`, a `raise_exception` helper and a `tojson` filter, so templates written for it
-render identically.
+`lstrip_blocks`, loop controls (`{% break %}`, `{% continue %}`), `raise_exception` and `strftime_now`
+helpers and a `tojson` filter, and the tokenizer's `bos_token` / `eos_token` (passed by the caller), so
+templates written for it render identically.
 """
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from functools import lru_cache
 
 
@@ -24,10 +26,11 @@ def _compile(template: str):
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
         return env.from_string(template)
     except TemplateError as e:
@@ -45,5 +48,7 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
             raise ChatTemplateError(f"message {i} must be an object with string 'role' and 'content'")
     try:
         return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
-    except TemplateError as e:
-        raise ChatTemplateError(f"chat template failed: {e}") from None
+    except ChatTemplateError:
+        raise
+    except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:  # the template's own errors
+        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None

@@ -113,6 +113,8 @@ def test_chat_render_and_errors():
         render_chat(None, [])
     with pytest.raises(ChatTemplateError, match="nope"):
         render_chat("{{ raise_exception('nope') }}", [])
+    with pytest.raises(ChatTemplateError, match="TypeError"):  # a template bug: a 400, not a 500
+        render_chat("{{ messages[0]['content'] + 1 }}", [{"role": "user", "content": "hi"}])
 
 
 def test_numpy_is_float32_after_dequant(tmp_path, tiny):

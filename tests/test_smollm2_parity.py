@@ -125,3 +125,21 @@ def test_hf_export_loads_in_transformers_and_round_trips(pair, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)  # our tokenizer files load there too
     assert hf_tok.encode(TEXTS[1]) == tok.encode(TEXTS[1])
+
+
+OTHER_TEMPLATES = [
+    # Llama-2 style: bos / eos per turn
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}",
+    # loop controls and tojson's keyword arguments
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+    "{{ m | tojson(sort_keys=True, separators=(',', ':')) }}\n{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("template", OTHER_TEMPLATES)
+def test_other_chat_templates_render_as_transformers_does(pair, template):
+    _, tok, _, hf_tok = pair
+    for conv in CONVERSATIONS:
+        ref = hf_tok.apply_chat_template(conv, chat_template=template, tokenize=False, add_generation_prompt=False)
+        assert render_chat(template, conv, add_generation_prompt=False, **tok.special_tokens()) == ref

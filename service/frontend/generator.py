@@ -40,7 +40,8 @@ class GeneratorFrontend:
         from model.chat import ChatTemplateError, render_chat
 
         try:
-            return self.tokenizer.encode(render_chat(self.chat_template, messages, add_generation_prompt))
+            special = self.tokenizer.special_tokens() if hasattr(self.tokenizer, "special_tokens") else {}
+            return self.tokenizer.encode(render_chat(self.chat_template, messages, add_generation_prompt, **special))
         except ChatTemplateError as e:
             raise RequestRejected(f"messages: {e}", "messages") from None
 
