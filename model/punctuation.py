@@ -21,10 +21,12 @@ _ZH_CONTEXT = re.compile(f"[{_CJK_CHARS}{re.escape(FULLWIDTH_MARKS)}]")
 _TO_FULL = {",": "，", ".": "。", ":": "：", ";": "；", "?": "？", "!": "！"}
 _TO_ASCII = {"，": ",", "。": ".", "：": ":", "；": ";", "？": "?", "！": "!", "（": "(", "）": ")",
              "“": '"', "”": '"', "‘": "'", "’": "'", "、": ",", "……": "...", "…": "..."}
-# spans whose characters are never touched: URLs, e-mail addresses
+# spans whose characters are never touched: URLs, e-mail addresses, code calls (`print("hi")`, `f(x, y)`)
 _URL_CHAR = r"[^\s\u3000-\u303f\uff00-\uffef" + _CJK_CHARS + "]"
 _PROTECTED = re.compile(r"(?:https?://|www\.)" + _URL_CHAR + r"*?(?=[.,:;!?)\]'\"]*(?:\s|$|[^\x00-\x7f]))"
-                        r"|[\w.+-]+@[\w-]+(?:\.[\w-]+)+", re.IGNORECASE)
+                        r"|[\w.+-]+@[\w-]+(?:\.[\w-]+)+"
+                        r"|(?<![A-Za-z0-9_])[A-Za-z_][A-Za-z0-9_.]*\([ -'*-~]*\)",  # ASCII inside: code, not a name's note
+                        re.IGNORECASE)
 _ABBREV = re.compile(r"(?:\b(?i:Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|No|Nos|Inc|Ltd|Co|Corp|vs|etc|e\.g|i\.e|cf|Cap)"
                      r"|(?<![A-Za-z])[A-Z])$")
 # "1." / "b." / "III." opening a numbered item keeps its point; "二." becomes "二、"

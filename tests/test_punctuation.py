@@ -39,6 +39,9 @@ ZH_CASES = [
     ("III. 就本章而言", "III. 就本章而言"),
     ("LEHMAN BROTHERS HOLDINGS INC. 综合财务报表", "LEHMAN BROTHERS HOLDINGS INC. 综合财务报表"),
     ("no Chinese here, keep it.", "no Chinese here, keep it."),
+    ('使用print("hello")函数输出.', '使用print("hello")函数输出。'),  # a code call is code
+    ("调用f(x, y)函数", "调用f(x, y)函数"),
+    ("Holdings Limited(“HL”)于", "Holdings Limited（“HL”）于"),  # a name's note is not
 ]
 
 
