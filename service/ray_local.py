@@ -58,6 +58,7 @@ def read_config(path: str | Path, host: str | None = None, port: int | None = No
     http = config["http_options"] = config.get("http_options") or {}
     http["host"] = host or http.get("host") or LOOPBACK
     http["port"] = int(port or http.get("port") or 8000)
+    loopback_env()  # Ray reads its environment when imported: set ours first (deploy sets token auth first too)
     from ray.serve.schema import ServeDeploySchema
 
     try:  # the schema's errors before Ray starts, not after

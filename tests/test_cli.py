@@ -625,3 +625,17 @@ def test_loadtest_sweep_one_row_per_user_count_and_plots(tmp_path):
     assert all(int(s["requests"]) >= 1 and int(s["failures"]) == 0 for s in sweep)
     plots = re.findall(r"plot: (\S+)", r.stderr)
     assert plots and all(Path(p).stat().st_size > 0 for p in plots)
+
+
+def test_serve_refuses_a_port_in_use_before_starting_ray(capsys, monkeypatch):
+    import socket
+
+    from service import ray_local
+
+    monkeypatch.setattr(ray_local, "start_ray", lambda *a, **k: pytest.fail("Ray started"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    assert f"127.0.0.1:{port} is already in use" in capsys.readouterr().out

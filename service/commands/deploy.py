@@ -33,13 +33,13 @@ def token_auth_if_available() -> None:
 def run(args) -> int:
     from service import ray_local
 
+    ray_local.loopback_env()
+    token_auth_if_available()  # before anything imports ray, which reads RAY_AUTH_MODE once
     try:
         config = ray_local.read_config(args.config)
     except (FileNotFoundError, ValueError) as e:
         print(f"attnserve deploy: {e}")
         return 2
-    ray_local.loopback_env()
-    token_auth_if_available()
     import ray
 
     try:

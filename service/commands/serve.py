@@ -38,6 +38,11 @@ def run(args) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"attnserve serve: {e}")
         return 2
+    http = config["http_options"]
+    if not _port_free(http["host"], http["port"]):
+        print(f"attnserve serve: {http['host']}:{http['port']} is already in use (another `attnserve serve`? "
+              f"`attnserve stop` ends it); or choose --port")
+        return 2
     stop = threading.Event()
 
     def on_stop_signals() -> None:
@@ -77,3 +82,17 @@ def run(args) -> int:
     finally:
         ray_local.shutdown()
         pid_file().unlink(missing_ok=True)
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether nothing listens on host:port. Checked before Ray starts: Serve's proxy would fail to bind inside
+    its actor, unseen here, and the start-up watch would then poll the other server."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections of a stopped serve in TIME_WAIT
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
