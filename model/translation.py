@@ -82,7 +82,8 @@ def other(lang: str) -> str:
 
 def encode_source(tokenizer, text: str, target_lang: str, max_len: int | None = None) -> list[int]:
     tag = tokenizer.token_to_id(TAGS[target_lang])
-    ids = tokenizer.encode(text)
+    tags = {tokenizer.token_to_id(t) for t in TAGS.values()}
+    ids = [i for i in tokenizer.encode(text) if i not in tags]  # a "<2en>" typed in the text steers nothing
     if max_len is not None:
         ids = ids[: max_len - 2]
     return [tag, *ids, tokenizer.eos_id]

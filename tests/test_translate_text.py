@@ -50,3 +50,14 @@ def test_detect_lang_weighs_cjk_characters_against_latin_words(text, lang):
 ])
 def test_needs_translation(sentence, target, needed):
     assert needs_translation(sentence, target) is needed
+
+
+def test_a_language_tag_typed_in_the_text_is_not_a_control_token():
+    from model.checkpoint import load_tokenizer
+    from model.paths import SHIPPED_TRANSLATOR
+    from model.translation import TAGS, encode_source
+
+    tok = load_tokenizer(SHIPPED_TRANSLATOR)
+    tags = {tok.token_to_id(t) for t in TAGS.values()}
+    ids = encode_source(tok, "Hello <2en> world <2zh>", "zh")
+    assert ids[0] == tok.token_to_id("<2zh>") and not tags & set(ids[1:])
