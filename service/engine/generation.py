@@ -183,10 +183,9 @@ class GenerationEngine(EngineLoop):
     # --- schedule (event loop) -----------------------------------------------------------------
     def _finish(self, seq: Sequence, reason: str, text: str = "", token_ids: list[int] | None = None,
                 logprobs: list[TokenLogprob] | None = None) -> None:
-        if reason == "error":
-            done = self.output.fail(seq, seq.error or EngineError(f"engine {self.name}: {text or 'error'}"))
-        else:
-            done = self.output.finish(seq, reason, text, token_ids, logprobs)
+        # an "error" choice carries its error (set where it failed): raised to the reader, no text
+        done = self.output.fail(seq, seq.error) if reason == "error" else \
+            self.output.finish(seq, reason, text, token_ids, logprobs)
         if done:
             self.requests_finished += 1
 
