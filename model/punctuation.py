@@ -25,7 +25,8 @@ _TO_ASCII = {"，": ",", "。": ".", "：": ":", "；": ";", "？": "?", "！": 
 _URL_CHAR = r"[^\s\u3000-\u303f\uff00-\uffef" + _CJK_CHARS + "]"
 _PROTECTED = re.compile(r"(?:https?://|www\.)" + _URL_CHAR + r"*?(?=[.,:;!?)\]'\"]*(?:\s|$|[^\x00-\x7f]))"
                         r"|[\w.+-]+@[\w-]+(?:\.[\w-]+)+"
-                        r"|(?<![A-Za-z0-9_])[A-Za-z_][A-Za-z0-9_.]*\([ -'*-~]*\)",  # ASCII inside: code, not a name's note
+                        # A call with ASCII inside is code, not a name with a note in brackets.
+                        r"|(?<![A-Za-z0-9_])[A-Za-z_][A-Za-z0-9_.]*\([ -'*-~]*\)",
                         re.IGNORECASE)
 _ABBREV = re.compile(r"(?:\b(?i:Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|No|Nos|Inc|Ltd|Co|Corp|vs|etc|e\.g|i\.e|cf|Cap)"
                      r"|(?<![A-Za-z])[A-Z])$")

@@ -24,7 +24,6 @@ def run(args) -> int:
     from pathlib import Path
 
     from model.training import translate_data
-
     from service.models import ModelUnavailable
 
     out = Path(args.out) if args.out else None

@@ -26,7 +26,6 @@ def run(args) -> int:
     from model import paths
     from model.training.eval_translate import evaluate
     from service import local
-
     from service.models import ModelUnavailable
 
     try:
