@@ -56,6 +56,21 @@ def split_sentences(text: str) -> list[str]:
     return out
 
 
+_CLAUSE_END = re.compile(r"[，、；：,;:]\s*|\s+[-–—]+\s+")
+
+
+def split_long(sentence: str, fits) -> list[str]:
+    """Cut a sentence too long for the model (`fits(piece)` is False) into pieces that fit: at the clause mark
+    nearest its middle, else at the space nearest it, else between characters; each piece is translated as
+    a sentence of its own and the pieces are joined as sentences are."""
+    if fits(sentence) or len(sentence) < 2:
+        return [sentence]
+    cuts = [m.end() for m in _CLAUSE_END.finditer(sentence) if 0 < m.end() < len(sentence)]
+    cuts = cuts or [m.end() for m in re.finditer(r"\s+", sentence) if 0 < m.start()] or list(range(1, len(sentence)))
+    cut = min(cuts, key=lambda c: abs(2 * c - len(sentence)))
+    return [p for half in (sentence[:cut], sentence[cut:]) if (h := half.strip()) for p in split_long(h, fits)]
+
+
 def join_sentences(parts: list[str], lang: str) -> str:
     return ("" if lang == "zh" else " ").join(p for p in parts if p)
 

@@ -11,7 +11,7 @@ import torch
 from engine_util import CharTokenizer, tiny_seq2seq
 
 from model.generate import beam_search, greedy
-from model.translation import encode_source
+from model.translation import encode_source, split_long
 from service.engine.config import EngineConfig
 from service.engine.hooks import StepHooks
 from service.engine.translation import TranslationEngine
@@ -178,8 +178,6 @@ def test_survivors_are_unchanged_when_company_is_cancelled(beam):
 
 def test_overload_and_rejections():
     async def main(engine):
-        with pytest.raises(RequestRejected, match="at most 62 tokens"):
-            await translate(engine, TranslateRequest(["a" * 100], target_lang="zh"))
         with pytest.raises(RequestRejected, match="beam_size"):
             await translate(engine, TranslateRequest(["a"], beam_size=99))
         with pytest.raises(RequestRejected, match="target_lang"):
@@ -268,3 +266,15 @@ def test_lines_kept_and_what_needs_no_translation_passes_through():
     res = run(main)
     assert res.translations == ["\n".join(want)]
     assert res.usage.prompt_tokens == sum(len(encode_source(TOK, t, "zh")) for t in ("the cat sat.", "Dogs ran far!"))
+
+
+def test_an_overlong_sentence_is_cut_at_clauses_and_translated_in_pieces():
+    clause = "the cat sat on a mat while dogs ran far away"
+    text = f"{clause}, {clause}; {clause}"  # one sentence of 136 tokens; the engine takes 62
+    pieces = split_long(text, lambda s: len(encode_source(TOK, s, "zh")) <= 64)
+    assert pieces == [f"{clause},", f"{clause};", clause]
+
+    async def main(engine):
+        return await translate(engine, TranslateRequest([text, "a" * 100], target_lang="zh", beam_size=1))
+    res = run(main)
+    assert res.translations == ["".join(offline(pieces, 1)), "".join(offline(["a" * 50] * 2, 1))]

@@ -3,7 +3,7 @@ nothing is lost or split mid-sentence, and what needs no translation passes thro
 
 import pytest
 
-from model.translation import detect_lang, join_text, needs_translation, split_sentences, split_text
+from model.translation import detect_lang, join_text, needs_translation, split_long, split_sentences, split_text
 
 
 @pytest.mark.parametrize("text, sentences", [
@@ -61,3 +61,15 @@ def test_a_language_tag_typed_in_the_text_is_not_a_control_token():
     tags = {tok.token_to_id(t) for t in TAGS.values()}
     ids = encode_source(tok, "Hello <2en> world <2zh>", "zh")
     assert ids[0] == tok.token_to_id("<2zh>") and not tags & set(ids[1:])
+
+
+@pytest.mark.parametrize("sentence, pieces", [
+    ("short, fits", ["short, fits"]),
+    ("one two three, four five six; seven", ["one two three,", "four five six;", "seven"]),  # clause marks first
+    ("一二三四五六七八，九十一二三四五六", ["一二三四五六七八，", "九十一二三四五六"]),
+    ("one two three four five six", ["one two three", "four five six"]),  # else spaces
+    ("一二三四五六七八九十一二三四五六", ["一二三四五六七八", "九十一二三四五六"]),  # else characters
+])
+def test_a_sentence_too_long_is_cut_nearest_its_middle(sentence, pieces):
+    out = split_long(sentence, lambda s: len(s) <= 14)
+    assert out == pieces and all(len(p) <= 14 for p in out)

@@ -11,7 +11,16 @@ lines are joined as they came.
 from __future__ import annotations
 
 from model.punctuation import postprocess
-from model.translation import TAGS, detect_lang, encode_source, join_text, needs_translation, other, split_text
+from model.translation import (
+    TAGS,
+    detect_lang,
+    encode_source,
+    join_text,
+    needs_translation,
+    other,
+    split_long,
+    split_text,
+)
 from service.engine.translation import TranslationEngine
 from service.engine.types import RequestRejected, SourceBatch, TranslateRequest, TranslationResult, Usage
 
@@ -58,9 +67,13 @@ class TranslationFrontend:
             source_langs.append(src_lang)
             target_langs.append(tgt)
             plan = []
+
+            def fits(piece: str, tgt=tgt) -> bool:
+                return len(encode_source(self.tokenizer, piece, tgt)) <= max_src
+
             for line in split_text(text):
                 items: list[int | str] = []
-                for sentence in line:
+                for sentence in (p for s in line for p in split_long(s, fits)):
                     if not needs_translation(sentence, tgt):
                         items.append(postprocess(sentence, tgt))
                         continue
