@@ -523,6 +523,19 @@ def test_deploy_with_a_missing_config_connects_to_nothing(restore_env, tmp_path,
     assert "Serve config not found" in capsys.readouterr().out
 
 
+def test_deploy_to_an_address_nothing_answers_at_fails_at_once(restore_env, capsys, monkeypatch):
+    import ray
+
+    def no_init(*a, **kw):
+        raise AssertionError("ray.init retries an unreachable address for minutes")
+
+    monkeypatch.setattr(ray, "init", no_init)
+    port = free_port()
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        assert main(["deploy", "--address", address, "--timeout", "5"]) == 1
+        assert f"no Ray cluster answers at {address}" in capsys.readouterr().out
+
+
 def test_deploy_sends_the_token_when_there_is_one(restore_env, tmp_path, monkeypatch):
     from service.commands.deploy import token_auth_if_available
 

@@ -40,6 +40,9 @@ def run(args) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"attnserve deploy: {e}")
         return 2
+    if not _reachable(args.address, min(args.timeout, 10.0)):
+        print(f"attnserve deploy: no Ray cluster answers at {args.address} (`attnserve cluster up` starts one)")
+        return 1
     import ray
 
     try:
@@ -61,3 +64,19 @@ def run(args) -> int:
         return 1
     print(f"deployed; API at {base}/v1 (`serve status` for details)")
     return 0
+
+
+def _reachable(address: str, timeout_s: float) -> bool:
+    """Whether an explicit host:port (or ray://host:port) accepts a TCP connection: ray.init retries an
+    unreachable address for minutes, past any --timeout. "auto" finds a local cluster or fails at once."""
+    import socket
+
+    if address in ("auto", "local"):
+        return True
+    address = address.removeprefix("ray://")
+    host, _, port = address.rpartition(":") if ":" in address else (address, "", "6379")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
