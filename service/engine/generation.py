@@ -148,7 +148,7 @@ class GenerationEngine(EngineLoop):
         now = time.monotonic()
         deadline = self._deadline(req.deadline_s, now)
         p, queue, prompt = req.params, asyncio.Queue(), list(req.prompt_ids)
-        self.scheduler.check_room(1)
+        self.scheduler.check_room()
         matchers = [self.grammars.compile(p.json_schema) if p.json_schema is not None else None
                     for _ in range(req.n)]
         group = [Sequence(prompt=prompt, params=p, queue=queue,

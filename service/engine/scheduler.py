@@ -46,15 +46,17 @@ class Scheduler(Generic[W]):
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def check_room(self, n_groups: int) -> None:
-        """EngineOverloaded (HTTP 429) when `n_groups` more would pass `max_waiting`."""
-        if len(self.waiting) + n_groups > self.config.max_waiting:
+    def check_room(self) -> None:
+        """EngineOverloaded (HTTP 429) when `max_waiting` groups already wait. A request arriving below it is
+        queued whole, so the queue may pass the bound by one request (a translation of many sentences, bounded
+        by the API's text limits): a request too big for the bound is never refused for its size alone."""
+        if len(self.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(f"{len(self.waiting)} {self.noun} waiting (max_waiting="
                                    f"{self.config.max_waiting}); retry later", retry_after=1.0)
 
     def add(self, groups: list[list[W]]) -> None:
-        """Queue groups, all or none (`check_room` first)."""
-        self.check_room(len(groups))
+        """Queue one request's groups, all or none (`check_room` first)."""
+        self.check_room()
         self.waiting.extend(groups)
 
     async def wait_for_batch(self) -> None:

@@ -136,9 +136,6 @@ class TranslationEngine(EngineLoop):
         sentences = self._sentences(batch, request)
         if not sentences:
             return []
-        if len(sentences) > self.config.max_waiting:  # could never be queued: no retry would help
-            raise RequestRejected(f"text: {len(sentences)} sentences in one request; this translator queues at "
-                                  f"most {self.config.max_waiting}: send fewer or shorter texts", "text")
         self.scheduler.add([[s] for s in sentences])
         request.left = len(sentences)
         self._wake()
