@@ -20,19 +20,30 @@ FULLWIDTH_MARKS = "，。：；？！“”‘’（）、《》〈〉「」『�
 _ZH_CONTEXT = re.compile(f"[{_CJK_CHARS}{re.escape(FULLWIDTH_MARKS)}]")
 _TO_FULL = {",": "，", ".": "。", ":": "：", ";": "；", "?": "？", "!": "！"}
 _TO_ASCII = {"，": ",", "。": ".", "：": ":", "；": ";", "？": "?", "！": "!", "（": "(", "）": ")",
-             "“": '"', "”": '"', "‘": "'", "’": "'", "、": ",", "……": "...", "…": "..."}
+             "“": '"', "”": '"', "‘": "'", "’": "'", "、": ",", "……": "...", "…": "...",
+             "「": '"', "」": '"', "『": "'", "』": "'", "《": '"', "》": '"', "【": "[", "】": "]",
+             "〈": '"', "〉": '"', "〔": "[", "〕": "]"}
+_OPENERS, _CLOSING = "“‘「『《【〈〔", "”’」』》】〉〕"
 # spans whose characters are never touched: URLs, e-mail addresses, code calls (`print("hi")`, `f(x, y)`)
 _URL_CHAR = r"[^\s\u3000-\u303f\uff00-\uffef" + _CJK_CHARS + "]"
 _PROTECTED = re.compile(r"(?:https?://|www\.)" + _URL_CHAR + r"*?(?=[.,:;!?)\]'\"]*(?:\s|$|[^\x00-\x7f]))"
-                        r"|[\w.+-]+@[\w-]+(?:\.[\w-]+)+"
+                        r"|[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+"
                         # A call with ASCII inside is code, not a name with a note in brackets.
                         r"|(?<![A-Za-z0-9_])[A-Za-z_][A-Za-z0-9_.]*\([ -'*-~]*\)",
                         re.IGNORECASE)
+
+
+def without_protected(text: str) -> str:
+    """The text with its URLs, e-mail addresses and code calls blanked out: what is left is prose."""
+    return _PROTECTED.sub(" ", text)
+
+
 _ABBREV = re.compile(r"(?:\b(?i:Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|No|Nos|Inc|Ltd|Co|Corp|vs|etc|e\.g|i\.e|cf|Cap)"
                      r"|(?<![A-Za-z])[A-Z])$")
 # "1." / "b." / "III." opening a numbered item keeps its point; "二." becomes "二、"
 _LIST_NUMBER = re.compile(r"\s*[(（]?(?:\d{1,3}|[A-Za-z]|[IVXivx]{1,5})")
 _ZH_LIST_NUMBER = re.compile(r"\s*[一二三四五六七八九十]{1,3}")
+_ENDS_BEFORE_CLOSE = "，。！？；…,.!?;"  # a quote right after these closes a quotation
 _ELLIPSIS = re.compile(r"\.{3,}|…+")
 _SPACE = re.compile(r"\s+")
 _INVISIBLE = re.compile(r"[\u200b-\u200d\u2060\ufeff\u00ad]")
@@ -67,9 +78,19 @@ def _neighbour(chars: list[str], i: int, step: int) -> str | None:
 
 
 def to_chinese_punctuation(text: str) -> str:
-    """ASCII punctuation in Chinese context -> full-width; spaces around full-width marks dropped."""
+    """ASCII punctuation in Chinese context -> full-width; spaces around full-width marks dropped. A mark
+    converted can make its neighbour Chinese context ("，" before a quote): repeated until nothing changes."""
     if not _CJK.search(text):
         return text
+    for _ in range(4):
+        out = _chinese_pass(text)
+        if out == text:
+            break
+        text = out
+    return text
+
+
+def _chinese_pass(text: str) -> str:
     text = _ELLIPSIS.sub(lambda m: "……" if _zh_around(m.string, m.start(), m.end()) else m.group(), text)
     chars = list(text)
     n = len(chars)
@@ -102,28 +123,27 @@ def to_chinese_punctuation(text: str) -> str:
     for k in range(0, len(quotes), 2):
         a = quotes[k]
         b = quotes[k + 1] if k + 1 < len(quotes) else None
-        if b is None:
-            if _is_zh(_neighbour(chars, a, 1)):
+        if b is None:  # a quote whose partner is in another sentence
+            left = _neighbour(chars, a, -1)
+            if left is not None and left in _ENDS_BEFORE_CLOSE:
+                chars[a] = "”"
+            elif _is_zh(_neighbour(chars, a, 1)):
                 chars[a] = "“"
-            elif _is_zh(_neighbour(chars, a, -1)):
+            elif _is_zh(left):
                 chars[a] = "”"
             continue
         inner = "".join(chars[a + 1:b])
         if _CJK.search(inner) or _is_zh(_neighbour(chars, a, -1)) or _is_zh(_neighbour(chars, b, 1)):
             chars[a], chars[b] = "“", "”"
 
-    # single quotes used as quotation marks (never an apostrophe between letters)
-    open_single = False
-    for i, c in enumerate(chars):
-        if c != "'" or protected[i]:
-            continue
-        prev, nxt = chars[i - 1] if i else "", chars[i + 1] if i + 1 < n else ""
-        if prev.isalnum() and nxt.isalnum() and not (_is_zh(prev) or _is_zh(nxt)):
-            continue
-        if not open_single and not (prev.isascii() and prev.isalnum()) and _is_zh(_neighbour(chars, i, 1)):
-            chars[i], open_single = "‘", True
-        elif open_single:
-            chars[i], open_single = "’", False
+    # single quotes used as quotation marks, paired in order (an apostrophe between Latin letters is none)
+    singles = [i for i, c in enumerate(chars) if c == "'" and not protected[i]
+               and not (0 < i < n - 1 and chars[i - 1].isascii() and chars[i - 1].isalnum()
+                        and chars[i + 1].isascii() and chars[i + 1].isalnum())]
+    for a, b in zip(singles[::2], singles[1::2], strict=False):
+        inner = "".join(chars[a + 1:b])
+        if _CJK.search(inner) or _is_zh(_neighbour(chars, a, -1)) or _is_zh(_neighbour(chars, b, 1)):
+            chars[a], chars[b] = "‘", "’"
 
     # , . : ; ? !
     for i, c in enumerate(chars):
@@ -160,18 +180,26 @@ def to_english_punctuation(text: str) -> str:
         if a is None:
             out.append(c)
             continue
-        nxt = text[i + 1] if i + 1 < len(text) else ""
+        prev, nxt = text[i - 1] if i else "", text[i + 1] if i + 1 < len(text) else ""
         if a in ",.:;?!":
             while out and out[-1] == " ":
                 out.pop()
-            out.append(a + (" " if nxt and not nxt.isspace() and nxt not in ",.:;?!)\"'”’）" else ""))
-        elif a == "(":
-            out.append((" " if out and not out[-1].isspace() and out[-1] not in "([" else "") + a)
-        elif a == ")":
-            out.append(a + (" " if nxt.isalnum() else ""))
+            glued = not nxt or nxt.isspace() or nxt in ",.:;?!)\"']" + FULLWIDTH_MARKS or (
+                a in ",.:" and prev.isdigit() and nxt.isdigit())  # 10：30 -> 10:30
+            out.append(a + ("" if glued else " "))
+        elif prev.isalnum() and nxt.isalnum() and a == "'":  # an apostrophe: It’s
+            out.append(a)
+        elif a == "(" or c in _OPENERS:
+            out.append((" " if out and _latin(out[-1]) or a == "(" and out and out[-1] not in " ([" else "") + a)
+        elif a == ")" or c in _CLOSING:
+            out.append(a + (" " if _latin(nxt) else ""))
         else:
             out.append(a)
     return _SPACE.sub(" ", "".join(out)).strip()
+
+
+def _latin(c: str) -> bool:
+    return c.isascii() and c.isalnum()
 
 
 def postprocess(text: str, lang: str) -> str:

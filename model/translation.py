@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from model.punctuation import normalise_input
+from model.punctuation import normalise_input, postprocess, without_protected
 
 LANGS = ("en", "zh")
 TAGS = {"en": "<2en>", "zh": "<2zh>"}
@@ -22,15 +22,19 @@ _LATIN_WORD = re.compile(r"[A-Za-z]+")
 
 def detect_lang(text: str) -> str:
     """'zh' if the text has CJK characters and at least as many of them as Latin words, else 'en': a Chinese
-    sentence naming "Visual Studio Code" stays Chinese, an English one quoting 北京 stays English."""
+    sentence naming "Visual Studio Code" stays Chinese, an English one quoting 北京 stays English.
+    URLs, e-mail addresses and code are not words."""
+    text = without_protected(text)
     cjk = len(_CJK.findall(text))
     return "zh" if cjk and cjk >= len(_LATIN_WORD.findall(text)) else "en"
 
 
-# A sentence ends after a run of 。！？；!? or after . ; before a space and a capital, digit, CJK or opening mark;
-# the closing quotes and brackets right after the mark stay with it ("你好！”", "What?!")
+# A sentence ends after a run of 。！？； or after . ; ! ? before a space and a capital, digit or opening mark, or
+# before Chinese: "a != b", "page?id=3", '"Stop!" he said' go on. The closing quotes and brackets right after
+# the mark stay with it ("你好！”", "What?!").
 _CLOSERS = "”’」』）)\"'"
-_SENT_END = re.compile(rf"[。！？；!?]+[{_CLOSERS}]*\s*|[.;]+[{_CLOSERS}]*\s+(?=[\"“‘(\[A-Z0-9\u3400-\u9fff])")
+_SENT_END = re.compile(rf"[。！？；]+[{_CLOSERS}]*\s*"
+                       rf"|[.;!?]+[{_CLOSERS}]*(?:\s+(?=[\"“‘(\[A-Z0-9\u3400-\u9fff])|(?=[\u3400-\u9fff]))")
 # a part ending like these does not end a sentence: titles, legal and citation abbreviations, initials (U.K.)
 _ABBREV = re.compile(r"\b(?:Mr|Mrs|Ms|Dr|Prof|No|Nos|St|Co|Ltd|Inc|Cap|paras?|ss?|arts?|pp?|al|figs?|vols?|approx|"
                      r"e\.g|i\.e|cf|vs|etc|[A-Za-z])\.$", re.IGNORECASE)
@@ -56,7 +60,7 @@ def split_sentences(text: str) -> list[str]:
     return out
 
 
-_CLAUSE_END = re.compile(r"[，、；：,;:]\s*|\s+[-–—]+\s+")
+_CLAUSE_END = re.compile(r"[，、；：]\s*|[,;:]\s+|\s+[-–—]+\s+")  # not 1,000 / 12:30 / https://
 
 
 def split_long(sentence: str, fits) -> list[str]:
@@ -82,13 +86,15 @@ def split_text(text: str) -> list[list[str]]:
 
 
 def join_text(lines: list[list[str]], lang: str) -> str:
-    return "\n".join(join_sentences(parts, lang) for parts in lines)
+    """Each line's sentences joined and punctuated for `lang` as one piece: a quotation or a pass-through
+    "4." after a translated sentence gets the marks its neighbours call for."""
+    return "\n".join(postprocess(join_sentences(parts, lang), lang) for parts in lines)
 
 
 def needs_translation(sentence: str, target_lang: str) -> bool:
     """False for a sentence without letters (numbers, marks, emoji) or already in the target language: it
     passes through (with the target's punctuation) instead of being rewritten by the model."""
-    return any(c.isalpha() for c in sentence) and detect_lang(sentence) != target_lang
+    return any(c.isalpha() for c in without_protected(sentence)) and detect_lang(sentence) != target_lang
 
 
 def other(lang: str) -> str:

@@ -297,6 +297,8 @@ def test_translate_reads_stdin_and_refuses_nothing_or_a_missing_model(capsys, re
     assert "no text given" in capsys.readouterr().err
     assert main(["translate", "--model", str(tmp_path / "none"), "hello"]) == 2
     assert "attnserve translate:" in capsys.readouterr().err
+    assert main(["translate", "hello", "   "]) == 2  # as /v1/translate: 400 naming the empty text
+    assert "text[1] is empty" in capsys.readouterr().err
 
 
 # --- train translate -------------------------------------------------------------------------------

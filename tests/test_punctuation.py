@@ -42,6 +42,11 @@ ZH_CASES = [
     ('使用print("hello")函数输出.', '使用print("hello")函数输出。'),  # a code call is code
     ("调用f(x, y)函数", "调用f(x, y)函数"),
     ("Holdings Limited(“HL”)于", "Holdings Limited（“HL”）于"),  # a name's note is not
+    ('他回答,"Yes".', "他回答，“Yes”。"),  # the comma made full-width makes the quote Chinese
+    ("见:(Appendix A)", "见：（Appendix A）"),
+    ("他说'OK'", "他说‘OK’"),
+    ('我是汤姆,"他说.', "我是汤姆，”他说。"),  # a lone quote after a comma closes
+    ("请联系john.smith@example.com,谢谢", "请联系john.smith@example.com，谢谢"),
 ]
 
 
@@ -57,6 +62,8 @@ EN_CASES = [
     ("wait……what？", "wait...what?"),
     ("apples、pears and plums；", "apples, pears and plums;"),
     ("3.5 and 1,000, unchanged.", "3.5 and 1,000, unchanged."),
+    ("What？！", "What?!"), ("“Hi，”she said。", '"Hi," she said.'), ("at 10：30", "at 10:30"),
+    ("read《Dream》now【1】", 'read "Dream" now [1]'),
 ]
 
 

@@ -17,6 +17,11 @@ from model.translation import detect_lang, join_text, needs_translation, split_l
     ("1. Flour", ["1. Flour"]),  # an item's label stays with it
     ("(2) The licence. (3) Another.", ["(2) The licence.", "(3) Another."]),
     ("今天天气很好。我们去公园散步吧！", ["今天天气很好。", "我们去公园散步吧！"]),
+    # ! and ? inside code, URLs and quotations go on; before Chinese they end
+    ("Use if (a != b) to compare.", ["Use if (a != b) to compare."]),
+    ("See https://example.com/page?id=3 for details.", ["See https://example.com/page?id=3 for details."]),
+    ('He said "Stop!" and left.', ['He said "Stop!" and left.']),
+    ("Hello!你好。", ["Hello!", "你好。"]),
     ("", []),
 ])
 def test_split_sentences(text, sentences):
@@ -29,6 +34,9 @@ def test_lines_and_paragraphs_are_kept():
     assert lines == [["Ingredients:"], ["1. Flour"], ["2. Sugar"], [], ["Mix them.", "Bake."]]
     assert join_text(lines, "en") == "Ingredients:\n1. Flour\n2. Sugar\n\nMix them. Bake."
     assert join_text([["你好。", "再见。"], [], ["好"]], "zh") == "你好。再见。\n\n好"
+    # a line is punctuated as one piece: what passes through takes its neighbours' marks
+    assert join_text([["那么两点是什么？", "4."], ["是的。", "2024!"]], "zh") == "那么两点是什么？4。\n是的。2024！"
+    assert join_text([['他说:"你好!', '我是小明."然后走了.']], "zh") == "他说：“你好！我是小明。”然后走了。"
 
 
 def test_inputs_are_normalised_as_the_training_data_was():
@@ -38,6 +46,7 @@ def test_inputs_are_normalised_as_the_training_data_was():
 @pytest.mark.parametrize("text, lang", [
     ("我用Visual Studio Code写代码", "zh"), ("JavaScript框架", "zh"), ("I visited 北京 last year", "en"),
     ("Hello world.", "en"), ("你好世界。", "zh"), ("2023", "en"),
+    ("请联系john.smith@example.com", "zh"), ("详情请见https://www.example.com/funds/abc/index.html", "zh"),
 ])
 def test_detect_lang_weighs_cjk_characters_against_latin_words(text, lang):
     assert detect_lang(text) == lang
@@ -46,7 +55,7 @@ def test_detect_lang_weighs_cjk_characters_against_latin_words(text, lang):
 @pytest.mark.parametrize("sentence, target, needed", [
     ("？", "en", False), ("😀", "zh", False), ("2023.", "zh", False),  # nothing to translate
     ("Hello world.", "en", False), ("你好。", "zh", False),  # already in the target language
-    ("Hello world.", "zh", True), ("你好。", "en", True),
+    ("Hello world.", "zh", True), ("你好。", "en", True), ("https://example.com/a", "zh", False),
 ])
 def test_needs_translation(sentence, target, needed):
     assert needs_translation(sentence, target) is needed
@@ -69,6 +78,7 @@ def test_a_language_tag_typed_in_the_text_is_not_a_control_token():
     ("一二三四五六七八，九十一二三四五六", ["一二三四五六七八，", "九十一二三四五六"]),
     ("one two three four five six", ["one two three", "four five six"]),  # else spaces
     ("一二三四五六七八九十一二三四五六", ["一二三四五六七八", "九十一二三四五六"]),  # else characters
+    ("Pay 1,234,567 now at 12:30", ["Pay 1,234,567", "now at 12:30"]),  # never inside numbers
 ])
 def test_a_sentence_too_long_is_cut_nearest_its_middle(sentence, pieces):
     out = split_long(sentence, lambda s: len(s) <= 14)

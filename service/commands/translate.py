@@ -28,6 +28,10 @@ def run(args) -> int:
     if not texts:
         print("attnserve translate: no text given", file=sys.stderr)
         return 2
+    empty = [i for i, t in enumerate(texts) if not t.strip()]
+    if empty:  # as /v1/translate answers: 400 naming the text
+        print(f"attnserve translate: text[{empty[0]}] is empty", file=sys.stderr)
+        return 2
     try:
         translator = local.load_translator(local.translator_spec(args.model, config=args.config))
         result = local.translate(translator, texts, target_lang=args.to, beam_size=args.beam,

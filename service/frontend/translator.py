@@ -10,7 +10,6 @@ lines are joined as they came.
 
 from __future__ import annotations
 
-from model.punctuation import postprocess
 from model.translation import (
     TAGS,
     detect_lang,
@@ -75,7 +74,7 @@ class TranslationFrontend:
                 items: list[int | str] = []
                 for sentence in (p for s in line for p in split_long(s, fits)):
                     if not needs_translation(sentence, tgt):
-                        items.append(postprocess(sentence, tgt))
+                        items.append(sentence)
                         continue
                     src = encode_source(self.tokenizer, sentence, tgt)
                     if len(src) > max_src:
@@ -90,7 +89,7 @@ class TranslationFrontend:
             no_repeat_ngram=req.no_repeat_ngram, max_length=req.max_length, request_id=req.request_id,
             deadline_s=req.deadline_s))
         usage = Usage(prompt_tokens=sum(map(len, sources)), completion_tokens=sum(map(len, outputs)))
-        texts = [join_text([[postprocess(self.tokenizer.decode(outputs[x]), lang) if isinstance(x, int) else x
+        texts = [join_text([[self.tokenizer.decode(outputs[x]) if isinstance(x, int) else x
                              for x in items] for items in plan], lang)
                  for plan, lang in zip(plans, target_langs, strict=True)]
         return TranslationResult(translations=texts, source_langs=source_langs, target_langs=target_langs,
