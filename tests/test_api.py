@@ -19,6 +19,10 @@ def test_health_ready_models():
         assert r.status_code == 200 and GENERATOR_ID in r.json()["models"]
         ids = [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
         assert ids[0] == GENERATOR_ID
+        # the openai SDK's models.retrieve: each listed model, and a 404 naming the field for others
+        assert (await c.get(f"/v1/models/{GENERATOR_ID}")).json() == (await c.get("/v1/models")).json()["data"][0]
+        r = await c.get("/v1/models/nope")
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
         assert (await c.get("/docs")).status_code == 200
         assert "/v1/chat/completions" in (await c.get("/openapi.json")).json()["paths"]
     run(main)
@@ -105,6 +109,23 @@ def test_chat_completions_and_stream():
         # max_completion_tokens wins over max_tokens
         r = await c.post("/v1/chat/completions", json={**body, "max_completion_tokens": 3, "max_tokens": 50})
         assert r.json()["usage"]["completion_tokens"] <= 3
+    run(main)
+
+
+def test_every_chunk_of_a_stream_carries_one_created(monkeypatch):
+    import itertools
+    import types
+
+    from service.api import openai_routes
+
+    clock = itertools.count(1_800_000_000)  # a clock that moves on every reading
+    monkeypatch.setattr(openai_routes, "time", types.SimpleNamespace(time=lambda: next(clock)))
+
+    async def main(c):
+        body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2,
+                "stream_options": {"include_usage": True}, **GREEDY}
+        events = sse_events((await c.post("/v1/chat/completions", json=body)).text)[:-1]
+        assert len(events) > 3 and len({e["created"] for e in events}) == 1
     run(main)
 
 

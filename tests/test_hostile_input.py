@@ -119,13 +119,17 @@ def test_wrong_method_content_type_and_path_are_4xx_json():
         for method, path, kw, status in [
             ("PUT", "/v1/generate", {"json": {}}, 405), ("GET", "/v1/translate", {}, 405),
             ("DELETE", "/v1/models", {}, 405), ("GET", "/v1/nope", {}, 404), ("GET", "/%00", {}, 404),
-            ("POST", "/v1/generate", {"content": b'{"prompt": "a"}', "headers": {"content-type": "text/plain"}}, 400),
+            # JSON is read only with its Content-Type (a browser's form post to a local server is no request)
+            ("POST", "/v1/generate", {"content": b'{"prompt": "a"}', "headers": {"content-type": "text/plain"}}, 415),
             ("POST", "/v1/generate", {"content": b"prompt=a", "headers": {
-                "content-type": "application/x-www-form-urlencoded"}}, 400),
+                "content-type": "application/x-www-form-urlencoded"}}, 415),
+            ("POST", "/v1/chat/completions", {"content": b'{"messages": []}'}, 415),
         ]:
             r = await c.request(method, path, **kw)
             assert r.status_code == status, (method, path, r.status_code, r.text)
             assert r.json()["error"]["message"], r.text
+            if status == 415:
+                assert r.json()["error"]["param"] == "Content-Type" and "application/json" in r.text
     run(main, backends(with_translator=False))
 
 

@@ -176,8 +176,18 @@ def test_a_schema_the_vocabulary_cannot_spell_is_an_error_not_content(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "e", "schema": {"type": "string", "enum": ["é"]}}}
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, response_format=fmt)
-    assert e.value.param == "response_format" and "cannot produce" in e.value.message
-    with pytest.raises(openai.APIError, match="cannot produce"):
+    assert e.value.param == "response_format" and "cannot follow the schema" in e.value.message
+    with pytest.raises(openai.APIError, match="cannot follow the schema") as e:
         for _ in client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, response_format=fmt,
                                                 stream=True):
             pass
+    assert e.value.body["param"] == "response_format"  # the streamed error names the field too
+
+
+def test_a_schema_that_cannot_be_satisfied_is_named_without_the_parser_dump(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {  # an object that must contain itself
+        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, response_format=fmt)
+    assert e.value.param == "response_format" and "too complex or unsatisfiable" in e.value.message
+    assert "<state>" not in e.value.message and len(e.value.message) < 400

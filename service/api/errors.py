@@ -15,7 +15,8 @@ from service.engine.types import EngineError, EngineOverloaded
 
 logger = logging.getLogger("attnserve.api")
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+         405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+         429: "rate_limit_error",
          503: "service_unavailable", 504: "timeout_error"}
 
 
@@ -78,8 +79,13 @@ def install(app: FastAPI) -> None:
         return error_response(a.status, a.message, a.param, a.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError):
+    async def _validation(request: Request, e: RequestValidationError):
         errors = e.errors()
+        ctype = request.headers.get("content-type", "")
+        if request.method == "POST" and "json" not in ctype and any(er.get("loc") == ("body",) for er in errors):
+            # the body is not read as JSON without the header (FastAPI's CSRF guard for local servers)
+            return error_response(415, f"Content-Type: send the JSON body with Content-Type: "
+                                  f"application/json (got {ctype or 'none'})", "Content-Type")
         # inside a union (`str | list[str]`) the member whose type did not match adds a "should be a valid
         # <type>" error; a more specific one (a bound, a bad value) names the real problem
         specific = [er for er in errors if not str(er.get("type", "")).endswith("_type")]

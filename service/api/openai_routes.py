@@ -39,24 +39,33 @@ async def models(request: Request):
                      for m in request.app.state.backends.ids()]}
 
 
-def _envelope(rid: str, obj: str, model: str, choices: list[dict], **more) -> dict:
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices, **more}
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request):
+    if model_id not in request.app.state.backends.ids():
+        raise ApiError(404, f"model {model_id!r} is not served here; GET /v1/models lists them", "model")
+    return {"id": model_id, "object": "model", "created": request.app.state.created, "owned_by": "attnserve"}
+
+
+def _envelope(rid: str, obj: str, model: str, choices: list[dict], created: int | None = None, **more) -> dict:
+    return {"id": rid, "object": obj, "created": created or int(time.time()), "model": model, "choices": choices,
+            **more}
 
 
 def _stream(events, rid: str, model: str, body, chunk, obj: str) -> StreamingResponse:
     """`chunk(ev)` -> the choice dicts of one event; usage (every choice's) goes in one last chunk when
     the body's stream_options ask for it."""
     usage, include_usage = UsageTotal(), bool(body.stream_options and body.stream_options.include_usage)
+    created = int(time.time())  # one timestamp for every chunk of the stream, as OpenAI's
 
     def render(ev) -> list[dict]:
         usage.add(ev)
-        return [_envelope(rid, obj, model, [choice], **({"usage": None} if include_usage else {}))
+        return [_envelope(rid, obj, model, [choice], created, **({"usage": None} if include_usage else {}))
                 for choice in chunk(ev)]
 
     def tail() -> list[dict]:
         if not include_usage or not usage.finished:
             return []
-        return [_envelope(rid, obj, model, [], usage=usage_dict(usage))]
+        return [_envelope(rid, obj, model, [], created, usage=usage_dict(usage))]
 
     return StreamingResponse(sse_stream(events, render, tail), media_type="text/event-stream")
 

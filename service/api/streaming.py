@@ -41,7 +41,7 @@ async def sse_stream(source: AsyncIterator, render: Callable[[object], list[dict
             yield sse(chunk)
     except EngineError as e:
         a = engine_error(e)
-        yield sse(error_body(a.status, a.message))
+        yield sse(error_body(a.status, a.message, a.param))
     finally:
         await _aclose(source)
     yield sse("[DONE]")

@@ -307,9 +307,9 @@ class GenerationEngine(EngineLoop):
                 try:
                     with self.hooks.phase("grammar"):
                         complete = self.grammars.advance(seq.matcher, tok)
-                except GrammarError as e:  # the vocabulary cannot spell what the grammar needs next
-                    seq.error = RequestRejected(f"{seq.schema_field}: the model's vocabulary cannot produce what "
-                                                f"the schema requires next ({e})", seq.schema_field)
+                except GrammarError as e:  # the schema cannot be followed from here
+                    seq.error = RequestRejected(f"{seq.schema_field}: output cannot follow the schema ({e})",
+                                                seq.schema_field)
                     seq.done = ("error", "", [], None)
                     continue
             self.output.token(seq, tok, now, lp, complete)

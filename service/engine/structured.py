@@ -114,7 +114,10 @@ class Grammars:
                 raise GrammarError("the vocabulary has no token for what the schema requires next")
             return True
         if not matcher.consume_token(token):
-            raise GrammarError(matcher.get_error() or f"token {token} not allowed")
+            # llguidance's error opens with the cause ("Too many items", "ParserTooComplex"), then dumps its state
+            cause = (matcher.get_error() or "").split("<state>")[0].strip().splitlines()
+            raise GrammarError(f"the grammar stopped: {cause[0][:200] if cause else f'token {token} not allowed'}; "
+                               f"the schema may be too complex or unsatisfiable")
         if not matcher.is_stopped():
             return False
         if not matcher.is_accepting():  # stopped short: no token of the vocabulary spells what must follow
