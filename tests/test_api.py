@@ -129,6 +129,22 @@ def test_every_chunk_of_a_stream_carries_one_created(monkeypatch):
     run(main)
 
 
+def test_vllm_sampling_extensions_on_the_openai_routes():
+    """top_k, min_p, repetition_penalty and ignore_eos, as vLLM takes them: top_k 1 or min_p 1 sample the
+    greedy token whatever the temperature; top_k -1 is off."""
+    async def main(c):
+        msgs = [{"role": "user", "content": "hi"}]
+        greedy = (await c.post("/v1/chat/completions", json={"messages": msgs, **GREEDY})).json()
+        want = greedy["choices"][0]["message"]["content"]
+        for extra in ({"top_k": 1}, {"min_p": 1.0}, {"top_k": 1, "min_p": 0.5, "repetition_penalty": 1.0}):
+            r = await c.post("/v1/chat/completions", json={"messages": msgs, **GREEDY, "temperature": 1.5,
+                                                           "seed": 7, **extra})
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want, extra
+        r = await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 4, "top_k": -1, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    run(main)
+
+
 def test_seed_reproducible_and_stop_string():
     async def main(c):
         body = {"prompt": "xyz", "temperature": 1.0, "seed": 7, "max_tokens": 20, "ignore_eos": True}

@@ -19,7 +19,11 @@ CASES = [
     ("/v1/generate", {"prompt": "a", "temperature": -0.1}, 400, "temperature"),
     ("/v1/generate", {"prompt": "a", "top_p": 0}, 400, "top_p"),
     ("/v1/generate", {"prompt": "a", "top_p": 1.01}, 400, "top_p"),
-    ("/v1/generate", {"prompt": "a", "top_k": -1}, 400, "top_k"),
+    ("/v1/generate", {"prompt": "a", "top_k": -2}, 400, "top_k"),  # -1 = off, as vLLM
+    ("/v1/generate", {"prompt": "a", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/chat/completions", {"messages": MSG, "min_p": -0.1}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "a", "top_k": 2000}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "a", "repetition_penalty": 3}, 400, "repetition_penalty"),
     ("/v1/generate", {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/generate", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/generate", {"prompt": "a", "max_tokens": 128}, 400, "max_tokens"),  # 1 + 128 > context 128

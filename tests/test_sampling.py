@@ -52,6 +52,20 @@ def test_top_p_restricts_to_nucleus():
     assert seen == {0, 1}
 
 
+def test_min_p_drops_tokens_below_its_share_of_the_top_one():
+    x = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = make_generator(5)
+
+    def seen(min_p: float, temperature: float = 1.0) -> set[int]:
+        p = [SamplingParams(temperature=temperature, min_p=min_p)]
+        return {sample_next(x.clone(), p, [g], [[]])[0] for _ in range(400)}
+
+    assert seen(0.0) == {0, 1, 2, 3}
+    assert seen(0.2) == {0, 1, 2}  # 0.05 < 0.2 * 0.5
+    assert seen(0.7) == {0}  # 0.3 < 0.35
+    assert seen(0.2, temperature=2.0) == {0, 1, 2, 3}  # after temperature, as vLLM: 0.05 ** 0.5 > 0.2 * 0.5 ** 0.5
+
+
 def test_same_seed_same_tokens_whatever_the_batch():
     x = _logits(b=6, v=300, seed=4)
     p = SamplingParams(temperature=1.0, top_p=0.95, top_k=50)

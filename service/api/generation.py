@@ -70,8 +70,7 @@ def logit_bias_ids(gen: GeneratorFrontend, bias: dict[str, float] | None) -> dic
 
 def build_request(gen: GeneratorFrontend, body: Sampling, prompt_ids: list[int], *, prompt_param: str,
                   max_tokens: int | None, default_max_tokens: int, limits: ApiLimits,
-                  max_tokens_param: str = "max_tokens", top_k: int = 0,
-                  repetition_penalty: float = 1.0, ignore_eos: bool = False, request_id: str = "",
+                  max_tokens_param: str = "max_tokens", request_id: str = "",
                   n: int = 1, logprobs: int | None = None, prompt_logprobs: int | None = None,
                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                   logit_bias: dict[str, float] | None = None, json_schema: dict | None = None) -> GenerateRequest:
@@ -83,8 +82,9 @@ def build_request(gen: GeneratorFrontend, body: Sampling, prompt_ids: list[int],
     room = gen.max_context - len(prompt_ids)
     params = SamplingParams(
         max_new_tokens=max_tokens if max_tokens is not None else max(1, min(default_max_tokens, room)),
-        temperature=body.temperature, top_k=top_k, top_p=body.top_p, repetition_penalty=repetition_penalty,
-        stop=stop, seed=body.seed, ignore_eos=ignore_eos, presence_penalty=presence_penalty,
+        temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty, stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
+        presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logit_bias=bias, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, json_schema=json_schema)
     names = {"prompt_ids": prompt_param, "max_new_tokens": max_tokens_param, "json_schema": "response_format"}

@@ -28,8 +28,7 @@ async def generate(body: GenerateBody, request: Request):
         ids, param = encode_messages(gen, body.messages, limits), "messages"
     rid = new_id("gen")
     req = build_request(gen, body, ids, prompt_param=param, max_tokens=body.max_tokens,
-                        default_max_tokens=DEFAULT_MAX_TOKENS, limits=limits, top_k=body.top_k,
-                        repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, request_id=rid)
+                        default_max_tokens=DEFAULT_MAX_TOKENS, limits=limits, request_id=rid)
     events = gen.submit(req)  # raises RequestRejected / EngineOverloaded before any work
 
     if body.stream:

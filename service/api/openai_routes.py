@@ -121,7 +121,7 @@ async def completions(body: CompletionBody, request: Request):
     schema = await response_schema(gen, body.response_format)
     req = build_request(gen, body, ids, prompt_param="prompt", max_tokens=body.max_tokens,
                         default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, limits=limits,
-                        ignore_eos=body.ignore_eos, request_id=rid, **_penalties(body), n=best_of, logprobs=track,
+                        request_id=rid, **_penalties(body), n=best_of, logprobs=track,
                         prompt_logprobs=score_prompt, json_schema=schema)
     events = gen.submit(req)
     texts = TokenTexts(gen.decode)
@@ -174,7 +174,7 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
     schema = await response_schema(gen, body.response_format)
     req = build_request(gen, body, ids, prompt_param="messages", max_tokens=max_tokens,
                         default_max_tokens=CHAT_DEFAULT_MAX_TOKENS, limits=limits, max_tokens_param=param,
-                        ignore_eos=body.ignore_eos, request_id=rid, **_penalties(body), n=body.n, logprobs=track,
+                        request_id=rid, **_penalties(body), n=body.n, logprobs=track,
                         json_schema=schema)
     events = gen.submit(req)
     texts = TokenTexts(gen.decode)

@@ -77,6 +77,11 @@ class Sampling(Strict):
     stop: Text | list[Text] | None = Field(None, max_length=MAX_CHARS)
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     stream: bool = False
+    # extensions on every endpoint, as vLLM's: top_k 0 or -1 = off, min_p 0 = off, repetition_penalty 1 = off
+    top_k: int = Field(0, ge=-1, le=1000)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    ignore_eos: bool = False  # fixed-length outputs for benchmarks
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -99,10 +104,6 @@ class PromptOrMessages(Strict):
 
 class GenerateBody(Sampling, PromptOrMessages):
     """POST /v1/generate: a raw `prompt` or chat `messages` (exactly one)."""
-
-    top_k: int = Field(0, ge=0, le=1000)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    ignore_eos: bool = False
 
 
 class StreamOptions(Strict):
@@ -149,7 +150,6 @@ class OpenAIBase(Sampling):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None  # vLLM takes it on /v1/completions too
     user: Text | None = Field(None, max_length=256)
-    ignore_eos: bool = False  # extension, as in vLLM: fixed-length outputs for benchmarks
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_TOKENS * 16)]

@@ -26,6 +26,7 @@ def add_arguments(p):
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this times the top one's probability")
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], help="default: as served")
@@ -51,7 +52,7 @@ def stream_engine(engine, prompt_ids: list[int], params, stats: dict | None = No
 
         async def submit():
             names = {"max_new_tokens": "--max-tokens", "prompt_ids": "the prompt", "top_p": "--top-p",
-                     "top_k": "--top-k", "temperature": "--temperature"}
+                     "top_k": "--top-k", "min_p": "--min-p", "temperature": "--temperature"}
             return engine.submit(GenerateRequest(list(prompt_ids), params, field_names=names))
 
         events = loop.run_until_complete(submit())
@@ -124,7 +125,8 @@ def run(args) -> int:
     if engine.config.compile:
         print("[compiling the step (once per host) or loading it from $ATTNSERVE_HOME/compile]", file=sys.stderr)
     params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            seed=args.seed)
     stats: dict = {}
     try:
         if args.chat:

@@ -69,12 +69,15 @@ def apply_output_penalties(logits: torch.Tensor, params: list[SamplingParams], o
 GREEDY_BELOW = 1e-5
 
 
-def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (-inf) sorted (N, V) logits beyond each row's top_k (0 = off) and top_p nucleus."""
+def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (-inf) sorted (N, V) logits beyond each row's top_k (0 = off), below min_p times the top
+    probability, and beyond the top_p nucleus of what is left."""
     n, v = sorted_logits.shape
     rank = torch.arange(v, device=sorted_logits.device)[None, :]  # (1, V)
     k = torch.where(top_k > 0, top_k, v)[:, None]  # (N, 1)
     drop = rank >= k
+    drop |= sorted_logits < sorted_logits[:, :1] + torch.log(min_p)[:, None]  # log 0 = -inf: off
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), -1)
     before = probs.cumsum(-1) - probs  # mass strictly before each token
     drop |= (before >= top_p[:, None]) & (rank > 0)  # the smallest prefix reaching top_p, never empty
@@ -109,7 +112,7 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams],
     choice = torch.empty(len(rows), dtype=torch.long, device=dev)  # (N,)
     # top-k / top-p rows sample from their sorted, filtered logits; the others from the logits as they
     # are, whatever the batch company (the inverse CDF of another order picks another token for one u)
-    filtered = [p.top_k > 0 or p.top_p < 1.0 for p in sp]
+    filtered = [p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sp]
     filt = [j for j, f in enumerate(filtered) if f]
     plain = [j for j, f in enumerate(filtered) if not f]
     if plain:
@@ -118,7 +121,8 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams],
         xs, idx = x[filt].sort(-1, descending=True)  # (F, V)
         top_k = torch.tensor([sp[j].top_k for j in filt], device=dev)
         top_p = torch.tensor([sp[j].top_p for j in filt], device=dev, dtype=logits.dtype)
-        picked = _inverse_cdf(_filter_sorted(xs, top_k, top_p), u[filt])  # (F,) ranks
+        min_p = torch.tensor([sp[j].min_p for j in filt], device=dev, dtype=logits.dtype)
+        picked = _inverse_cdf(_filter_sorted(xs, top_k, top_p, min_p), u[filt])  # (F,) ranks
         choice[filt] = idx.gather(1, picked[:, None])[:, 0]
     out[rows] = choice
     return out.tolist()

@@ -49,6 +49,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (0 = off)
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)  # stop strings: matched across tokens, never emitted
     seed: int | None = None  # per-request generator: same seed -> same text whatever the batch
