@@ -79,18 +79,29 @@ def _neighbour(chars: list[str], i: int, step: int) -> str | None:
 
 def to_chinese_punctuation(text: str) -> str:
     """ASCII punctuation in Chinese context -> full-width; spaces around full-width marks dropped. A mark
-    converted can make its neighbour Chinese context ("，" before a quote): repeated until nothing changes."""
+    converted can make its neighbour Chinese context ("，" before a quote): repeated until nothing changes, where
+    a bracket pair changes again only next to a converted mark, not next to another bracket: section numbers
+    keep the form of the data, "第19(1)(b)（ii）条"."""
     if not _CJK.search(text):
         return text
+    bracket_context = _is_zh_not_bracket
     for _ in range(4):
-        out = _chinese_pass(text)
+        out = _chinese_pass(text, bracket_context)
         if out == text:
             break
-        text = out
+        text, bracket_context = out, _is_converted_mark
     return text
 
 
-def _chinese_pass(text: str) -> str:
+def _is_zh_not_bracket(c: str | None) -> bool:
+    return _is_zh(c) and c not in "（）"
+
+
+def _is_converted_mark(c: str | None) -> bool:
+    return c is not None and c in "，。：；？！、"
+
+
+def _chinese_pass(text: str, bracket_context) -> str:
     text = _ELLIPSIS.sub(lambda m: "……" if _zh_around(m.string, m.start(), m.end()) else m.group(), text)
     chars = list(text)
     n = len(chars)
@@ -111,11 +122,11 @@ def _chinese_pass(text: str) -> str:
     pairs += [(i, None) for i in stack]
     for a, b in pairs:
         if b is None:
-            if _is_zh(_neighbour(chars, a, -1)) or _is_zh(_neighbour(chars, a, 1)):
+            if bracket_context(_neighbour(chars, a, -1)) or bracket_context(_neighbour(chars, a, 1)):
                 chars[a] = "（" if chars[a] == "(" else "）"
             continue
         inner = "".join(chars[a + 1:b])
-        if _is_zh(_neighbour(chars, a, -1)) or _is_zh(_neighbour(chars, b, 1)) or _CJK.search(inner):
+        if bracket_context(_neighbour(chars, a, -1)) or bracket_context(_neighbour(chars, b, 1)) or _CJK.search(inner):
             chars[a], chars[b] = "（", "）"
 
     # double quotes: paired in order of appearance

@@ -44,6 +44,7 @@ ZH_CASES = [
     ("Holdings Limited(“HL”)于", "Holdings Limited（“HL”）于"),  # a name's note is not
     ('他回答,"Yes".', "他回答，“Yes”。"),  # the comma made full-width makes the quote Chinese
     ("见:(Appendix A)", "见：（Appendix A）"),
+    ("第19(1)(b)(ii)条", "第19(1)(b)（ii）条"),  # section numbers in the data's form
     ("他说'OK'", "他说‘OK’"),
     ('我是汤姆,"他说.', "我是汤姆，”他说。"),  # a lone quote after a comma closes
     ("请联系john.smith@example.com,谢谢", "请联系john.smith@example.com，谢谢"),
