@@ -35,9 +35,10 @@ def detect_lang(text: str) -> str:
 _CLOSERS = "”’」』）)\"'"
 _SENT_END = re.compile(rf"[。！？；]+[{_CLOSERS}]*\s*"
                        rf"|[.;!?]+[{_CLOSERS}]*(?:\s+(?=[\"“‘(\[A-Z0-9\u3400-\u9fff])|(?=[\u3400-\u9fff]))")
-# a part ending like these does not end a sentence: titles, legal and citation abbreviations, initials (U.K.)
-_ABBREV = re.compile(r"\b(?:Mr|Mrs|Ms|Dr|Prof|No|Nos|St|Co|Ltd|Inc|Cap|paras?|ss?|arts?|pp?|al|figs?|vols?|approx|"
-                     r"e\.g|i\.e|cf|vs|etc|[A-Za-z])\.$", re.IGNORECASE)
+# a part ending like these does not end a sentence: titles, abbreviations, initials (U.K.); and before a number,
+# legal and citation abbreviations ("No. 5", "s. 2(1)", "p. 5"; but "The answer was no. Then ...")
+_ABBREV = re.compile(r"\b(?:Mr|Mrs|Ms|Dr|Prof|St|Co|Ltd|Inc|al|approx|e\.g|i\.e|cf|vs|etc|[A-Za-z])\.$", re.IGNORECASE)
+_NUMBERED = re.compile(r"\b(?:No|Nos|Cap|paras?|ss?|arts?|pp?|figs?|vols?)\.$", re.IGNORECASE)
 _ITEM_LABEL = re.compile(r"[(（]?(?:\d{1,3}|[IVXivx]{1,5})[.)）]")  # "1." / "(2)" / "iv." opening a list item
 
 
@@ -53,7 +54,8 @@ def split_sentences(text: str) -> list[str]:
     for p in (p.strip() for p in parts):
         if not p:
             continue
-        if out and (_ABBREV.search(out[-1]) or _ITEM_LABEL.fullmatch(out[-1])):
+        if out and (_ABBREV.search(out[-1]) or _ITEM_LABEL.fullmatch(out[-1])
+                    or _NUMBERED.search(out[-1]) and p[0] in "0123456789("):
             out[-1] = f"{out[-1]} {p}"  # "Mr." / "No." / "U.K." / "1." do not end a sentence
         else:
             out.append(p)
@@ -79,10 +81,13 @@ def join_sentences(parts: list[str], lang: str) -> str:
     return ("" if lang == "zh" else " ").join(p for p in parts if p)
 
 
+_LINE_BREAK = re.compile(r"\r\n|[\n\r\x85\u2028\u2029]")  # Windows, old Mac and Unicode line ends
+
+
 def split_text(text: str) -> list[list[str]]:
     """A text's lines (line breaks are kept as they are: lists, paragraphs), each normalised as the training
     data was (model/punctuation.py) and split into sentences."""
-    return [split_sentences(normalise_input(line)) for line in text.split("\n")]
+    return [split_sentences(normalise_input(line)) for line in _LINE_BREAK.split(text)]
 
 
 def join_text(lines: list[list[str]], lang: str) -> str:

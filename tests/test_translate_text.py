@@ -13,6 +13,8 @@ from model.translation import detect_lang, join_text, needs_translation, split_l
     ("The U.K. Government said no.", ["The U.K. Government said no."]),  # initials
     ("Read p. 5 first. See Fig. 2 too.", ["Read p. 5 first.", "See Fig. 2 too."]),
     ("Mr. Smith went. He left.", ["Mr. Smith went.", "He left."]),
+    ("See No. 5 and s. 2(1). The answer was no. Then he left.", ["See No. 5 and s. 2(1).", "The answer was no.",
+                                                                 "Then he left."]),
     ("Pi is 3.14. Next one.", ["Pi is 3.14.", "Next one."]),
     ("1. Flour", ["1. Flour"]),  # an item's label stays with it
     ("(2) The licence. (3) Another.", ["(2) The licence.", "(3) Another."]),
@@ -33,6 +35,7 @@ def test_lines_and_paragraphs_are_kept():
     lines = split_text(text)
     assert lines == [["Ingredients:"], ["1. Flour"], ["2. Sugar"], [], ["Mix them.", "Bake."]]
     assert join_text(lines, "en") == "Ingredients:\n1. Flour\n2. Sugar\n\nMix them. Bake."
+    assert split_text("a\r\nb\rc\u2028d") == [["a"], ["b"], ["c"], ["d"]]  # every kind of line end
     assert join_text([["你好。", "再见。"], [], ["好"]], "zh") == "你好。再见。\n\n好"
     # a line is punctuated as one piece: what passes through takes its neighbours' marks
     assert join_text([["那么两点是什么？", "4."], ["是的。", "2024!"]], "zh") == "那么两点是什么？4。\n是的。2024！"
