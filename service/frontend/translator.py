@@ -3,9 +3,9 @@ translate` and `attnserve eval translate` alike.
 
 On the way in each text's language is detected, the text split into lines and sentences and each sentence
 tagged with its target language (model/translation.py); the engine gets model-ready sources. Sentences with
-nothing to translate (no letters, or already in the target language) pass through. On the way out each
-sentence is detokenised and punctuated for its language (model/punctuation.py), and a text's sentences and
-lines are joined as they came.
+nothing to translate (no letters, or already in the target language) pass through; a sentence too long for
+the model is cut at clauses. On the way out each sentence is detokenised, a line's sentences joined and the
+line punctuated for its language as one piece (model/punctuation.py), and the lines joined as they came.
 """
 
 from __future__ import annotations
