@@ -119,8 +119,9 @@ def translation_requests() -> list[TranslateRequest]:
     for i in range(N_REQUESTS):
         texts = []
         for _ in range(1 + (i % 7 == 0)):  # some requests carry two texts
-            # one to three sentences per text
-            texts.append(" ".join(_text(rng, 1, 7) + rng.choice(".!?") for _ in range(rng.randint(1, 3))))
+            # one to three sentences per text, each opening with a capital (as the sentence split expects)
+            texts.append(" ".join(_text(rng, 1, 7).capitalize() + rng.choice(".!?")
+                                  for _ in range(rng.randint(1, 3))))
         reqs.append(TranslateRequest(texts=texts, target_lang=["zh", "zh", None][i % 3], beam_size=[1, 2, 4][i % 3],
                                      length_penalty=[0.6, 1.0][i % 2], no_repeat_ngram=[0, 3][i % 4 == 1],
                                      max_length=12 if i % 5 == 0 else None, request_id=str(i)))
