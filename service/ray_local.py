@@ -8,6 +8,7 @@ Known exception: a replica's internal gRPC server binds `[::]:0` (hard-coded in 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -84,8 +85,9 @@ def start_ray(num_cpus: int | None = None, object_store_bytes: int = OBJECT_STOR
              _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS})
 
 
-def deploy(config: dict, timeout_s: float = 600.0) -> None:
-    """Start Serve with the config's http_options and deploy its applications; wait until RUNNING."""
+def deploy(config: dict, timeout_s: float = 600.0, stop: threading.Event | None = None) -> None:
+    """Start Serve with the config's http_options and deploy its applications; wait until RUNNING (or until
+    `stop` is set: Ctrl-C while deploying)."""
     from ray.serve._private import api as serve_private
     from ray.serve.config import ProxyLocation
     from ray.serve.schema import ServeDeploySchema
@@ -94,14 +96,15 @@ def deploy(config: dict, timeout_s: float = 600.0) -> None:
     client = serve_private.serve_start(http_options=schema.http_options.model_dump(),
                                        proxy_location=schema.proxy_location or ProxyLocation.HeadOnly)
     client.deploy_apps(schema, _blocking=False)
-    wait_running([a.name for a in schema.applications], timeout_s)
+    wait_running([a.name for a in schema.applications], timeout_s, stop)
 
 
-def wait_running(names: list[str], timeout_s: float) -> None:
+def wait_running(names: list[str], timeout_s: float, stop: threading.Event | None = None) -> None:
     from ray import serve
 
     deadline = time.monotonic() + timeout_s
-    while True:
+    stop = stop or threading.Event()
+    while not stop.is_set():
         apps = serve.status().applications
         states = {n: (apps[n].status if n in apps else "NOT_STARTED") for n in names}
         if all(s == "RUNNING" for s in states.values()):
@@ -111,7 +114,7 @@ def wait_running(names: list[str], timeout_s: float) -> None:
             raise RuntimeError(f"Serve application(s) failed: {failed}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"Serve applications not RUNNING after {timeout_s:.0f} s: {states}")
-        time.sleep(0.5)
+        stop.wait(0.5)
 
 
 def shutdown() -> None:

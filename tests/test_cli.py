@@ -538,6 +538,22 @@ def test_deploy_to_an_address_nothing_answers_at_fails_at_once(restore_env, caps
         assert f"no Ray cluster answers at {address}" in capsys.readouterr().out
 
 
+def test_waiting_for_the_applications_ends_on_ctrl_c(monkeypatch):
+    """`attnserve serve` passes its stop event (set by Ctrl-C / SIGTERM) to the deploy wait: a deploy that never
+    turns RUNNING ends when stopped, not after its timeout (a TimeoutError here)."""
+    import types
+
+    from ray import serve
+
+    from service import ray_local
+
+    monkeypatch.setattr(serve, "status", lambda: types.SimpleNamespace(applications={}))
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    ray_local.wait_running(["attnserve"], timeout_s=120, stop=stop)  # returns; no TimeoutError
+    assert stop.is_set()
+
+
 def test_deploy_sends_the_token_when_there_is_one(restore_env, tmp_path, monkeypatch):
     from service.commands.deploy import token_auth_if_available
 

@@ -53,8 +53,8 @@ def run(args) -> int:
     t0 = time.monotonic()
     try:
         ray_local.deploy(config, args.timeout)
-    except (RuntimeError, TimeoutError) as e:
-        print(f"attnserve deploy: {e}")
+    except (RuntimeError, TimeoutError, ray.exceptions.RayError) as e:  # e.g. Serve's proxy died starting
+        print(f"attnserve deploy: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return 1
     h = config["http_options"]
     base = f"http://{h['host']}:{h['port']}"

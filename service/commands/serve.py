@@ -59,7 +59,7 @@ def run(args) -> int:
         return 1
     try:
         print(f"[{time.monotonic() - t0:6.1f} s] deploying {args.config} ...", flush=True)
-        ray_local.deploy(config)
+        ray_local.deploy(config, stop=stop)
         # Ray's core worker installs its own SIGTERM handler (it logs "SIGTERM received" and aborts the
         # process), so `attnserve stop` ended a serving terminal with "Aborted": take the signals back
         on_stop_signals()
