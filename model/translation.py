@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from model.punctuation import normalise_input, postprocess, without_protected
+from model.punctuation import normalise_input, postprocess, split_links, without_protected
 
 LANGS = ("en", "zh")
 TAGS = {"en": "<2en>", "zh": "<2zh>"}
@@ -63,6 +63,12 @@ def split_sentences(text: str) -> list[str]:
 
 
 _CLAUSE_END = re.compile(r"[，、；：]\s*|[,;:]\s+|\s+[-–—]+\s+")  # not 1,000 / 12:30 / https://
+
+
+def pieces(sentence: str, fits) -> list[str]:
+    """What the model translates one by one: the sentence cut around URLs and e-mail addresses (they pass through
+    as they are: `needs_translation` is False for them), and any piece too long cut at clauses."""
+    return [q for p in split_links(sentence) for q in split_long(p, fits)]
 
 
 def split_long(sentence: str, fits) -> list[str]:

@@ -275,3 +275,13 @@ def test_an_overlong_sentence_is_cut_at_clauses_and_translated_in_pieces():
         return await translate(engine, TranslateRequest([text, "a" * 100], target_lang="zh", beam_size=1))
     res = run(main)
     assert res.translations == ["".join(offline(pieces, 1)), "".join(offline(["a" * 50] * 2, 1))]
+
+
+def test_urls_and_addresses_pass_through_as_they_are():
+    text = "the cat sat on https://example.com/a_b?c=1 and mail a.b@example.com now."
+
+    async def main(engine):
+        return await translate(engine, TranslateRequest([text], target_lang="zh", beam_size=1))
+    want = [offline(["the cat sat on"], 1)[0], "https://example.com/a_b?c=1", offline(["and mail"], 1)[0],
+            "a.b@example.com", offline(["now."], 1)[0]]
+    assert run(main).translations == ["".join(want)]

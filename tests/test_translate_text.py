@@ -3,7 +3,15 @@ nothing is lost or split mid-sentence, and what needs no translation passes thro
 
 import pytest
 
-from model.translation import detect_lang, join_text, needs_translation, split_long, split_sentences, split_text
+from model.translation import (
+    detect_lang,
+    join_text,
+    needs_translation,
+    pieces,
+    split_long,
+    split_sentences,
+    split_text,
+)
 
 
 @pytest.mark.parametrize("text, sentences", [
@@ -86,3 +94,12 @@ def test_a_language_tag_typed_in_the_text_is_not_a_control_token():
 def test_a_sentence_too_long_is_cut_nearest_its_middle(sentence, pieces):
     out = split_long(sentence, lambda s: len(s) <= 14)
     assert out == pieces and all(len(p) <= 14 for p in out)
+
+
+def test_urls_and_addresses_are_pieces_of_their_own():
+    assert pieces("详情请见https://www.example.com/a.html。", lambda s: True) == [
+        "详情请见", "https://www.example.com/a.html", "。"]
+    assert pieces('Use print("hi") or mail a@b.com today.', lambda s: True) == [
+        'Use print("hi") or mail', "a@b.com", "today."]
+    assert pieces("under s.2(1) of the Ordinance.", lambda s: True) == ["under s.2(1) of the Ordinance."]
+    assert not needs_translation("https://www.example.com/a.html", "zh")

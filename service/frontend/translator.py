@@ -17,7 +17,7 @@ from model.translation import (
     join_text,
     needs_translation,
     other,
-    split_long,
+    pieces,
     split_text,
 )
 from service.engine.translation import TranslationEngine
@@ -72,7 +72,7 @@ class TranslationFrontend:
 
             for line in split_text(text):
                 items: list[int | str] = []
-                for sentence in (p for s in line for p in split_long(s, fits)):
+                for sentence in (p for s in line for p in pieces(s, fits)):
                     if not needs_translation(sentence, tgt):
                         items.append(sentence)
                         continue
