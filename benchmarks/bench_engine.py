@@ -120,7 +120,8 @@ async def run_ours(args, mode: str, dtype: str, quantization: str = "none") -> d
     cfg = EngineConfig(max_slots=max(args.clients, 2), max_seq_len=args.prompt[1] + args.output[1] + 1, mode=mode,
                        dtype=dtype.split("+")[0], threads=args.threads, max_waiting=args.requests + 1,
                        prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
-                       kv_dtype=args.kv_dtype, prefill_max_padding=args.prefill_max_padding, compile=args.compile)
+                       kv_dtype=args.kv_dtype, prefill_max_padding=args.prefill_max_padding, compile=args.compile,
+                       device=args.device)
     engine = GenerationEngine(model, tok, cfg, eos_ids=eos)
     await engine.start()
     jobs = workload(args, model.cfg.vocab_size)
@@ -198,7 +199,8 @@ def child_cmd(args, spec: str, extra: list[str]) -> list[str]:
            "--requests", str(args.requests), "--prompt", *map(str, args.prompt), "--output", *map(str, args.output),
            "--threads", str(args.threads), "--prefill-chunk", str(args.prefill_chunk),
            "--prefill-budget", str(args.prefill_budget), "--seed", str(args.seed), "--kv-dtype", args.kv_dtype,
-           "--prefill-max-padding", str(args.prefill_max_padding)] + (["--compile"] if args.compile else [])
+           "--prefill-max-padding", str(args.prefill_max_padding), "--device", args.device] + (
+               ["--compile"] if args.compile else [])
     return cmd + (["--tiny"] if args.tiny else []) + extra
 
 
@@ -224,13 +226,20 @@ def prepare_peers(args) -> tuple[str, dict[str, list[str]]]:
     return label, extra
 
 
+def device_note(device: str) -> str:
+    """', on <GPU name>' when our engine ran on a GPU."""
+    import torch
+
+    return f"; our engine on {torch.cuda.get_device_name(torch.device(device))}" if device.startswith("cuda") else ""
+
+
 def print_table(args, rows: list[dict]) -> None:
     import torch
 
     print(f"Model: {rows[0]['label']}; torch threads {args.threads}; {args.clients} clients, {args.requests} "
           f"requests, prompt {args.prompt[0]}-{args.prompt[1]}, output {args.output[0]}-{args.output[1]} tokens, "
           f"greedy, ignore_eos, seed {args.seed}; {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"torch {torch.__version__}\n")
+          f"torch {torch.__version__}{device_note(args.device)}\n")
     print("| engine | dtype | output tok/s | req/s | TTFT p50 / p95 (s) | ITL p50 / p95 (ms) | peak RSS (MB) "
           "| wall (s) |")
     print("|---|---|---|---|---|---|---|---|")
@@ -264,6 +273,7 @@ def main() -> None:
     ap.add_argument("--prefill-max-padding", type=float, default=0.25,
                     help="EngineConfig.prefill_max_padding (1e9 = one padded prefill forward per step)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (EngineConfig.compile)")
+    ap.add_argument("--device", default="cpu", help="our engine's device (EngineConfig.device): cpu or cuda[:N]")
     ap.add_argument("--tiny", action="store_true", help="tiny random model: validates the script, not a benchmark")
     for internal in ("--run", "--hf-dir", "--ct2-dir", "--label"):  # the child's arguments
         ap.add_argument(internal, help=argparse.SUPPRESS)
