@@ -147,6 +147,11 @@ class EngineLoop:
         (service/engine/compiled.py). A failure is logged and the engine runs eagerly."""
         if not self.config.compile or self.runner.compiled is not None:
             return
+        if self.config.device != "cpu":
+            # the compiled steps are built for CPUs (AOTInductor packages, oneDNN-prepacked linears, our C++
+            # kernels); on a GPU inductor's build of them hung or crashed (docs/performance.md)
+            log.warning("engine %s: compile is for CPU engines; running eagerly on %s", self.name, self.config.device)
+            return
         try:
             self.runner.compile()
         except Exception:  # no C++ compiler, an unsupported device...: serve eagerly rather than not at all
