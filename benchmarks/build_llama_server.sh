@@ -2,8 +2,8 @@
 # Builds llama.cpp's own `llama-server` (parallel slots, continuous batching) from the llama.cpp sources
 # inside the llama-cpp-python sdist, for `make loadtest-compare`. Takes ~8 minutes of both cores.
 # Built for this CPU (-DGGML_NATIVE=ON), in a folder keyed by the CPU's flags, so a binary built on one
-# host is never run on another that lacks its instructions. Only AMX is switched off, and only where
-# the CPU has it: llama.cpp's AMX tile code crashes (SIGILL) when built by GCC 12. The web UI is not
+# host is never run on another that lacks its instructions. Only AMX is left out, and only where the CPU
+# has it: llama.cpp's AMX code crashed there when built by GCC 12 (its features are then named one by one). The web UI is not
 # built (it would be downloaded). The sdist comes through pip's own configured index.
 # ATTNSERVE_ISA=avx2 builds for AVX2/FMA only (no AVX-512), as for an AVX2-only host: with the same
 # variable attnserve withholds AVX-512 from its own kernels (docs/performance.md, "emulated AVX2 host").
@@ -16,6 +16,7 @@ ISA="${ATTNSERVE_ISA:-native}"
 HOST_KEY="$(printf '%s %s' "$(uname -m)" "$FLAGS" | sha256sum | cut -c1-12)"
 [ "$ISA" = native ] || HOST_KEY="$HOST_KEY-$ISA"
 DEST="$ROOT/build-$HOST_KEY"
+[ "$ISA" = native ] && grep -qw amx_tile /proc/cpuinfo && DEST="$DEST-noamx"  # see AMX below
 BIN="$DEST/bin/llama-server"
 if [ -x "$BIN" ]; then echo "$BIN"; exit 0; fi
 command -v cmake >/dev/null || { echo "cmake is needed: apt-get install -y cmake g++" >&2; exit 2; }
@@ -34,8 +35,14 @@ if [ "$ISA" = avx2 ]; then
 elif [ "$ISA" != native ]; then
   echo "ATTNSERVE_ISA=$ISA: only avx2 (or unset) is supported here" >&2; exit 2
 fi
-if grep -qw amx_tile /proc/cpuinfo; then
-  CPU+=(-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+if [ "$ISA" = native ] && grep -qw amx_tile /proc/cpuinfo; then
+  # -march=native defines __AMX_INT8__ whatever GGML_AMX_* say, and that code crashed (SIGSEGV at its
+  # threadpool init, SIGILL before): name this CPU's own features one by one instead, AMX left out.
+  has() { grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -qx "$1" && echo ON || echo OFF; }
+  CPU=(-DGGML_NATIVE=OFF -DGGML_SSE42="$(has sse4_2)" -DGGML_F16C="$(has f16c)" -DGGML_FMA="$(has fma)"
+       -DGGML_BMI2="$(has bmi2)" -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_AVX_VNNI="$(has avx_vnni)"
+       -DGGML_AVX512="$(has avx512bw)" -DGGML_AVX512_VBMI="$(has avx512vbmi)" -DGGML_AVX512_VNNI="$(has avx512_vnni)"
+       -DGGML_AVX512_BF16="$(has avx512_bf16)" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
 fi
 echo "building llama-server for this CPU in $DEST ($ISA) ..." >&2
 cmake -S "$SRC" -B "$DEST" -DCMAKE_BUILD_TYPE=Release "${CPU[@]}" \

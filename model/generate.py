@@ -16,9 +16,10 @@ from model.translation import DEFAULT_LENGTH_PENALTY, DEFAULT_NO_REPEAT_NGRAM
 __all__ = ["Hypothesis", "beam_search", "greedy", "max_len_for", "pad_batch"]
 
 
-def pad_batch(seqs: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists -> ids (B, S), mask (B, S) True for real tokens."""
-    s = max(len(x) for x in seqs)
+def pad_batch(seqs: list[list[int]], pad_id: int, device=None, width: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists (to `width`, default the longest) -> ids (B, S), mask (B, S) True for real tokens."""
+    s = width or max(len(x) for x in seqs)
     ids = torch.full((len(seqs), s), pad_id, dtype=torch.long, device=device)
     for i, x in enumerate(seqs):
         ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)

@@ -173,6 +173,30 @@ def test_batches_group_similar_source_and_target_lengths_and_cover_every_example
                for b in batches if len(b) > 1)
 
 
+def test_shaped_batches_give_few_tensor_shapes_and_cover_every_example():
+    import random
+
+    from model.training.train_translate import collate, make_batches
+
+    rng = random.Random(0)
+    examples = [([5] * rng.randint(3, 100), [1] + [6] * rng.randint(2, 120)) for _ in range(5000)]
+    batches = make_batches(examples, 4000, random.Random(1), multiple=8)
+    assert sorted(i for b in batches for i in b) == list(range(len(examples)))
+    shapes = set()
+    for b in batches:
+        src, tgt_in, tgt_out = collate(examples, b, 0, multiple=8)
+        assert src.shape == tgt_in.shape == tgt_out.shape and src.shape[1] % 8 == 0
+        assert src.shape[0] * src.shape[1] * 2 <= 4000 or len(b) == 1
+        for row, i in enumerate(b):  # every token kept, in place, then padding
+            s, t = examples[i]
+            assert src[row, :len(s)].tolist() == s and not src[row, len(s):].any()
+            assert tgt_in[row, :len(t) - 1].tolist() == t[:-1] and tgt_out[row, :len(t) - 1].tolist() == t[1:]
+        shapes.add(tuple(src.shape))
+    lengths = {s[1] for s in shapes}
+    assert len(shapes) <= 2 * len(lengths) <= 2 * 16  # a full and a last batch per length
+    assert len(make_batches(examples, 4000, random.Random(1))) > 0  # the default path unchanged
+
+
 def test_resume_on_other_data_keeps_the_epochs_fraction_not_a_stale_batch_index(tiny_run, tmp_path):
     path, cfg, data, run = tiny_run
     cfg["max_steps"] = 10  # part of the first epoch

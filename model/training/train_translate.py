@@ -59,6 +59,9 @@ class TrainConfig:
     log_every: int = 20
     rewarm_steps: int = 300  # --init-from: fresh Adam moments, so ramp the lr back up over these steps
     compile_loss: bool = True  # the loss over the vocabulary through inductor: one fused pass each way
+    # > 1: batches of one padded length (a multiple of this) and a fixed row count per length, so a GPU
+    # sees a few dozen tensor shapes instead of a new one per batch (each new shape cost a GPU step ~0.4 s)
+    shape_multiple: int = 1
 
     @classmethod
     def load(cls, path: str | Path) -> TrainConfig:
@@ -126,11 +129,13 @@ def _example(tok, src: str, tgt: str, lang: str, max_len: int, extra_tag: int | 
     return (s, t) if len(s) <= max_len and len(t) <= max_len + 1 else None
 
 
-def make_batches(examples, batch_tokens: int, rng: random.Random) -> list[list[int]]:
+def make_batches(examples, batch_tokens: int, rng: random.Random, multiple: int = 1) -> list[list[int]]:
     """Group examples of similar length; each batch holds ~batch_tokens (padded) tokens.
 
     Sorted by source then target length: sorted by the source alone, targets (either language) were
-    largely padding (docs/decisions.md)."""
+    largely padding (docs/decisions.md). With `multiple` > 1, see `shaped_batches`."""
+    if multiple > 1:
+        return shaped_batches(examples, batch_tokens, rng, multiple)
     order = sorted(range(len(examples)), key=lambda i: (len(examples[i][0]), len(examples[i][1]), rng.random()))
     batches, cur, longest = [], [], 0
     for i in order:
@@ -147,11 +152,35 @@ def make_batches(examples, batch_tokens: int, rng: random.Random) -> list[list[i
     return batches
 
 
-def collate(examples, idx, pad: int):
+def padded_length(example: tuple[list[int], list[int]], multiple: int) -> int:
+    """The length both sides of an example's batch are padded to: its longer side (source, or target
+    less its first token) rounded up to `multiple`."""
+    s, t = example
+    return -(-max(len(s), len(t) - 1) // multiple) * multiple
+
+
+def shaped_batches(examples, batch_tokens: int, rng: random.Random, multiple: int) -> list[list[int]]:
+    """Batches of examples sharing one `padded_length`, batch_tokens // (2 x length) rows each (the last
+    of a length fewer): at most two shapes per length."""
+    by_len: dict[int, list[int]] = {}
+    for i, ex in enumerate(examples):
+        by_len.setdefault(padded_length(ex, multiple), []).append(i)
+    batches = []
+    for length, idx in sorted(by_len.items()):
+        rng.shuffle(idx)
+        rows = max(1, batch_tokens // (2 * length))
+        batches += [idx[k:k + rows] for k in range(0, len(idx), rows)]
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(examples, idx, pad: int, multiple: int = 1):
+    """src (B, S), tgt_in (B, T), tgt_out (B, T); with `multiple` > 1, S = T = the batch's padded_length."""
     from model.generate import pad_batch
 
-    src, _ = pad_batch([examples[i][0] for i in idx], pad)
-    tgt, _ = pad_batch([examples[i][1] for i in idx], pad)
+    width = max(padded_length(examples[i], multiple) for i in idx) if multiple > 1 else None
+    src, _ = pad_batch([examples[i][0] for i in idx], pad, width=width)
+    tgt, _ = pad_batch([examples[i][1] for i in idx], pad, width=width and width + 1)
     return src, tgt[:, :-1], tgt[:, 1:]
 
 
@@ -336,7 +365,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     figures = {"loss": "-", "tok/s": "-"} | last_dev_bleu(run)  # the bar's postfix, from the first log line
     while not stop["flag"]:
         rng = random.Random(cfg.seed * 1000 + meta["epoch"])
-        batches = make_batches(examples, cfg.batch_tokens, rng)
+        batches = make_batches(examples, cfg.batch_tokens, rng, cfg.shape_multiple)
         seen = meta.get("epoch_batches")  # the batch list the position counts in (absent in older runs)
         if seen and seen != [len(examples), len(batches)] and meta["batch_in_epoch"]:
             # other data or batching since the checkpoint: keep the epoch's fraction, not an index into
@@ -351,7 +380,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
                 stop["flag"] = True  # already done (e.g. a resume or warm start at the limit)
                 break
             idx = batches[meta["batch_in_epoch"]]
-            src, tgt_in, tgt_out = (t.to(dev) for t in collate(examples, idx, mcfg.pad_id))
+            src, tgt_in, tgt_out = (t.to(dev) for t in collate(examples, idx, mcfg.pad_id, cfg.shape_multiple))
             step = meta["step"] + 1
             lr = lr_at(step, mcfg.d_model, cfg.warmup_steps, cfg.lr_factor)
             if "warm_start_step" in meta:  # fresh optimizer moments: ramp up to the schedule again
