@@ -52,4 +52,32 @@ def restore_torch():
         signal.signal(s, h)
 
 
+TINY_EN = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+TINY_ZH = ["零", "一", "二", "三", "四", "五", "六", "七", "八", "九"]
+
+
+@pytest.fixture
+def tiny_run(tmp_path):
+    """A tiny translator training setup: (config path, config dict, data folder, run folder); 400 pairs of
+    number words, a 32-wide model, 150 steps."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, n in (("train", 400), ("dev", 10)):
+        with open(data / f"{split}.tsv", "w", encoding="utf-8") as f:
+            for _ in range(n):
+                idx = [rng.randrange(10) for _ in range(rng.randint(2, 6))]
+                f.write(" ".join(TINY_EN[i] for i in idx) + "\t" + "".join(TINY_ZH[i] for i in idx) + "\n")
+    cfg = {"model": {"d_model": 32, "n_encoder_layers": 1, "n_decoder_layers": 1, "n_heads": 2, "d_ff": 64,
+                     "dropout": 0.0, "max_src_len": 64, "max_tgt_len": 64},
+           "vocab_size": 300, "batch_tokens": 600, "warmup_steps": 20, "lr_factor": 0.3, "bf16": False,
+           "threads": 1, "max_steps": 150, "ckpt_minutes": 100, "eval_minutes": 100, "log_every": 10, "avg_last": 2}
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(cfg))
+    return path, cfg, data, tmp_path / "run"
+
+
 from serve_fixture import serve_url  # noqa: E402,F401  (the one shared Ray Serve instance, for `ray` tests)

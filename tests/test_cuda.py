@@ -91,31 +91,17 @@ def test_translation_engine_on_cuda_matches_cpu(beam):
     assert translate("cuda", texts, beam) == translate("cpu", texts, beam)
 
 
-def test_training_on_cuda_drops_loss_and_resumes_on_cpu(tmp_path):
+def test_training_on_cuda_drops_loss_and_resumes_on_cpu(tiny_run, tmp_path):
     from model.training.train_translate import train
 
-    en = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-    zh = ["零", "一", "二", "三", "四", "五", "六", "七", "八", "九"]
-    rng = random.Random(0)
-    data = tmp_path / "data"
-    data.mkdir()
-    for split, n in (("train", 400), ("dev", 10)):
-        with open(data / f"{split}.tsv", "w", encoding="utf-8") as f:
-            for _ in range(n):
-                idx = [rng.randrange(10) for _ in range(rng.randint(2, 6))]
-                f.write(" ".join(en[i] for i in idx) + "\t" + "".join(zh[i] for i in idx) + "\n")
-    cfg = {"model": {"d_model": 32, "n_encoder_layers": 1, "n_decoder_layers": 1, "n_heads": 2, "d_ff": 64,
-                     "dropout": 0.1, "max_src_len": 64, "max_tgt_len": 64},
-           "vocab_size": 300, "batch_tokens": 600, "warmup_steps": 20, "lr_factor": 0.3, "bf16": "auto",
-           "threads": 1, "max_steps": 150, "ckpt_minutes": 100, "eval_minutes": 100, "log_every": 10, "avg_last": 2}
-    path = tmp_path / "tiny.json"
+    path, cfg, data, run = tiny_run
+    cfg["model"]["dropout"], cfg["bf16"] = 0.1, "auto"  # the GPU's dropout and native bf16
     path.write_text(json.dumps(cfg))
-    run = tmp_path / "run"
     train(path, run, data_dir=data, export_to=tmp_path / "export", device="cuda")
     log = [json.loads(line) for line in (run / "train.log").read_text().splitlines()]
     losses = [r["loss"] for r in log if "loss" in r]
     assert losses[-1] < 0.6 * losses[0], losses
-    assert next(r for r in log if r.get("event") == "start")["config"]["bf16"] is True  # native bf16 on a GPU
+    assert next(r for r in log if r.get("event") == "start")["config"]["bf16"] is True
     cfg["max_steps"] = 170
     path.write_text(json.dumps(cfg))
     train(path, run, data_dir=data, resume=True, export_to=tmp_path / "export2", device="cpu")
