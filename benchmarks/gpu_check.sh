@@ -3,7 +3,9 @@
 # streams (bf16, SmolLM2-135M's shape), the CUDA tests, and a translator training run
 # (configs/translate_gpu.json, time-boxed by its max_hours) that runs beside the tests.
 # Needs: torch with CUDA, pytest, sentencepiece, safetensors, sacrebleu (the machine's own Python), the
-# prepared corpus as data/translate.tgz (train.tsv, train.source, dev splits), the shipped tokenizer.
+# prepared corpus as data/translate.tgz (ignored by git; carry it with the call), made by
+#   attnserve data prepare translate && mkdir -p data && tar czf data/translate.tgz -C \
+#     ~/.cache/attnserve/data/translate train.tsv train.source dev.tsv ted_dev.tsv test.tsv ted_test.tsv
 # Writes everything under $OUT (logs; the exported weights in pieces under 16 MiB: `cat model.part* >`).
 # Env: GPU_CHECK_DEVICE (default cuda), GPU_CHECK_TINY=1 validates the script on a CPU in a minute.
 set -uo pipefail
