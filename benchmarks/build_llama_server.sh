@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's own `llama-server` (parallel slots, continuous batching) from the llama.cpp sources
 # inside the llama-cpp-python sdist, for `make loadtest-compare`. Takes ~8 minutes of both cores.
-# Built for this CPU (-DGGML_NATIVE=ON), in a folder keyed by the CPU's flags, so a binary built on one
+# Built for this CPU (-DGGML_NATIVE=ON; on a CPU with AMX its features named one by one, see below), in a
+# folder keyed by the CPU's flags, so a binary built on one
 # host is never run on another that lacks its instructions. Only AMX is left out, and only where the CPU
 # has it: llama.cpp's AMX code crashed there when built by GCC 12 (its features are then named one by one). The web UI is not
 # built (it would be downloaded). The sdist comes through pip's own configured index.
@@ -38,7 +39,7 @@ fi
 if [ "$ISA" = native ] && grep -qw amx_tile /proc/cpuinfo; then
   # -march=native defines __AMX_INT8__ whatever GGML_AMX_* say, and that code crashed (SIGSEGV at its
   # threadpool init, SIGILL before): name this CPU's own features one by one instead, AMX left out.
-  has() { grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -qx "$1" && echo ON || echo OFF; }
+  has() { grep -m1 '^flags' /proc/cpuinfo | grep -qw -- "$1" && echo ON || echo OFF; }
   CPU=(-DGGML_NATIVE=OFF -DGGML_SSE42="$(has sse4_2)" -DGGML_F16C="$(has f16c)" -DGGML_FMA="$(has fma)"
        -DGGML_BMI2="$(has bmi2)" -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_AVX_VNNI="$(has avx_vnni)"
        -DGGML_AVX512="$(has avx512bw)" -DGGML_AVX512_VBMI="$(has avx512vbmi)" -DGGML_AVX512_VNNI="$(has avx512_vnni)"

@@ -35,6 +35,8 @@ c.update(max_hours=0.005, batch_tokens=4000, threads=1, ckpt_minutes=0.05)
 json.dump(c, open("/tmp/translate_gpu_tiny.json", "w"))
 PY
   CFG=/tmp/translate_gpu_tiny.json
+  RUN=$ATTNSERVE_HOME/runs/translate_gpu_tiny  # never resumed by a full run
+  mkdir -p "$RUN" && cp weights/attnserve-zh-en/tokenizer.model "$RUN/spm.model"
   USERS="1 4"
   TINY=(--tiny)
 fi

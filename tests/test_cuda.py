@@ -95,7 +95,8 @@ def test_training_on_cuda_drops_loss_and_resumes_on_cpu(tiny_run, tmp_path):
     from model.training.train_translate import train
 
     path, cfg, data, run = tiny_run
-    cfg["model"]["dropout"], cfg["bf16"] = 0.1, "auto"  # the GPU's dropout and native bf16
+    # the GPU's dropout, native bf16 and batches of few shapes
+    cfg["model"]["dropout"], cfg["bf16"], cfg["shape_multiple"] = 0.1, "auto", 8
     path.write_text(json.dumps(cfg))
     train(path, run, data_dir=data, export_to=tmp_path / "export", device="cuda")
     log = [json.loads(line) for line in (run / "train.log").read_text().splitlines()]

@@ -17,7 +17,8 @@ LOGPROB_TOL = 1.5e-4
 def same(got, want) -> bool:
     """Exactly equal, but for floats (log-probabilities), which may differ by LOGPROB_TOL."""
     if isinstance(want, float) or isinstance(got, float):
-        return isinstance(got, (int, float)) and isinstance(want, (int, float)) and abs(got - want) <= LOGPROB_TOL
+        numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (got, want))
+        return numbers and abs(got - want) <= LOGPROB_TOL
     if isinstance(want, dict):
         return isinstance(got, dict) and got.keys() == want.keys() and all(same(got[k], want[k]) for k in want)
     if isinstance(want, list):

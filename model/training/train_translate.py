@@ -367,14 +367,16 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
         rng = random.Random(cfg.seed * 1000 + meta["epoch"])
         batches = make_batches(examples, cfg.batch_tokens, rng, cfg.shape_multiple)
         seen = meta.get("epoch_batches")  # the batch list the position counts in (absent in older runs)
-        if seen and seen != [len(examples), len(batches)] and meta["batch_in_epoch"]:
+        # the batching's own settings too: another shape_multiple can give as many batches, of other examples
+        current = [len(examples), len(batches), cfg.batch_tokens, cfg.shape_multiple]
+        if seen and seen != current and meta["batch_in_epoch"]:
             # other data or batching since the checkpoint: keep the epoch's fraction, not an index into
             # a different list
             pos = round(meta["batch_in_epoch"] * len(batches) / seen[1])
             log(event="epoch_rebatched", step=meta["step"], examples=[seen[0], len(examples)],
                 batches=[seen[1], len(batches)], batch_in_epoch=[meta["batch_in_epoch"], pos])
             meta["batch_in_epoch"] = pos
-        meta["epoch_batches"] = [len(examples), len(batches)]
+        meta["epoch_batches"] = current
         while meta["batch_in_epoch"] < len(batches) and not stop["flag"]:
             if finished(meta, cfg):
                 stop["flag"] = True  # already done (e.g. a resume or warm start at the limit)

@@ -147,7 +147,7 @@ class EngineLoop:
         (service/engine/compiled.py). A failure is logged and the engine runs eagerly."""
         if not self.config.compile or self.runner.compiled is not None:
             return
-        if self.config.device != "cpu":
+        if torch.device(self.config.device).type != "cpu":
             # the compiled steps are built for CPUs (AOTInductor packages, oneDNN-prepacked linears, our C++
             # kernels); on a GPU inductor's build of them hung or crashed (docs/performance.md)
             log.warning("engine %s: compile is for CPU engines; running eagerly on %s", self.name, self.config.device)
