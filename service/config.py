@@ -83,11 +83,18 @@ class ServiceConfig:
     batching: Literal["engine", "serve_batch"] = "engine"  # serve_batch = Ray's @serve.batch (static batches)
     serve_batch_size: int = 8
     serve_batch_wait_s: float = 0.05
+    # origins whose pages may call the API from a browser (CORS); [] = none but the service's own (the
+    # playground); ["*"] = any, as vLLM and llama-server allow by default
+    cors_allowed_origins: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         check_choices(self)
         if self.serve_batch_size < 1 or self.serve_batch_wait_s < 0:
             raise ValueError("ServiceConfig.serve_batch_size must be >= 1 and serve_batch_wait_s >= 0")
+        origins = self.cors_allowed_origins
+        if not isinstance(origins, list) or not all(isinstance(o, str) and o for o in origins):
+            raise ValueError("ServiceConfig.cors_allowed_origins must be a list of origins such as "
+                             "'http://localhost:3000' (or '*')")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> ServiceConfig:

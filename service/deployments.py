@@ -87,7 +87,8 @@ class AttnServe:
                 child.kill()
 
     def __serve_build_asgi_app__(self):
-        self.fastapi = create_app(self.backends, self.limits, startup=self.startup)
+        self.fastapi = create_app(self.backends, self.limits, startup=self.startup,
+                                  cors_origins=self.config.cors_allowed_origins)
         return self.fastapi
 
     def reconfigure(self, user_config: dict | None) -> None:

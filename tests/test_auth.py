@@ -102,3 +102,42 @@ def test_openai_client_sends_its_api_key():
         bad = openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0, timeout=30)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
+
+
+def test_cors_off_by_default_and_allowed_origins_pass_preflight_before_the_key():
+    preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def off(c):
+        r = await c.options("/v1/chat/completions", headers=preflight)
+        assert "access-control-allow-origin" not in r.headers
+        r = await c.post("/v1/chat/completions", json=body, headers={"Origin": "http://localhost:3000"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    run(off, backends(with_translator=False), api_keys=[])
+
+    async def on(c):
+        r = await c.options("/v1/chat/completions", headers=preflight)  # no key: a browser's preflight has none
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        other = await c.options("/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+        r = await c.post("/v1/chat/completions", json=body, headers={"Origin": "http://localhost:3000"})
+        assert r.status_code == 401  # the key is still required for the request itself
+        assert r.headers["access-control-allow-origin"] == "http://localhost:3000"  # so the page can read why
+        r = await c.post("/v1/chat/completions", json=body,
+                         headers={"Origin": "http://localhost:3000", "Authorization": f"Bearer {KEYS[0]}"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    run(on, backends(with_translator=False), api_keys=KEYS, cors_origins=["http://localhost:3000"])
+
+
+def test_cors_origins_in_the_service_config():
+    from service.config import ServiceConfig
+
+    assert ServiceConfig.from_dict({}).cors_allowed_origins == []
+    assert ServiceConfig.from_dict({"cors_allowed_origins": ["*"]}).cors_allowed_origins == ["*"]
+    with pytest.raises(ValueError, match="cors_allowed_origins"):
+        ServiceConfig.from_dict({"cors_allowed_origins": "http://a"})
+    with pytest.raises(ValueError, match="cors_allowed_origins"):
+        ServiceConfig.from_dict({"cors_allowed_origins": [""]})

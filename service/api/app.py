@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
@@ -24,10 +25,11 @@ STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 
 def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_dir: Path | None = STATIC_DIR,
                manage_engines: bool = False, api_keys: list[str] | None = None,
-               startup: Startup | None = None) -> FastAPI:
+               startup: Startup | None = None, cors_origins: list[str] | None = None) -> FastAPI:
     """`manage_engines`: start/stop the engines in the app's lifespan (plain uvicorn); under Ray Serve
     and in tests the owner starts them. `api_keys`: None = from ATTNSERVE_API_KEYS(_FILE); [] = off.
-    `startup`: the replica's start-up state while it loads models (None = already loaded)."""
+    `startup`: the replica's start-up state while it loads models (None = already loaded). `cors_origins`:
+    origins allowed to call from a browser (`ServiceConfig.cors_allowed_origins`; None or [] = no CORS)."""
     lifespan = None
     if manage_engines:
         from contextlib import asynccontextmanager
@@ -94,4 +96,7 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
     app.add_middleware(BodyLimit, limit=lambda: app.state.limits.max_body_bytes)
     app.add_middleware(CountResponses)  # outside BodyLimit: 413s are counted
     app.add_middleware(ReceiveErrorsAsDisconnect)
+    if cors_origins:  # outermost: a browser's preflight carries no API key and must not meet the 401
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["*"], expose_headers=["Retry-After"])
     return app
