@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's own `llama-server` (parallel slots, continuous batching) from the llama.cpp sources
 # inside the llama-cpp-python sdist, for `make loadtest-compare`. Takes ~8 minutes of both cores.
-# Built for this CPU (-DGGML_NATIVE=ON; on a CPU with AMX its features named one by one, see below), in a
-# folder keyed by the CPU's flags, so a binary built on one
-# host is never run on another that lacks its instructions. Only AMX is left out, and only where the CPU
-# has it: llama.cpp's AMX code crashed there when built by GCC 12 (its features are then named one by one). The web UI is not
+# Built for this CPU, in a folder keyed by the CPU's flags, so a binary built on one host is never run on
+# another that lacks its instructions: -DGGML_NATIVE=ON, except on a CPU with AMX, whose features are named
+# one by one with AMX left out (llama.cpp's AMX code crashed there when built by GCC 12). The web UI is not
 # built (it would be downloaded). The sdist comes through pip's own configured index.
 # ATTNSERVE_ISA=avx2 builds for AVX2/FMA only (no AVX-512), as for an AVX2-only host: with the same
 # variable attnserve withholds AVX-512 from its own kernels (docs/performance.md, "emulated AVX2 host").
@@ -17,7 +16,8 @@ ISA="${ATTNSERVE_ISA:-native}"
 HOST_KEY="$(printf '%s %s' "$(uname -m)" "$FLAGS" | sha256sum | cut -c1-12)"
 [ "$ISA" = native ] || HOST_KEY="$HOST_KEY-$ISA"
 DEST="$ROOT/build-$HOST_KEY"
-[ "$ISA" = native ] && grep -qw amx_tile /proc/cpuinfo && DEST="$DEST-noamx"  # see AMX below
+NO_AMX=0
+[ "$ISA" = native ] && grep -qw amx_tile /proc/cpuinfo && NO_AMX=1 && DEST="$DEST-noamx"
 BIN="$DEST/bin/llama-server"
 if [ -x "$BIN" ]; then echo "$BIN"; exit 0; fi
 command -v cmake >/dev/null || { echo "cmake is needed: apt-get install -y cmake g++" >&2; exit 2; }
@@ -36,7 +36,7 @@ if [ "$ISA" = avx2 ]; then
 elif [ "$ISA" != native ]; then
   echo "ATTNSERVE_ISA=$ISA: only avx2 (or unset) is supported here" >&2; exit 2
 fi
-if [ "$ISA" = native ] && grep -qw amx_tile /proc/cpuinfo; then
+if [ "$NO_AMX" = 1 ]; then
   # -march=native defines __AMX_INT8__ whatever GGML_AMX_* say, and that code crashed (SIGSEGV at its
   # threadpool init, SIGILL before): name this CPU's own features one by one instead, AMX left out.
   has() { grep -m1 '^flags' /proc/cpuinfo | grep -qw -- "$1" && echo ON || echo OFF; }

@@ -23,7 +23,6 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 DATA=$ATTNSERVE_HOME/data/translate
 mkdir -p "$DATA" && tar xzf data/translate.tgz -C "$DATA" || { log "no data/translate.tgz"; exit 2; }
 RUN=$ATTNSERVE_HOME/runs/translate_gpu
-mkdir -p "$RUN" && cp weights/attnserve-zh-en/tokenizer.model "$RUN/spm.model"  # the shipped 8k vocabulary
 CFG=configs/translate_gpu.json
 USERS="1 16 64 256"
 TINY=()
@@ -36,10 +35,10 @@ json.dump(c, open("/tmp/translate_gpu_tiny.json", "w"))
 PY
   CFG=/tmp/translate_gpu_tiny.json
   RUN=$ATTNSERVE_HOME/runs/translate_gpu_tiny  # never resumed by a full run
-  mkdir -p "$RUN" && cp weights/attnserve-zh-en/tokenizer.model "$RUN/spm.model"
   USERS="1 4"
   TINY=(--tiny)
 fi
+mkdir -p "$RUN" && cp weights/attnserve-zh-en/tokenizer.model "$RUN/spm.model"  # the shipped 8k vocabulary
 
 # 1. the engine bench first, with the GPU to itself
 for n in $USERS; do

@@ -60,7 +60,7 @@ class TrainConfig:
     rewarm_steps: int = 300  # --init-from: fresh Adam moments, so ramp the lr back up over these steps
     compile_loss: bool = True  # the loss over the vocabulary through inductor: one fused pass each way
     # > 1: batches of one padded length (a multiple of this) and a fixed row count per length, so a GPU
-    # sees a few dozen tensor shapes instead of a new one per batch (each new shape cost a GPU step ~0.4 s)
+    # sees a few dozen tensor shapes instead of a new one per batch, each costly the first time (decisions.md)
     shape_multiple: int = 1
 
     @classmethod
@@ -180,7 +180,7 @@ def collate(examples, idx, pad: int, multiple: int = 1):
 
     width = max(padded_length(examples[i], multiple) for i in idx) if multiple > 1 else None
     src, _ = pad_batch([examples[i][0] for i in idx], pad, width=width)
-    tgt, _ = pad_batch([examples[i][1] for i in idx], pad, width=width and width + 1)
+    tgt, _ = pad_batch([examples[i][1] for i in idx], pad, width=None if width is None else width + 1)
     return src, tgt[:, :-1], tgt[:, 1:]
 
 
