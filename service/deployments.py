@@ -13,6 +13,7 @@ This file is imported by import path (`service.deployments:build`); metrics live
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 
 from ray import serve
@@ -77,6 +78,10 @@ class AttnServe:
                 self.startup.model(model_id, state)
                 log.info("%s engine: %s", attr, state)
                 setattr(self.backends, attr, backend)
+            # Serve froze the heap after __init__, before the models loaded: freeze again, or a full
+            # collection walks the weights' and tokenizers' objects in the middle of a request
+            gc.collect()
+            gc.freeze()
             self.startup.done()
             log.info("attnserve replica ready in %.1f s", self.startup.elapsed_s)
         except Exception as e:  # reported on /readyz; check_health then has Serve restart the replica

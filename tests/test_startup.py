@@ -144,3 +144,38 @@ def test_serve_reports_phases_and_answers_503_until_ready(tmp_path):
     startup_lines = text[: text.index("ready in")].splitlines() + [text[text.index("ready in"):].splitlines()[0]]
     assert startup_lines[-1].startswith("ready in") or "attnserve ready in" in startup_lines[-1], text[-2000:]
     assert "compiling" in text and "weights loaded" in text, text[-3000:]
+
+
+def test_replica_freezes_the_heap_its_models_built(tmp_path):
+    """Serve freezes a replica's heap after `__init__`, before our models load behind it: the replica
+    freezes again once ready, so a full collection never walks the weights' and tokenizers' objects
+    (~350k of them with SmolLM2) in the middle of a request."""
+    import asyncio
+    import gc
+
+    from service.deployments import AttnServe
+
+    gen, tr = tiny_checkpoints(tmp_path)
+    replica_class = AttnServe.func_or_class
+
+    async def run():
+        frozen_before = gc.get_freeze_count()
+        replica = replica_class.__new__(replica_class)
+        await replica.__init__(service_args(gen, tr))  # Serve awaits an async constructor the same way
+        for _ in range(600):
+            if replica.startup.ready or replica.startup.error:
+                break
+            await asyncio.sleep(0.1)
+        assert replica.startup.ready, replica.startup.error
+        try:
+            assert gc.get_freeze_count() > frozen_before
+            engine = replica.backends.generator.engine
+            assert all(o is not engine for o in gc.get_objects())  # frozen objects are not listed
+        finally:
+            await replica.backends.generator.stop()
+            await replica.backends.translator.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        gc.unfreeze()
