@@ -7,6 +7,7 @@ import torch
 from api_util import TOK, backends, metric, run, sse_events
 
 from service.config import GENERATOR_ID, TRANSLATOR_ID
+from service.engine.types import GenerateRequest, SamplingParams
 
 torch.set_num_threads(1)
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
@@ -168,12 +169,18 @@ def test_translator_missing_is_503_with_reason():
 
 def test_overload_is_429_with_retry_after():
     async def main(c):
+        # no queue beyond the slots (max_waiting 0), and requests in all 4 slots: the next one would wait
+        engine = c.app.state.backends.generator.engine
+        held = [engine.submit(GenerateRequest(prompt_ids=[7] * 4, params=SamplingParams(max_new_tokens=100)))
+                for _ in range(4)]
         r = await c.post("/v1/generate", json={"prompt": "hi"})
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["type"] == "rate_limit_error"
         r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                        "stream": True})
         assert r.status_code == 429
+        for stream in held:
+            await stream.aclose()
     run(main, backends({"max_waiting": 0}, with_translator=False))
 
 

@@ -181,8 +181,36 @@ def test_null_optional_fields_mean_not_given():
         return plain, nulled, comp_plain, comp_null, translate, required
 
     plain, nulled, comp_plain, comp_null, translate, required = run(main, backends(), LIMITS)
+    schema_null = run(lambda c: c.post("/v1/chat/completions", json={
+        **chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": None}}}),
+        backends(), LIMITS)
+    assert schema_null.status_code == 200, schema_null.text  # by its alias too: `schema` is the field `schema_`
     assert plain.status_code == nulled.status_code == 200, nulled.text
     assert nulled.json()["choices"] == plain.json()["choices"]
     assert comp_null.status_code == 200 and comp_null.json()["choices"] == comp_plain.json()["choices"]
     assert translate.status_code == 200, translate.text
     assert required.status_code == 400 and required.json()["error"]["param"] == "messages"
+
+
+def test_developer_role_is_the_system_turn():
+    """OpenAI's `developer` role (current SDKs send it) is the system turn: the same prompt as `system`."""
+    def chat(role):
+        return {"messages": [{"role": role, "content": "be brief"}, {"role": "user", "content": "hi"}],
+                "max_tokens": 4, "temperature": 0.0, "logprobs": True}
+
+    async def main(c):
+        return [await c.post("/v1/chat/completions", json=chat(role)) for role in ("developer", "system")]
+
+    developer, system = run(main, backends(), LIMITS)
+    assert developer.status_code == 200, developer.text
+    assert developer.json()["usage"]["prompt_tokens"] == system.json()["usage"]["prompt_tokens"]
+    assert developer.json()["choices"] == system.json()["choices"]
+
+
+def test_a_number_too_long_to_read_names_the_problem():
+    async def main(c):
+        return await c.post("/v1/completions", content=b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}",
+                            headers={"content-type": "application/json"})
+
+    r = run(main, backends(), LIMITS)
+    assert r.status_code == 400 and "number is too long" in r.json()["error"]["message"], r.text

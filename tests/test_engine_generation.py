@@ -214,7 +214,7 @@ def test_overload_and_rejections():
         assert e.value.param == "max_completion_tokens"
         with pytest.raises(RequestRejected, match="empty"):
             engine.submit(GenerateRequest(prompt_ids=[], params=p))
-        streams = [engine.submit(GenerateRequest(prompt_ids=[7] * 10, params=p)) for _ in range(3)]
+        streams = [engine.submit(GenerateRequest(prompt_ids=[7] * 10, params=p)) for _ in range(5)]
         with pytest.raises(EngineOverloaded) as e:
             engine.submit(GenerateRequest(prompt_ids=[7] * 10, params=p))
         assert e.value.retry_after > 0
@@ -222,8 +222,8 @@ def test_overload_and_rejections():
             async for _ in s:
                 pass
         return True
-    # max_waiting 3 and an engine that is not stepping (started but the loop only runs between awaits)
-    assert run(main, max_waiting=3)
+    # 2 slots + max_waiting 3, and an engine that is not stepping (started but the loop only runs between awaits)
+    assert run(main, max_slots=2, max_waiting=3)
 
 
 def test_stop_fails_pending_and_rejects_new():

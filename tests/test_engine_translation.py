@@ -183,14 +183,15 @@ def test_overload_and_rejections():
         with pytest.raises(RequestRejected, match="target_lang"):
             await translate(engine, TranslateRequest(["a"], target_lang="fr"))
         # a request arriving while the queue has room is queued whole, however many sentences it has: more
-        # than max_waiting is no reason to refuse it (the CLI sends the same texts one by one)
-        first = asyncio.create_task(translate(engine, TranslateRequest(["the cat"] * 6, target_lang="zh")))
+        # than the free slots + max_waiting is no reason to refuse it (the CLI sends the same texts one by one)
+        first = asyncio.create_task(translate(engine, TranslateRequest(["the cat"] * 9, target_lang="zh",
+                                                                       beam_size=1)))
         await asyncio.sleep(0)  # `first` queues its sentences; the engine has not planned since
-        with pytest.raises(EngineOverloaded):  # the queue is past its bound: 429 until it drains
-            await translate(engine, TranslateRequest(["a dog"], target_lang="zh"))
-        assert len((await first).translations) == 6
+        with pytest.raises(EngineOverloaded):  # 5 wait beyond the 4 free slots, past the bound: 429 until it drains
+            await translate(engine, TranslateRequest(["a dog"], target_lang="zh", beam_size=1))
+        assert len((await first).translations) == 9
         return (await translate(engine, TranslateRequest(["the cat"] * 4, target_lang="zh"))).translations
-    assert len(run(main, max_waiting=4)) == 4
+    assert len(run(main, max_slots=4, max_waiting=2)) == 4
 
 
 def test_no_slot_leaks_with_random_cancellations():

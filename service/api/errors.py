@@ -59,7 +59,15 @@ def _unparsable_body(cause: BaseException | None) -> str:
         return f"body is not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at offset {cause.start})"
     if isinstance(cause, RecursionError):
         return "body: JSON is nested too deeply"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return f"body: a number is too long ({str(cause).split(': ', 1)[-1].split(';')[0]})"
     return f"body could not be parsed as JSON ({type(cause).__name__ if cause else 'unknown error'})"
+
+
+def _is_json(content_type: str) -> bool:
+    """Whether FastAPI reads a body of this type as JSON: application/json or application/*+json."""
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def _field(loc: tuple) -> str:
@@ -82,7 +90,7 @@ def install(app: FastAPI) -> None:
     async def _validation(request: Request, e: RequestValidationError):
         errors = e.errors()
         ctype = request.headers.get("content-type", "")
-        if request.method == "POST" and "json" not in ctype and any(er.get("loc") == ("body",) for er in errors):
+        if request.method == "POST" and not _is_json(ctype) and any(er.get("loc") == ("body",) for er in errors):
             # the body is not read as JSON without the header (FastAPI's CSRF guard for local servers)
             return error_response(415, f"Content-Type: send the JSON body with Content-Type: "
                                   f"application/json (got {ctype or 'none'})", "Content-Type")

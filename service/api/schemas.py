@@ -46,7 +46,8 @@ class Strict(BaseModel):
         """null for an optional field means "not given", as in OpenAI's API and vLLM: clients pass their
         own unset options through as null (`temperature=None` in the openai SDK)."""
         if isinstance(data, dict) and None in data.values():
-            fields = cls.model_fields
+            # keys as the client sends them: a field's alias ("schema" for `schema_`) or its name
+            fields = {f.alias or name: f for name, f in cls.model_fields.items()} | cls.model_fields
             return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
         return data
 
@@ -57,9 +58,15 @@ class TextPart(Strict):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "user", "assistant"]
+    # "developer": OpenAI's newer name for the system turn (sent by current SDK clients); read as "system"
+    role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart] = Field(max_length=MAX_CHARS)
     name: Text | None = Field(None, max_length=64)
+
+    @property
+    def template_role(self) -> str:
+        """The role as the chat template knows it."""
+        return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
         if isinstance(self.content, str):

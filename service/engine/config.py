@@ -17,7 +17,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class EngineConfig:
     max_slots: int = 16  # KV cache slots = max concurrent sequences (beam hypotheses count one each)
     max_seq_len: int = 2048  # per-slot cache length (prompt + output), <= the model's max
-    max_waiting: int = 256  # waiting groups at which new requests get EngineOverloaded (429)
+    max_waiting: int = 256  # groups waiting beyond the free slots at which new requests get EngineOverloaded (429)
     prefill_chunk: int = 256  # prompt tokens per request per step (long prompts prefill in chunks)
     mode: Literal["continuous", "static", "serial"] = "continuous"
     device: str = "cpu"

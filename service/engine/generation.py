@@ -150,7 +150,7 @@ class GenerationEngine(EngineLoop):
         now = time.monotonic()
         deadline = self._deadline(req.deadline_s, now)
         p, queue, prompt = req.params, asyncio.Queue(), list(req.prompt_ids)
-        self.scheduler.check_room()
+        self.scheduler.check_room([req.n])  # before compiling grammars for a request refused anyway
         matchers = [self.grammars.compile(p.json_schema) if p.json_schema is not None else None
                     for _ in range(req.n)]
         group = [Sequence(prompt=prompt, params=p, queue=queue,

@@ -52,8 +52,7 @@ class OutputProcessor:
     @staticmethod
     def _tail(seq: Sequence) -> tuple[str, bool]:
         """Text still buffered at the end of a stream (detokenizer, then stop-string hold-back)."""
-        text, hit = seq.stopper.push(seq.detok.flush())
-        return (text, True) if hit else (text + seq.stopper.flush(), False)
+        return seq.stopper.finish(seq.detok.flush())
 
     def flush(self, seq: Sequence) -> None:
         """Event loop: put the staged events on the stream."""

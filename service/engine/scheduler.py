@@ -46,17 +46,31 @@ class Scheduler(Generic[W]):
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def check_room(self) -> None:
-        """EngineOverloaded (HTTP 429) when `max_waiting` groups already wait. A request arriving below it is
-        queued whole, so the queue may pass the bound by one request (a translation of many sentences, bounded
-        by the API's text limits): a request too big for the bound is never refused for its size alone."""
-        if len(self.waiting) >= self.config.max_waiting:
-            raise EngineOverloaded(f"{len(self.waiting)} {self.noun} waiting (max_waiting="
+    def check_room(self, needs: list[int]) -> None:
+        """A new request's groups need `needs` slots each: EngineOverloaded (HTTP 429) unless the next `admit`
+        can take them all, or fewer than `max_waiting` groups wait beyond what it can take. Requests arriving
+        together at an idle engine wait only for its next plan and are not refused. A request is queued
+        whole, so the queue may pass the bound by one request (a translation of many sentences, bounded by
+        the API's text limits): a request is never refused for its size alone while fewer groups wait."""
+        # what the next admit takes, by mode: static and serial admit only once the running batch is done
+        cap = 0 if self.config.mode != "continuous" and self.running else 1 if self.config.mode == "serial" else None
+        free, beyond = self.table.n_free, 0
+        for group in self.waiting:
+            need = sum(u.slots_needed for u in group)
+            if beyond or cap == 0 or need > free:
+                beyond += 1
+            else:
+                free -= need
+                cap = None if cap is None else cap - 1
+        if not beyond and sum(needs) <= free and (cap is None or len(needs) <= cap):
+            return
+        if beyond >= self.config.max_waiting:
+            raise EngineOverloaded(f"{beyond} {self.noun} waiting for a slot (max_waiting="
                                    f"{self.config.max_waiting}); retry later", retry_after=1.0)
 
     def add(self, groups: list[list[W]]) -> None:
         """Queue one request's groups, all or none (`check_room` first)."""
-        self.check_room()
+        self.check_room([sum(u.slots_needed for u in g) for g in groups])
         self.waiting.extend(groups)
 
     async def wait_for_batch(self) -> None:
