@@ -63,6 +63,12 @@ def test_generate_prompt_and_stream_agree():
         assert {k: again[k] for k in USAGE_COUNTS} == {k: first[k] for k in USAGE_COUNTS}
         # the same prompt again: all but its last token come from the cache (the freed slot still holds them)
         assert again["prompt_tokens_details"]["cached_tokens"] == again["prompt_tokens"] - 1
+        # the unversioned names TGI and vLLM's first server used: the same endpoints
+        alias = await c.post("/generate", json=body)
+        assert alias.status_code == 200 and alias.json()["text"] == out["text"]
+        translated = await c.post("/translate", json={"text": "hello", "beam_size": 1})
+        assert translated.status_code == 200 and len(translated.json()["translations"]) == 1
+        assert "/generate" not in (await c.get("/openapi.json")).json()["paths"]
     run(main)
 
 

@@ -1,4 +1,5 @@
-"""Native endpoints: POST /v1/generate (prompt or chat messages, optional SSE) and POST /v1/translate."""
+"""Native endpoints: POST /v1/generate (prompt or chat messages, optional SSE) and POST /v1/translate; also at
+/generate and /translate, the names TGI's and vLLM's first servers used."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ DEFAULT_MAX_TOKENS = 128
 
 
 @router.post("/v1/generate")
+@router.post("/generate", include_in_schema=False)
 async def generate(body: GenerateBody, request: Request):
     """Generate text from a `prompt` or chat `messages`. With `stream: true`, server-sent events:
     `{"text", "token_ids"}` deltas, a final event with `finish_reason` and `usage`, then `[DONE]`."""
@@ -48,6 +50,7 @@ async def generate(body: GenerateBody, request: Request):
 
 
 @router.post("/v1/translate")
+@router.post("/translate", include_in_schema=False)
 async def translate(body: TranslateBody, request: Request):
     """Translate one text or a list between Chinese and English (source detected per text when omitted)."""
     tr, limits = request.app.state.backends.need_translator(body.model, request), request.app.state.limits
