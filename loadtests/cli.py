@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import ipaddress
+import math
 import os
 import re
 import subprocess
@@ -40,6 +41,8 @@ def parse_duration(text: str) -> float:
     """ "60s", "2m", "1m30s", "45" -> seconds."""
     text = text.strip().lower()
     if re.fullmatch(r"\d+(\.\d+)?", text):
+        if float(text) <= 0:
+            raise UsageError(f"duration must be positive, got {text!r}")
         return float(text)
     m = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?", text)
     if not text or not m:
@@ -82,6 +85,23 @@ def check_host(url: str, allow_remote: bool) -> str:
             "if you own it and mean it"
         )
     return url.rstrip("/")
+
+
+def check_answers(url: str) -> None:
+    """UsageError unless something answers HTTP at `url` (any status): a run against nothing records only
+    connection errors."""
+    import httpx
+
+    try:
+        httpx.get(url, timeout=10)
+    except httpx.HTTPError as e:
+        raise UsageError(f"nothing answers at {url} ({type(e).__name__}): start the service first "
+                         f"(`make serve`)") from None
+
+
+def check_results_dir(path: str) -> None:
+    if Path(path).exists() and not Path(path).is_dir():
+        raise UsageError(f"--results-dir {path} is a file, not a folder")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -215,8 +235,16 @@ def run(args: argparse.Namespace) -> int:
         users = parse_users(args.users)
         if args.mode == "run" and len(users) != 1:
             raise UsageError("a single run takes one --users value; use `attnserve loadtest sweep` for a list")
-        if args.rate < 0:
-            raise UsageError("--rate must be >= 0")
+        if not (math.isfinite(args.rate) and args.rate >= 0):
+            raise UsageError(f"--rate must be a number >= 0, got {args.rate}")
+        for name, value, low in (("--max-tokens", args.max_tokens, 1), ("--beam-size", args.beam_size, 1),
+                                 ("--temperature", args.temperature, 0)):
+            if not value >= low:
+                raise UsageError(f"{name} must be >= {low}, got {value}")
+        if args.translate_file and not Path(args.translate_file).is_file():
+            raise UsageError(f"--translate-file {args.translate_file} does not exist")
+        check_results_dir(args.results_dir)
+        check_answers(args.host)
     except UsageError as e:
         print(f"attnserve loadtest: {e}", file=sys.stderr)
         return 2

@@ -121,17 +121,24 @@ def main(argv: list[str] | None = None) -> int:
         cli.check_host(a.attnserve, allow_remote=False)
         users, duration_s = cli.parse_users(a.users), cli.parse_duration(a.duration)
         py_users = cli.parse_users(a.py_users) if a.py_users else []
+        cli.check_results_dir(a.results_dir)
     except cli.UsageError as e:
         print(f"compare: {e}", file=sys.stderr)
         return 2
     binary = Path(a.llama_server)
     if not binary.is_file():
-        print(f"compare: {binary} missing; build it with benchmarks/build_llama_server.sh (~8 min)", file=sys.stderr)
+        print(f"compare: {binary} missing (or not a file); build it with benchmarks/build_llama_server.sh "
+              f"(~8 min)", file=sys.stderr)
         return 2
     python = Path(a.llama_cpp_python)
     if py_users and not python.is_file():
         print(f"compare: {python} missing; run benchmarks/setup_llama_cpp_python.sh (or --py-users '')",
               file=sys.stderr)
+        return 2
+    try:
+        cli.check_answers(a.attnserve)
+    except cli.UsageError as e:
+        print(f"compare: {e}", file=sys.stderr)
         return 2
     out = cli.new_results_dir(a.results_dir, "compare-llamacpp")
     gguf = find_gguf()

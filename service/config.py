@@ -66,9 +66,16 @@ class ModelSpec:
 
     def __post_init__(self):
         check_choices(self)
+        if self.engine is None:  # `engine:` left empty in YAML
+            self.engine = {}
+        if not isinstance(self.engine, dict):
+            raise ValueError(f"ModelSpec.engine must be a mapping of EngineConfig fields, got {self.engine!r}")
         bad = {"device", "dtype"} & set(self.engine)
         if bad:
             raise ValueError(f"ModelSpec.engine must not set {sorted(bad)}: use ModelSpec.device/dtype")
+        from service.engine.config import EngineConfig
+
+        EngineConfig.from_dict(dict(self.engine))  # its keys and values, checked where the config is read
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> ModelSpec:

@@ -58,7 +58,9 @@ def read_config(path: str | Path, host: str | None = None, port: int | None = No
                          f"http_options a mapping too")
     http = config["http_options"] = config.get("http_options") or {}
     http["host"] = host or http.get("host") or LOOPBACK
-    http["port"] = int(port or http.get("port") or 8000)
+    http["port"] = port if port is not None else http.get("port", 8000)
+    if not isinstance(http["port"], int) or not 1 <= http["port"] <= 65535:
+        raise ValueError(f"port must be in 1..65535, got {http['port']!r}")
     loopback_env()  # Ray reads its environment when imported: set ours first (deploy sets token auth first too)
     from ray.serve.schema import ServeDeploySchema
 
@@ -66,7 +68,32 @@ def read_config(path: str | Path, host: str | None = None, port: int | None = No
         ServeDeploySchema.model_validate(config)
     except Exception as e:  # pydantic's ValidationError
         raise ValueError(f"{p} is not a valid Serve config: {e}") from None
+    attnserve_route(config, p)  # the application's own settings too, before Ray starts
     return config
+
+
+ATTNSERVE_APP = "service.deployments:build"
+
+
+def attnserve_route(config: dict, where: str | Path = "the Serve config") -> str:
+    """The route prefix of the config's attnserve application ("" for "/"), once its args and each deployment's
+    `user_config` pass the checks a replica would make (ValueError naming the application otherwise)."""
+    from model.strict_fields import reject_unknown
+    from service.config import ApiLimits, ServiceConfig
+
+    apps = [a for a in config.get("applications") or [] if a.get("import_path") == ATTNSERVE_APP]
+    if not apps:
+        raise ValueError(f"{where}: no application imports {ATTNSERVE_APP}, so nothing would serve the API")
+    for app in apps:
+        try:
+            ServiceConfig.from_dict(app.get("args"))
+            for d in app.get("deployments") or []:
+                user_config = d.get("user_config") or {}
+                reject_unknown(user_config, ["limits"], "user_config")
+                ApiLimits.from_dict(user_config.get("limits"))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: application {app.get('name')!r}: {e}") from None
+    return (apps[0].get("route_prefix") or "/").rstrip("/")
 
 
 def start_ray(num_cpus: int | None = None, object_store_bytes: int = OBJECT_STORE_BYTES,

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from live_service import live_service
 
+from loadtests.ports import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parent.parent
 NUM = r"(\d+(?:\.\d+)?)"
@@ -200,7 +202,7 @@ def test_compare_llamacpp_refuses_bad_arguments_before_starting_anything(tmp_pat
     for args, says in ((["--users", "four"], "bad --users"),
                        (["--attnserve", "http://192.168.1.20:8000"], "refusing"),
                        (["--duration", "soon"], "bad duration"),
-                       ([], "missing; build it")):
+                       ([], "missing (or not a file); build it")):
         assert compare_llamacpp.main([*base, *args]) == 2
         assert says in capsys.readouterr().err, args
     fake = tmp_path / "llama-server"
@@ -209,6 +211,10 @@ def test_compare_llamacpp_refuses_bad_arguments_before_starting_anything(tmp_pat
     assert compare_llamacpp.main(["--results-dir", str(results), "--llama-server", str(fake), "--py-users", "4",
                                   "--llama-cpp-python", str(tmp_path / "none")]) == 2
     assert "setup_llama_cpp_python.sh" in capsys.readouterr().err
+    free = f"http://127.0.0.1:{free_port()}"  # no attnserve there: refused before llama-server starts
+    assert compare_llamacpp.main(["--results-dir", str(results), "--llama-server", str(fake), "--py-users", "",
+                                  "--attnserve", free]) == 2
+    assert "nothing answers" in capsys.readouterr().err
     assert not results.exists()
 
 

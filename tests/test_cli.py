@@ -94,6 +94,39 @@ def test_commands_report_missing_models_data_and_configs_without_a_traceback(hom
         assert words in capsys.readouterr().err, argv
 
 
+def test_bad_arguments_and_configs_are_one_line_before_anything_starts(home, tmp_path, capsys):
+    """Refused with exit 2 and a message naming the problem, before Ray starts or a model loads."""
+    served = (ROOT / "deploy" / "serve_config.yaml").read_text()
+    configs = {"noapps.yaml": "applications: []\n", "broken.yaml": "x: [\n", "empty.yaml": "",
+               "typo.yaml": served.replace("max_slots: 32, max_seq_len: 2048", "max_slot: 32, max_seq_len: 2048"),
+               "limits.yaml": served.replace("max_stop: 4,", "max_stop: 0,"),
+               "engine.yaml": served.replace("engine: {max_slots: 32, max_seq_len: 256", "engine: [{max_slots: 32}")
+                                    .replace(", max_waiting: 256, threads: 1, compile: true}", "]")}
+    for name, text in configs.items():
+        (tmp_path / name).write_text(text)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for argv, words in ((["serve", "--config", str(tmp_path / "noapps.yaml")], "no application imports"),
+                        (["serve", "--config", str(tmp_path / "typo.yaml")], "unknown field(s) ['max_slot']"),
+                        (["serve", "--config", str(tmp_path / "limits.yaml")], "max_stop must be >= 1"),
+                        (["serve", "--config", str(tmp_path / "engine.yaml")], "ModelSpec.engine must be a mapping"),
+                        (["serve", "--port", "70000"], "port must be in 1..65535"),
+                        (["serve", "--host", "nosuch.invalid"], "cannot listen on nosuch.invalid"),
+                        (["translate", "--config", str(tmp_path / "broken.yaml"), "hi"], "not valid YAML"),
+                        (["translate", "--config", str(tmp_path / "empty.yaml"), "hi"], "no application imports"),
+                        (["generate", "--config", str(tmp_path / "noapps.yaml"), "hi"], "no application imports"),
+                        (["eval", "translate", "--beams", "0"], "--beams"),
+                        (["eval", "translate", "--limit", "0"], "--limit must be >= 1"),
+                        (["eval", "translate", "--out", str(a_file / "x.json")], "cannot be written"),
+                        (["train", "translate", "--threads", "-1"], "--threads must be >= 1"),
+                        (["train", "translate", "--avg-last", "0"], "--avg-last must be >= 1"),
+                        (["stop", "--timeout", "-5"], "--timeout must be > 0"),
+                        (["weights", "export-marian", "--out", str(a_file)], "is a file")):
+        assert main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert words in err, (argv, out, err)
+
+
 def test_ctrl_c_is_a_message_and_exit_130(capsys, monkeypatch):
     from service.commands import stop
 

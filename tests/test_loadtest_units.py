@@ -10,6 +10,7 @@ import pytest
 
 from loadtests import cli, datasets
 from loadtests.plots import plot_sweep, read_sweep
+from loadtests.ports import free_port
 from loadtests.records import RecordWriter, RequestRecord, read_records
 from loadtests.sse import parse_sse_line
 from loadtests.summary import format_table, summarize
@@ -90,7 +91,7 @@ def test_sse_done_error_and_ignored_lines():
 def test_duration_users_and_loopback_rules():
     assert cli.parse_duration("60s") == 60 and cli.parse_duration("2m") == 120
     assert cli.parse_duration("1m30s") == 90 and cli.parse_duration("45") == 45
-    for bad in ("", "ten", "0s", "5x"):
+    for bad in ("", "ten", "0s", "5x", "0"):
         with pytest.raises(cli.UsageError):
             cli.parse_duration(bad)
     assert cli.parse_users("1,4,16,64") == [1, 4, 16, 64] and cli.parse_users("16") == [16]
@@ -120,7 +121,17 @@ def test_cli_refuses_remote_host_and_user_lists_before_running(tmp_path, capsys)
     assert cli.run(_args(["--users", "1,4", *base])) == 2  # a list needs `sweep`
     assert "sweep" in capsys.readouterr().err
     assert cli.run(_args(["--duration", "soon", *base])) == 2
+    free = f"http://127.0.0.1:{free_port()}"  # nothing listens: a run would record only connection errors
+    for argv, says in ((["--duration", "0"], "positive"), (["--rate", "nan"], "--rate"),
+                       (["--max-tokens", "-5"], "--max-tokens"), (["--beam-size", "0"], "--beam-size"),
+                       (["--translate-file", str(tmp_path / "none.jsonl")], "does not exist"), ([], "nothing answers")):
+        assert cli.run(_args(["--host", free, *argv, *base])) == 2
+        assert says in capsys.readouterr().err, argv
     assert list(tmp_path.iterdir()) == []  # nothing was started or written
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    assert cli.run(_args(["--host", free, "--results-dir", str(a_file)])) == 2
+    assert "is a file" in capsys.readouterr().err
 
 
 def test_locust_command_closed_and_open_loop(tmp_path):

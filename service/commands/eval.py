@@ -31,7 +31,17 @@ def run(args) -> int:
     try:
         beams = tuple(int(b) for b in args.beams.split(","))
     except ValueError:
-        print(f"attnserve eval: --beams takes comma-separated integers, got {args.beams!r}", file=sys.stderr)
+        beams = ()
+    if not beams or not all(1 <= b <= 32 for b in beams):
+        print(f"attnserve eval: --beams takes comma-separated beam sizes in 1..32, got {args.beams!r}",
+              file=sys.stderr)
+        return 2
+    if args.limit is not None and args.limit < 1:
+        print(f"attnserve eval: --limit must be >= 1, got {args.limit}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    if out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
+        print(f"attnserve eval: --out {out} cannot be written (a folder, or under a file)", file=sys.stderr)
         return 2
     checkpoint = args.model or paths.SHIPPED_TRANSLATOR
     try:

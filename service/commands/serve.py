@@ -4,8 +4,10 @@ and shut both down cleanly on Ctrl-C / SIGTERM."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -36,10 +38,15 @@ def run(args) -> int:
     try:
         config = ray_local.read_config(args.config, args.host, args.port)
     except (FileNotFoundError, ValueError) as e:
-        print(f"attnserve serve: {e}")
+        print(f"attnserve serve: {e}", file=sys.stderr)
         return 2
     http = config["http_options"]
-    if not _port_free(http["host"], http["port"]):
+    try:
+        free = _port_free(http["host"], http["port"])
+    except (ValueError, OSError) as e:  # a name that does not resolve (socket.gaierror), an address not ours
+        print(f"attnserve serve: {e}", file=sys.stderr)
+        return 2
+    if not free:
         print(f"attnserve serve: {http['host']}:{http['port']} is already in use (another `attnserve serve`? "
               f"`attnserve stop` ends it); or choose --port")
         return 2
@@ -65,7 +72,7 @@ def run(args) -> int:
         on_stop_signals()
         pid_file().parent.mkdir(parents=True, exist_ok=True)
         pid_file().write_text(str(os.getpid()))
-        base = f"http://{config['http_options']['host']}:{config['http_options']['port']}"
+        base = f"http://{http['host']}:{http['port']}{ray_local.attnserve_route(config)}"
         if not watch_startup(base, stop, t0):
             print("shutting down Serve and Ray ...", flush=True)
             return 0
@@ -93,6 +100,8 @@ def _port_free(host: str, port: int) -> bool:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections of a stopped serve in TIME_WAIT
         try:
             s.bind((host, port))
-        except OSError:
-            return False
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return False
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return True

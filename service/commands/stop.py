@@ -18,6 +18,9 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from service.commands.serve import pid_file
 
+    if not args.timeout > 0:
+        print(f"attnserve stop: --timeout must be > 0 seconds, got {args.timeout}", file=sys.stderr)
+        return 2
     rc = 0
     f = pid_file()
     pid = _serve_pid(f) if f.is_file() else None

@@ -24,6 +24,10 @@ def run(args) -> int:
 
     from model.training.train_translate import train
 
+    for flag, value in (("--threads", args.threads), ("--avg-last", args.avg_last)):
+        if value is not None and value < 1:
+            print(f"attnserve train: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     try:
         train(args.config, args.run_dir, resume=args.resume, export_only=args.export_only,
               export_to=args.export_to, threads=args.threads,

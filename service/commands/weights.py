@@ -49,6 +49,7 @@ def run(args) -> int:
 
 
 def _export_marian(args) -> int:
+    import sys
     from pathlib import Path
 
     import torch
@@ -58,6 +59,9 @@ def _export_marian(args) -> int:
     from model.paths import SHIPPED_TRANSLATOR
     from model.seq2seq import EncoderDecoder
 
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        print(f"attnserve weights export-marian: --out {args.out} is a file, not a folder", file=sys.stderr)
+        return 2
     if not args.out:
         print("attnserve weights export-marian: --out DIR is required")
         return 2

@@ -111,6 +111,9 @@ class TranslationEngine(EngineLoop):
         if not 1 <= batch.beam_size <= self.max_beam_size:
             raise RequestRejected(f"beam_size must be in [1, {self.max_beam_size}], got {batch.beam_size}",
                                   "beam_size")
+        if batch.no_repeat_ngram < 0:
+            raise RequestRejected(f"no_repeat_ngram must be >= 0 (0 = off), got {batch.no_repeat_ngram}",
+                                  "no_repeat_ngram")
         if batch.max_length is not None and not 1 <= batch.max_length <= self.max_length:
             raise RequestRejected(f"max_length must be in [1, {self.max_length}], got {batch.max_length}", "max_length")
         out = []
