@@ -52,7 +52,8 @@ def stream_engine(engine, prompt_ids: list[int], params, stats: dict | None = No
 
         async def submit():
             names = {"max_new_tokens": "--max-tokens", "prompt_ids": "the prompt", "top_p": "--top-p",
-                     "top_k": "--top-k", "min_p": "--min-p", "temperature": "--temperature"}
+                     "top_k": "--top-k", "min_p": "--min-p", "temperature": "--temperature",
+                     "repetition_penalty": "--repetition-penalty", "seed": "--seed"}
             return engine.submit(GenerateRequest(list(prompt_ids), params, field_names=names))
 
         events = loop.run_until_complete(submit())
@@ -104,6 +105,13 @@ def run(args) -> int:
     from service.engine.types import EngineError, SamplingParams
     from service.models import ModelUnavailable, load_generator
 
+    if args.system is not None and not args.chat:
+        print("attnserve generate: --system needs --chat (a system message goes into the chat template)",
+              file=sys.stderr)
+        return 2
+    if args.max_tokens < 1:
+        print(f"attnserve generate: --max-tokens must be >= 1, got {args.max_tokens}", file=sys.stderr)
+        return 2
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         print("attnserve generate: empty prompt", file=sys.stderr)
