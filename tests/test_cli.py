@@ -502,7 +502,7 @@ def _wait_for(log: Path, text: str, proc: subprocess.Popen, timeout_s: float = 3
 
 def test_serve_config_errors_start_nothing(tmp_path, capsys):
     assert main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
-    assert "Serve config not found" in capsys.readouterr().out
+    assert "Serve config not found" in capsys.readouterr().err
 
 
 @pytest.mark.ray
@@ -557,7 +557,7 @@ def test_deploy_with_a_missing_config_connects_to_nothing(restore_env, tmp_path,
 
     monkeypatch.setattr(ray, "init", no_init)
     assert main(["deploy", "--config", str(tmp_path / "missing.yaml"), "--address", "127.0.0.1:1"]) == 2
-    assert "Serve config not found" in capsys.readouterr().out
+    assert "Serve config not found" in capsys.readouterr().err
 
 
 def test_deploy_to_an_address_nothing_answers_at_fails_at_once(restore_env, capsys, monkeypatch):
@@ -570,7 +570,7 @@ def test_deploy_to_an_address_nothing_answers_at_fails_at_once(restore_env, caps
     port = free_port()
     for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
         assert main(["deploy", "--address", address, "--timeout", "5"]) == 1
-        assert f"no Ray cluster answers at {address}" in capsys.readouterr().out
+        assert f"no Ray cluster answers at {address}" in capsys.readouterr().err
 
 
 def test_waiting_for_the_applications_ends_on_ctrl_c(monkeypatch):
@@ -704,4 +704,4 @@ def test_serve_refuses_a_port_in_use_before_starting_ray(capsys, monkeypatch):
         s.listen()
         port = s.getsockname()[1]
         assert main(["serve", "--port", str(port)]) == 2
-    assert f"127.0.0.1:{port} is already in use" in capsys.readouterr().out
+    assert f"127.0.0.1:{port} is already in use" in capsys.readouterr().err

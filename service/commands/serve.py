@@ -48,7 +48,7 @@ def run(args) -> int:
         return 2
     if not free:
         print(f"attnserve serve: {http['host']}:{http['port']} is already in use (another `attnserve serve`? "
-              f"`attnserve stop` ends it); or choose --port")
+              f"`attnserve stop` ends it); or choose --port", file=sys.stderr)
         return 2
     stop = threading.Event()
 
@@ -62,7 +62,7 @@ def run(args) -> int:
     try:
         ray_local.start_ray(args.num_cpus, args.object_store_mb * 2**20, log_to_driver=args.access_log)
     except (RuntimeError, ValueError, ConnectionError) as e:  # Ray's refusals (resources, an object store too small)
-        print(f"attnserve serve: Ray did not start: {e}", flush=True)
+        print(f"attnserve serve: Ray did not start: {e}", file=sys.stderr, flush=True)
         return 1
     try:
         print(f"[{time.monotonic() - t0:6.1f} s] deploying {args.config} ...", flush=True)
@@ -84,7 +84,7 @@ def run(args) -> int:
         print("shutting down Serve and Ray ...", flush=True)
         return 0
     except (RuntimeError, TimeoutError) as e:
-        print(f"attnserve serve: {e}", flush=True)
+        print(f"attnserve serve: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
         ray_local.shutdown()
