@@ -300,9 +300,13 @@ def test_weights_fetch_reports_the_converted_checkpoint(standin, capsys):
     n = sum(p.numel() for p in DecoderLM(cfg).parameters())
     assert f"loaded {n / 1e6:.1f}M parameters, vocabulary 98, in" in out
     assert main(["weights", "fetch"]) == 2
-    assert "name the model" in capsys.readouterr().out
+    assert "name the model" in capsys.readouterr().err
+    assert main(["weights", "fetch", "--model", "smollm2"]) == 2  # --model is export-marian's folder
+    assert "weights fetch smollm2" in capsys.readouterr().err
+    assert main(["weights", "export-marian", "smollm2", "--out", "x"]) == 2  # the translator only
+    assert "exports the translator" in capsys.readouterr().err
     assert main(["weights", "fetch", "smollm2", "--dtype", "float16"]) == 2  # export-marian only
-    assert "float16 is not available" in capsys.readouterr().out
+    assert "float16 is not available" in capsys.readouterr().err
 
 
 # --- translate -------------------------------------------------------------------------------------

@@ -20,10 +20,17 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    import sys
+
     if args.action == "export-marian":
+        if args.model is not None:
+            print("attnserve weights export-marian: exports the translator (its folder: --model DIR); "
+                  f"{args.model!r} is for `weights fetch`", file=sys.stderr)
+            return 2
         return _export_marian(args)
-    if args.model is None:
-        print("attnserve weights fetch: name the model (smollm2)")
+    if args.model is None or args.model_dir is not None:
+        print("attnserve weights fetch: name the model as a word: `attnserve weights fetch smollm2` (--model DIR "
+              "is export-marian's)", file=sys.stderr)
         return 2
     import time
 
@@ -34,7 +41,7 @@ def run(args) -> int:
 
     if args.dtype not in DTYPES:  # float16 is for export-marian only
         print(f"attnserve weights fetch: --dtype {args.dtype} is not available for smollm2; choose one of "
-              f"{', '.join(DTYPES)}")
+              f"{', '.join(DTYPES)}", file=sys.stderr)
         return 2
 
     t0 = time.perf_counter()
