@@ -51,7 +51,8 @@ class ModelSpec:
 
     `checkpoint` None means the default source (SmolLM2 via `ensure_smollm2()` for the generator,
     `weights/attnserve-zh-en` for the translator). `device`/`dtype` "auto" are resolved on the
-    replica from what Ray assigned: a GPU -> cuda + bfloat16, otherwise cpu + float32.
+    replica from what Ray assigned: a GPU -> cuda + bfloat16, otherwise cpu + bfloat16 where it measures
+    faster on this CPU, else float32.
     `quantization` (CPU, generator): int8 or int4 linears (model/quantize.py); "auto" picks the fastest
     of none / int8 / int4 by a start-up measurement on this CPU.
     """

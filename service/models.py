@@ -1,7 +1,8 @@
 """Loading the served models: checkpoint -> model + tokenizer -> engine -> HTTP backend.
 
 Device and dtype come from the config, or ("auto") from what the replica was given: a GPU that
-Ray assigned (or, without Ray, any visible GPU) -> cuda + bfloat16; otherwise cpu + float32.
+Ray assigned (or, without Ray, any visible GPU) -> cuda + bfloat16; otherwise cpu + bfloat16 where a bf16
+matmul measures faster on this CPU, else float32.
 A model that cannot be loaded is reported (Backends.unavailable) instead of failing the service.
 """
 
