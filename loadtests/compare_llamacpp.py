@@ -3,7 +3,8 @@ llama-cpp-python's server on the very same SmolLM2 GGUF, with 2 threads, in one 
 sweep.csv, one set of plots.
 
     make loadtest-compare            # builds llama-server once (~8 min, both cores), then runs this
-    python -m loadtests.compare_llamacpp --users 1,4,16,64 --py-users 16,64 --duration 60s [--attnserve URL]
+    python -m loadtests.compare_llamacpp --llama-server BIN --users 1,4,16,64 --py-users 16,64 --duration 60s
+        [--attnserve URL]
 
 attnserve must already be running (`make serve`). llama-server is started here on a free loopback port
 (`llama-server -t 2 -tb 2 -np 16 -c 4096 --cont-batching`, each slot gets 256 tokens of context) and

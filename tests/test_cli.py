@@ -123,6 +123,7 @@ def test_bad_arguments_and_configs_are_one_line_before_anything_starts(home, tmp
                         (["stop", "--timeout", "-5"], "--timeout must be > 0"),
                         (["generate", "--system", "be brief", "hi"], "--system needs --chat"),
                         (["generate", "--max-tokens", "0", "hi"], "--max-tokens must be >= 1"),
+                        (["data", "sample", "translate", "--n", "-1"], "--n must be >= 1"),
                         (["weights", "export-marian", "--out", str(a_file)], "is a file")):
         assert main(argv) == 2, argv
         out, err = capsys.readouterr()

@@ -27,6 +27,11 @@ def run(args) -> int:
     from service.models import ModelUnavailable
 
     out = Path(args.out) if args.out else None
+    counts = (("--n", args.n), ("--sentences", args.sentences), ("--heldout-sentences", args.heldout_sentences))
+    for flag, value in counts:
+        if value is not None and value < 1:
+            print(f"attnserve data: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     try:
         if args.action == "prepare":
             translate_data.prepare(out, heldout_sentences=args.heldout_sentences)
