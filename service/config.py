@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from model.importers.smollm2 import MODEL_NAME as SMOLLM2_ID
 from model.paths import REPO_ROOT, SHIPPED_TRANSLATOR
-from model.strict_fields import check_choices, from_dict
+from model.strict_fields import check_choices, from_dict, reject_unknown
 
 GENERATOR_ID = SMOLLM2_ID
 TRANSLATOR_ID = SHIPPED_TRANSLATOR.name
@@ -43,6 +43,13 @@ class ApiLimits:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> ApiLimits:
         return from_dict(cls, data)
+
+
+def limits_from_user_config(user_config: dict | None, default: ApiLimits) -> ApiLimits:
+    """The deployment's `user_config: {limits: {...}}` (live-reloadable API limits); `default` without limits."""
+    reject_unknown(user_config or {}, ["limits"], "user_config")
+    limits = (user_config or {}).get("limits")
+    return default if limits is None else ApiLimits.from_dict(limits)
 
 
 @dataclass

@@ -18,10 +18,9 @@ import logging
 
 from ray import serve
 
-from model.strict_fields import reject_unknown
 from service.api.app import create_app
 from service.api.backends import Backends
-from service.config import GENERATOR_ID, TRANSLATOR_ID, ApiLimits, ServiceConfig
+from service.config import GENERATOR_ID, TRANSLATOR_ID, ServiceConfig, limits_from_user_config
 from service.startup import Startup
 
 log = logging.getLogger("ray.serve")
@@ -98,10 +97,8 @@ class AttnServe:
 
     def reconfigure(self, user_config: dict | None) -> None:
         """`user_config: {limits: {...}}` in the Serve config: API limits, applied without a restart."""
-        reject_unknown(user_config or {}, ["limits"], "user_config")
         # without limits here, the args' limits (or the defaults) hold: Serve calls this right after __init__
-        limits = (user_config or {}).get("limits")
-        self.limits = self.config.limits if limits is None else ApiLimits.from_dict(limits)
+        self.limits = limits_from_user_config(user_config, self.config.limits)
         if self.fastapi is not None:
             self.fastapi.state.limits = self.limits
 

@@ -20,7 +20,7 @@ def serve_config(path: str | Path | None = None) -> ServiceConfig:
     """The application args of a Serve config file (default: deploy/serve_config.yaml)."""
     import yaml
 
-    from service.ray_local import ATTNSERVE_APP, DEFAULT_CONFIG
+    from service.ray_local import DEFAULT_CONFIG, attnserve_apps
 
     path = path or DEFAULT_CONFIG
     with open(path, encoding="utf-8") as f:
@@ -28,11 +28,7 @@ def serve_config(path: str | Path | None = None) -> ServiceConfig:
             doc = yaml.safe_load(f)
         except yaml.YAMLError as e:
             raise ValueError(f"{path} is not valid YAML: {e}") from None
-    apps = [a for a in (doc.get("applications") or []) if isinstance(a, dict)] if isinstance(doc, dict) else []
-    app = next((a for a in apps if a.get("import_path") == ATTNSERVE_APP), None)
-    if app is None:
-        raise ValueError(f"{path}: no application imports {ATTNSERVE_APP} (a Serve config as in "
-                         f"deploy/serve_config.yaml)")
+    app = attnserve_apps(doc if isinstance(doc, dict) else {}, path)[0]
     return ServiceConfig.from_dict(app.get("args") or {})
 
 

@@ -68,32 +68,38 @@ def read_config(path: str | Path, host: str | None = None, port: int | None = No
         ServeDeploySchema.model_validate(config)
     except Exception as e:  # pydantic's ValidationError
         raise ValueError(f"{p} is not a valid Serve config: {e}") from None
-    attnserve_route(config, p)  # the application's own settings too, before Ray starts
+    check_apps(config, p)  # the application's own settings too, before Ray starts
     return config
 
 
 ATTNSERVE_APP = "service.deployments:build"
 
 
-def attnserve_route(config: dict, where: str | Path = "the Serve config") -> str:
-    """The route prefix of the config's attnserve application ("" for "/"), once its args and each deployment's
-    `user_config` pass the checks a replica would make (ValueError naming the application otherwise)."""
-    from model.strict_fields import reject_unknown
-    from service.config import ApiLimits, ServiceConfig
-
-    apps = [a for a in config.get("applications") or [] if a.get("import_path") == ATTNSERVE_APP]
+def attnserve_apps(config: dict, where: str | Path = "the Serve config") -> list[dict]:
+    """The config's attnserve applications (ValueError if there is none: nothing would serve the API)."""
+    apps = [a for a in config.get("applications") or []
+            if isinstance(a, dict) and a.get("import_path") == ATTNSERVE_APP]
     if not apps:
         raise ValueError(f"{where}: no application imports {ATTNSERVE_APP}, so nothing would serve the API")
-    for app in apps:
+    return apps
+
+
+def check_apps(config: dict, where: str | Path) -> None:
+    """The checks a replica makes of each attnserve application's args and user_config, before Ray starts."""
+    from service.config import ApiLimits, ServiceConfig, limits_from_user_config
+
+    for app in attnserve_apps(config, where):
         try:
             ServiceConfig.from_dict(app.get("args"))
             for d in app.get("deployments") or []:
-                user_config = d.get("user_config") or {}
-                reject_unknown(user_config, ["limits"], "user_config")
-                ApiLimits.from_dict(user_config.get("limits"))
+                limits_from_user_config(d.get("user_config"), ApiLimits())
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: application {app.get('name')!r}: {e}") from None
-    return (apps[0].get("route_prefix") or "/").rstrip("/")
+
+
+def attnserve_route(config: dict) -> str:
+    """The route prefix of the config's attnserve application ("" for "/")."""
+    return (attnserve_apps(config)[0].get("route_prefix") or "/").rstrip("/")
 
 
 def start_ray(num_cpus: int | None = None, object_store_bytes: int = OBJECT_STORE_BYTES,
