@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from model.decoder import DecoderLM
-from model.kv_cache import StepContext
+from model.kv_cache import ChunkContext, StepContext
 
 
 @torch.no_grad()
@@ -24,8 +24,20 @@ def blocks_step(blocks: Sequence[nn.Module], x: torch.Tensor, positions: torch.T
     """x (R, 1, d) at positions (R,) through consecutive `blocks` (G layers) over their cached prefixes
     k, v (G, R, Hkv, L, D), of which row r uses the first positions[r]; rope: the model's (cos, sin)
     (R, 1, 1, D) or nothing -> x (R, 1, d), new_k, new_v (G, R, Hkv, D)."""
-    ctx = StepContext(k, v, positions)
-    mask = ctx.self_mask()  # (R, 1, 1, L)
+    return _through(blocks, x, StepContext(k, v, positions), rope)
+
+
+@torch.no_grad()
+def chunk_blocks_step(blocks: Sequence[nn.Module], x: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, *rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prompt chunk x (1, T, d) at consecutive positions (1, T) through consecutive `blocks` (G layers)
+    over its slot's cached prefix k, v (G, 1, Hkv, L, D), of which it uses the first positions[0, 0]; rope:
+    (cos, sin) (1, 1, T, D) or nothing -> x (1, T, d), new_k, new_v (G, 1, Hkv, T, D)."""
+    return _through(blocks, x, ChunkContext(k, v, positions), rope)
+
+
+def _through(blocks: Sequence[nn.Module], x: torch.Tensor, ctx: StepContext | ChunkContext, rope: tuple):
+    mask = ctx.self_mask()
     for i, block in enumerate(blocks):
         x = block(x, mask, tuple(rope) or None, ctx, i)
     return x, *ctx.stacked_new_kv()

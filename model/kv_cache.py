@@ -111,6 +111,13 @@ class KVCache:
         self.k[:, rows, :, positions] = k.transpose(0, 1).to(self.k.dtype)
         self.v[:, rows, :, positions] = v.transpose(0, 1).to(self.v.dtype)
 
+    def write_chunk(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a prompt chunk's keys/values of every layer: k, v (NL, 1, Hkv, T, D) go to `slot` at
+        positions start .. start + T - 1."""
+        t = k.shape[3]
+        self.k[:, slot, :, start:start + t] = k[:, 0].to(self.k.dtype)
+        self.v[:, slot, :, start:start + t] = v[:, 0].to(self.v.dtype)
+
     def set_cross_all(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, src_len: torch.Tensor) -> None:
         """Store cross-attention K/V of every layer: k, v (NL, B, Hkv, S, D) into `slots` (B,), whose
         sources are src_len (B,) tokens long."""
@@ -219,4 +226,37 @@ class StepContext:
 
     def stacked_new_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's new k, v: (NL, R, Hkv, D) x 2, for `KVCache.write_step`."""
+        return torch.stack(self.new_k), torch.stack(self.new_v)
+
+
+class ChunkContext:
+    """A prompt chunk of one sequence (T new tokens) over its slot's cached prefix *views*, without writing
+    the cache: `StepContext`'s counterpart for a compiled prefill. Token t attends the first `positions[0, 0]`
+    cached keys (more may be in the views: masked) and new tokens 0..t; `update` returns prefix and new
+    keys joined and collects the new ones for the caller to store (`KVCache.write_chunk`)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        self.k, self.v = k, v  # (NL, 1, Hkv, L, D) cached prefix of the chunk's slot
+        self.positions = positions  # (1, T) consecutive
+        self.new_k: list[torch.Tensor] = []  # per layer (1, Hkv, T, D), in the cache's dtype
+        self.new_v: list[torch.Tensor] = []
+
+    def self_mask(self) -> torch.Tensor:
+        """(1, 1, T, L + T): the cached keys before the chunk, then the chunk's own keys causally."""
+        t = self.positions.shape[1]
+        keys = torch.arange(self.k.shape[3], device=self.positions.device)
+        cached = (keys < self.positions[0, 0]).expand(t, -1)  # (T, L)
+        own = torch.ones(t, t, dtype=torch.bool, device=self.positions.device).tril()  # (T, T)
+        return torch.cat([cached, own], dim=1)[None, None]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """New k, v (1, Hkv, T, D) -> prefix and new keys/values joined (1, Hkv, L + T, D), and None: the new
+        keys are among them (the `StepContext.update` contract)."""
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
+        self.new_k.append(k)
+        self.new_v.append(v)
+        return torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2), None
+
+    def stacked_new_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's new k, v: (NL, 1, Hkv, T, D) x 2, for `KVCache.write_chunk`."""
         return torch.stack(self.new_k), torch.stack(self.new_v)

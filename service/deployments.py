@@ -69,6 +69,8 @@ class AttnServe:
                                  "compiling (or loading) the decode step" if compiling else "starting")
                 if attr == "translator" and child is not None:
                     await asyncio.to_thread(child.wait)
+                if attr == "generator":  # its compiled prefill, where missing, is built after ready
+                    engine.runner.build_prefill = False
                 await backend.start()
                 state = "ready"
                 if compiling:
@@ -89,6 +91,24 @@ class AttnServe:
         finally:
             if child is not None and child.poll() is None:
                 child.kill()
+        if self.startup.ready and self.backends.generator is not None:
+            try:
+                await self._load_prefill(self.backends.generator)
+            except Exception:  # only speed is lost: prompts keep prefilling eagerly
+                log.warning("generator: compiled prefill not loaded", exc_info=True)
+
+    async def _load_prefill(self, generator) -> None:
+        """Where the generator's compiled prefill is missing, a child builds it (service/prebuild.py) while
+        this replica serves, then the engine loads it; until then prompts prefill eagerly."""
+        from service.prebuild import start_prefill_build
+
+        child = start_prefill_build(self.config, generator)
+        if child is None:
+            return
+        rc = await asyncio.to_thread(child.wait)
+        compiled = generator.engine.compiled
+        loaded = rc == 0 and await asyncio.to_thread(compiled.load_prefill)
+        log.info("generator: compiled prefill %s", "loaded" if loaded else f"not built (child exit {rc})")
 
     def __serve_build_asgi_app__(self):
         self.fastapi = create_app(self.backends, self.limits, startup=self.startup,

@@ -1,4 +1,4 @@
-"""The translator's compiled steps built in a child process while the replica builds the generator's.
+"""Compiled steps built in a child process, so that a replica's first start does not wait for them.
 
 A replica starts its engines one after the other, and two engines' builds cannot share a process
 (torch.export's tracing is not thread-safe: docs/decisions.md). On a first start the translator's
@@ -9,7 +9,10 @@ translator's packages, starts the translator's engine once, which builds them un
 the generator's meanwhile and waits for the child before starting its own translator engine, which
 then loads them. The child's failure costs nothing but time: the replica then builds them itself.
 
-    python -m service.prebuild '<translator ModelSpec as JSON>'
+The generator's compiled prefill is not needed to serve, only faster: a replica that lacks it starts
+without it and, once ready, has a child build it the same way, then loads it.
+
+    python -m service.prebuild translator|generator '<ModelSpec as JSON>'
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
+import threading
+import time
 
 from service.config import ServiceConfig
 
@@ -37,20 +43,48 @@ def start_translator_build(cfg: ServiceConfig, translator) -> subprocess.Popen |
     if engine.runner.compiled_steps_built(engine.config.threads or default_threads()):
         return None
     # the replica's own placement, so the child keys its packages as the replica will
-    spec = dataclasses.replace(cfg.translator, device=engine.config.device, dtype=engine.config.dtype)
-    return subprocess.Popen([sys.executable, "-m", "service.prebuild", json.dumps(dataclasses.asdict(spec))],
+    return _child("translator", dataclasses.replace(cfg.translator, device=engine.config.device,
+                                                    dtype=engine.config.dtype))
+
+
+def start_prefill_build(cfg: ServiceConfig, generator) -> subprocess.Popen | None:
+    """Start the child that builds the generator's compiled prefill where its engine (started, compiled)
+    lacks it; None where there is nothing to build."""
+    from model.quantize import quantization_of
+
+    engine = getattr(generator, "engine", None)
+    compiled = getattr(engine, "compiled", None)
+    if compiled is None or not compiled.prefill_pending:
+        return None
+    # as the replica resolved it: the child then keys its packages as the replica does
+    return _child("generator", dataclasses.replace(cfg.generator, device=engine.config.device,
+                                                   dtype=engine.config.dtype,
+                                                   quantization=quantization_of(engine.runner.model)))
+
+
+def _child(kind: str, spec) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "service.prebuild", kind, json.dumps(dataclasses.asdict(spec))],
                             stdin=subprocess.DEVNULL)
 
 
-async def _build(spec_json: str) -> None:
+async def _build(kind: str, spec_json: str) -> None:
     from service.config import ModelSpec
-    from service.models import load_translator
+    from service.models import load_generator, load_translator
 
-    engine = load_translator(ModelSpec.from_dict(json.loads(spec_json))).engine
+    spec = ModelSpec.from_dict(json.loads(spec_json))
+    engine = (load_translator(spec) if kind == "translator" else load_generator(spec, log=log.info)).engine
     await engine.start()
     await engine.stop()
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A child whose replica is gone (stopped, crashed) stops building for it."""
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(1)
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="prebuild: %(message)s")
-    asyncio.run(_build(sys.argv[1]))
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    asyncio.run(_build(*sys.argv[1:3]))

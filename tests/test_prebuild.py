@@ -53,3 +53,52 @@ def test_no_child_where_the_translators_sizes_run_eagerly():
     cfg = ServiceConfig.from_dict({"translator": {"device": "cpu", "dtype": "float32",
                                                   "engine": {"max_slots": 1, "max_seq_len": 32, "compile": True}}})
     assert start_translator_build(cfg, load_translator(cfg.translator)) is None
+
+
+_GENERATOR_REPLICA = """
+import asyncio, logging, sys
+from pathlib import Path
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from tests.serve_fixture import tiny_checkpoints
+from service.config import ServiceConfig
+from service.models import load_generator
+from service.prebuild import start_prefill_build
+gen, _ = tiny_checkpoints(Path(sys.argv[1]))
+cfg = ServiceConfig.from_dict({"generator": {"checkpoint": str(gen), "device": "cpu", "dtype": "float32",
+                                             "quantization": "int8",
+                                             "engine": {"max_slots": 4, "max_seq_len": 64, "compile": True,
+                                                        "threads": 1}},
+                               "translator": {"enabled": False}})
+frontend = load_generator(cfg.generator)
+engine = frontend.engine
+engine.runner.build_prefill = False  # as the replica starts it
+
+async def main():
+    await engine.start()
+    try:
+        print("pending", engine.compiled.prefill_pending, flush=True)
+        child = start_prefill_build(cfg, frontend)
+        print("child", child is not None and await asyncio.to_thread(child.wait) == 0, flush=True)
+        print("loaded", engine.compiled.load_prefill(), flush=True)
+        print("again", start_prefill_build(cfg, frontend) is None, flush=True)
+    finally:
+        await engine.stop()
+
+asyncio.run(main())
+"""
+
+
+def test_a_child_builds_the_generators_prefill_after_the_replica_started(tmp_path):
+    """A replica's first start serves without the generator's compiled prefill; a child builds it, keyed as
+    the replica keys it, and the replica loads it."""
+    from tests.conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(ATTNSERVE_HOME=str(tmp_path), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", _GENERATOR_REPLICA, str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [w for line in r.stdout.splitlines() if not line.startswith("attnserve: ") for w in line.split()]
+    assert said == ["pending", "True", "child", "True", "loaded", "True", "again", "True"]
+    built = [line for line in r.stderr.splitlines() if "decoder-prefill: built " in line]
+    assert len(built) == 1 and built[0].startswith("prebuild: ")  # by the child, not the replica

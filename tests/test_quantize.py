@@ -224,14 +224,16 @@ def test_prepacked_linear_computes_the_linear(dtype):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize(("mode", "packages"), [("int8", ["blocks", "head"]), ("int4", ["blocks", "head"]),
+@pytest.mark.parametrize(("mode", "packages"), [("int8", ["blocks", "head", "prefill"]),
+                                               ("int4", ["blocks", "head", "prefill"]),
                                                ("int8 float head", ["decode"])])
 def test_quantized_step_from_shared_packages_equals_the_eager_step(mode, packages, tmp_path, monkeypatch,
                                                                    one_torch_thread):
     """A quantized decoder's compiled step runs one package for every run of layers (each run's weights
     as inputs) and one for the head; a model with float linears left, one frozen package of the whole
     step. Either way its logits and new K/V equal the eager step's, for one row (no pad row) and for
-    ragged rows with a pad row among them."""
+    ragged rows with a pad row among them. A quantized one's prompt chunks go through a package of the runs
+    of layers too, writing what the eager forward writes."""
     from model.decoder_step import decoder_step
     from service.engine.compiled import CompiledDecoder
 
@@ -266,12 +268,35 @@ def test_quantized_step_from_shared_packages_equals_the_eager_step(mode, package
         for s, q in zip(slots, positions, strict=True):
             assert torch.allclose(cache.k[:, s, :, q], ref_k[:, s], atol=1e-5)
             assert torch.allclose(cache.v[:, s, :, q], ref_v[:, s], atol=1e-5)
-    if packages == ["blocks", "head"]:  # weights of another dtype (an engine casting buffers) get their own graph
+    if "prefill" not in packages:
+        assert not step.prefill_pending and step.prefill(3, [8, 1], 0) is None  # eager prefill
+        return
+    # a chunk at the start of a slot, a lone token (padded to two), a chunk after a cached prefix
+    for slot, chunk, start in ((3, [8, 1, 4, 4, 9], 0), (4, [6], 0), (1, [12, 13, 14], len(prompts[1]))):
+        ref = m.new_cache(8, 64)
+        ref.k.copy_(cache.k)
+        ref.v.copy_(cache.v)
+        with torch.inference_mode():
+            want = m(torch.tensor([chunk]), torch.arange(start, start + len(chunk))[None], ref, slots=[slot])[0, -1]
+            got = step.prefill(slot, chunk, start)
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+        end = start + len(chunk)
+        assert torch.allclose(cache.k[:, slot, :, :end], ref.k[:, slot, :, :end], atol=1e-5)
+        assert torch.allclose(cache.v[:, slot, :, :end], ref.v[:, slot, :, :end], atol=1e-5)
+    assert step.prefill(5, [1, 2], 63) is None  # past the cache's end: the eager forward's to refuse
+    # a replica's first start: no prefill package yet, the step serves without one until it is built
+    next((tmp_path / "aoti").glob("decoder-prefill-*.pt2")).unlink()
+    later = CompiledDecoder(m, cache)
+    later.warm_up(build_prefill=False)
+    assert later.prefill_pending and later.prefill(3, [8, 1], 0) is None
+    assert later.load_prefill(build=True) and not later.prefill_pending
+    if mode == "int8":  # weights of another dtype (an engine casting buffers) get their own graph
         for mod in m.modules():
             if isinstance(mod, Int8Linear):
                 mod.inv_smooth = mod.inv_smooth.to(torch.bfloat16)
-        CompiledDecoder(m, cache).warm_up()
-        assert len(list((tmp_path / "aoti").glob("*.pt2"))) > 2  # rebuilt: blocks and head (int8), head (int4)
+        before = len(list((tmp_path / "aoti").glob("*.pt2")))
+        CompiledDecoder(m, cache).warm_up(build_prefill=False)
+        assert len(list((tmp_path / "aoti").glob("*.pt2"))) == before + 2  # rebuilt: blocks and head
 
 
 _COMPILE_TWICE = """
@@ -319,10 +344,10 @@ def test_second_start_loads_compiled_steps_from_attnserve_home(tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
     first, second = (r.stdout.split()[-4:] for r in runs)
     assert first[0] == second[0] and first[0].startswith(str(tmp_path / "compile" / "torch-"))
-    assert first[1] == second[1] == "4"  # decoder layers, decoder head; translator step, encoder
+    assert first[1] == second[1] == "5"  # decoder layers, head, prefill; translator step, encoder
     assert first[2:] == second[2:]  # same logits from the built and the loaded packages
-    assert runs[0].stderr.count(": built ") == 4 and ": loaded " not in runs[0].stderr
-    assert runs[1].stderr.count(": loaded ") == 4 and ": built " not in runs[1].stderr
+    assert runs[0].stderr.count(": built ") == 5 and ": loaded " not in runs[0].stderr
+    assert runs[1].stderr.count(": loaded ") == 5 and ": built " not in runs[1].stderr
     assert "AOTInductor failed" not in runs[0].stderr + runs[1].stderr
 
 

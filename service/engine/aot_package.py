@@ -115,17 +115,17 @@ def package_path(directory: Path, name: str, key: Sequence[object], *, freezing:
 
 def load_or_build(directory: Path, name: str, fn: Callable, model: torch.nn.Module, args: Sequence[torch.Tensor],
                   dynamic_shapes: Sequence[dict | None], *, freezing: bool, key: Sequence[object],
-                  shared: bool = False) -> Callable:
+                  shared: bool = False, threads: int | None = None, build: bool = True) -> Callable | None:
     """The package of `fn(model, *args)` with `dynamic_shapes` (one dict per arg: dim -> torch.export.Dim),
     loaded from `directory` when built before for the same `key` (plus torch, threads and code), else
     exported, compiled and saved there. Returns a callable of the same tensors -> the same outputs; with
     `shared`, of (*args, *weights(module)) for any module shaped as `model` (the key need not name its
-    weights, only its structure)."""
+    weights, only its structure). `threads`: as `package_path`; without `build`, None where it was never built."""
     if shared:  # the graph reads its weights' bytes as traced: another dtype or layout needs another graph
         key = (*key, *((str(t.dtype), tuple(t.shape), t.stride()) for t in weights(model)))
-    path = package_path(directory, name, key, freezing=freezing, shared=shared)
+    path = package_path(directory, name, key, freezing=freezing, shared=shared, threads=threads)
     step = _load(path, name)
-    if step is not None:
+    if step is not None or not build:
         return step
     with file_lock(path.with_suffix(".lock")):  # a replica starting beside this one builds it once
         step = _load(path, name)

@@ -8,7 +8,8 @@ generated C++ and, with `freezing`, treats the weights as constants (prepacked o
 float linears are left, see `_wants_freezing`). The
 compiled functions are pure (`model/seq2seq_step.py`, `model/decoder_step.py`): the translator's
 `decode_step` and `encode_cross` (encoder + every decoder layer's cross K/V for newly admitted
-sources), and the decoder-only LM's `decoder_step`. Prompt prefill stays eager (long, few calls).
+sources), and the decoder-only LM's `decoder_step`; a quantized LM's prompt chunks of one sequence
+(`chunk_blocks_step`) too. Other prompt prefill stays eager (several prompts in one padded forward).
 Measured numbers are in docs/performance.md and docs/decisions.md.
 
 Every size (rows, prefix length, source length, sources) is marked dynamic, so ONE graph per function
@@ -35,7 +36,7 @@ from torch.export import Dim
 
 from model.cpu_features import cpu_flags
 from model.decoder import DecoderLM
-from model.decoder_step import blocks_step, decoder_step, head_step
+from model.decoder_step import blocks_step, chunk_blocks_step, decoder_step, head_step
 from model.kv_cache import KVCache
 from model.paths import home
 from model.seq2seq import EncoderDecoder
@@ -261,11 +262,22 @@ class CompiledDecoder:
         self._decode = _compile(functools.partial(decoder_step, model))
         self.min_rows = MIN_SIZE  # torch.compile specialises one row; an exported package takes it
         self.compile_seconds: float | None = None
+        self._chunk: tuple | None = None  # the compiled prefill's blocks package and runs of layers, once loaded
+        self._chunk_spec: tuple | None = None  # what loading or building it takes (quantized models)
+        self.threads = torch.get_num_threads()
 
-    def warm_up(self) -> float:
+    @property
+    def prefill_pending(self) -> bool:
+        """Whether this step has a compiled prefill that is neither built nor loaded yet."""
+        return self._chunk_spec is not None and self._chunk is None
+
+    def warm_up(self, build_prefill: bool = True) -> float:
         """Compile the decode step now, at serving-like sizes (see _hint_sizes): load it from
-        `$ATTNSERVE_HOME` as AOTInductor packages (service/engine/aot_package.py), else torch.compile it."""
+        `$ATTNSERVE_HOME` as AOTInductor packages (service/engine/aot_package.py), else torch.compile it.
+        A quantized model's prompt prefill gets a package too, loaded where built; without `build_prefill`
+        it is left to `load_prefill` (a replica's first start builds it in a child after ready)."""
         t0 = time.perf_counter()
+        self.threads = torch.get_num_threads()
         c = self.cache
         rows, length = _hint_sizes((31, c.n_slots - 1), (300, c.max_len - 1))
         tokens = torch.zeros(rows, dtype=torch.long, device=self.dev)
@@ -290,6 +302,11 @@ class CompiledDecoder:
             with torch.inference_mode(), torch._inductor.config.patch(freezing=freezing):
                 _mark_dynamic((tokens, (0,)), (positions, (0,)), (k, (1, 3)), (v, (1, 3)))
                 self._decode(tokens, positions, k, v)
+        try:
+            self.load_prefill(build=build_prefill)
+        except Exception:  # prompts then prefill eagerly: slower to a first token, not wrong
+            log.warning("decoder: compiled prefill failed; prefilling eagerly", exc_info=True)
+            self._chunk_spec = None
         self.compile_seconds = time.perf_counter() - t0
         log.info("decoder's decode step ready in %.1f s", self.compile_seconds)
         return self.compile_seconds
@@ -312,6 +329,7 @@ class CompiledDecoder:
                              key=(*shape, repr(head_module)), shared=True)
         run_weights = [(i, i + g, weights(run)) for i, run in zip(range(0, layers, g), runs, strict=True)]
         head_weights = weights(head_module)
+        self._chunk_spec = (runs[0], run_weights, shape, lambda x: head(x, *head_weights)[0])
 
         def step(tokens, positions, k, v):  # (R,), (R,), (NL, R, Hkv, L, D) x 2
             x, rope = m.embed_tokens(tokens[:, None], positions[:, None])  # (R, 1, d)
@@ -344,3 +362,54 @@ class CompiledDecoder:
         rows = torch.tensor(slots, device=self.dev)
         self.cache.write_step(new_k, new_v, positions_t, rows=rows)
         return logits[rows]  # (len(slots), V)
+
+    def load_prefill(self, build: bool = False) -> bool:
+        """Load the compiled prefill of a prompt chunk (the shared blocks package at T new tokens of one
+        slot), building it first with `build` -> whether it is in use. The eager forward pays a fixed
+        cost per op at a short prompt that the package does not (docs/performance.md)."""
+        if self._chunk_spec is None:
+            return False
+        if self._chunk is not None:
+            return True
+        template, run_weights, shape, head = self._chunk_spec
+        m, c = self.model, self.cache
+        t, length = _hint_sizes((13, c.max_len - 1), (64, c.max_len - 1))
+        positions = torch.arange(t, device=self.dev)[None]  # (1, T)
+        with torch.no_grad():
+            x, rope = m.embed_tokens(torch.zeros_like(positions), positions)  # (1, T, d)
+        rope = tuple(rope or ())  # (cos, sin) (1, 1, T, D), or none
+        g = run_weights[0][1]
+        k, v = c.k[:g, :1, :, :length], c.v[:g, :1, :, :length]  # (G, 1, Hkv, L, D)
+        chunk, n = Dim("chunk", min=MIN_SIZE, max=c.max_len - 1), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
+        blocks = load_or_build(use_persistent_cache(), "decoder-prefill", chunk_blocks_step, template,
+                               (x, positions, k, v, *rope), ({1: chunk}, {1: chunk}, {3: n}, {3: n},
+                                                            *[{2: chunk}] * len(rope)),
+                               freezing=False, key=(*shape, repr(template)), shared=True, threads=self.threads,
+                               build=build)
+        if blocks is not None:
+            self._chunk = (blocks, run_weights, head)
+        return blocks is not None
+
+    def prefill(self, slot: int, tokens: list[int], start: int) -> torch.Tensor | None:
+        """A prompt chunk of `slot` at positions start.. through the compiled prefill -> its last position's
+        logits (V,), its K/V written; None where there is none (not loaded, or past the cache's end)."""
+        if self._chunk is None:
+            return None
+        blocks, run_weights, head = self._chunk
+        n = len(tokens)
+        width = max(n, MIN_SIZE)  # a lone token takes a pad token after it: causal, it changes nothing
+        if start + width > self.cache.max_len - 1:
+            return None
+        positions = torch.arange(start, start + width, device=self.dev)[None]  # (1, W)
+        ids = torch.tensor([tokens + [0] * (width - n)], device=self.dev)  # (1, W)
+        x, rope = self.model.embed_tokens(ids, positions)  # (1, W, d)
+        rope = rope or ()
+        length = prefix_length([start], self.cache.max_len - 1)
+        k, v = self.cache.k[:, slot:slot + 1, :, :length], self.cache.v[:, slot:slot + 1, :, :length]
+        new_k, new_v = [], []
+        for lo, hi, w in run_weights:
+            x, nk, nv = blocks(x, positions, k[lo:hi], v[lo:hi], *rope, *w)  # nk, nv (G, 1, Hkv, W, D)
+            new_k.append(nk)
+            new_v.append(nv)
+        self.cache.write_chunk(slot, start, torch.cat(new_k)[..., :n, :], torch.cat(new_v)[..., :n, :])
+        return head(x[:, n - 1])[0]  # (V,)

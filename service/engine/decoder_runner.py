@@ -19,10 +19,13 @@ class DecoderRunner:
         self.device = config.device
         self.cache = model.new_cache(config.max_slots, config.max_seq_len, dtype=config.kv_torch_dtype)
         self.compiled: CompiledDecoder | None = None
+        # False: `compile` loads the compiled prefill where this host has it and leaves building it to the
+        # caller (a replica builds it in a child once ready: service/prebuild.py)
+        self.build_prefill = True
 
     def compile(self) -> None:
         compiled = CompiledDecoder(self.model, self.cache)
-        compiled.warm_up()
+        compiled.warm_up(build_prefill=self.build_prefill)
         self.compiled = compiled
 
     def prefill(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -31,6 +34,11 @@ class DecoderRunner:
         out: list[torch.Tensor | None] = [None] * len(chunks)
         for group in padding_bounded_groups(list(range(len(chunks))), [len(t) for _, t, _ in chunks],
                                             self.config.prefill_max_padding):
+            if len(group) == 1 and self.compiled is not None:
+                logits = self.compiled.prefill(*chunks[group[0]])  # (V,), or None: run it eagerly
+                if logits is not None:
+                    out[group[0]] = logits
+                    continue
             logits = self._forward([chunks[i] for i in group], last_only=True)  # (P, V)
             for row, i in enumerate(group):
                 out[i] = logits[row]
