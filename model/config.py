@@ -114,16 +114,10 @@ class Seq2SeqConfig:
 
 # --- presets -----------------------------------------------------------------------------------
 
-GPT2_SMALL = DecoderConfig()
-
 SMOLLM2_135M = DecoderConfig(
     vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
     max_seq_len=8192, norm="rmsnorm", norm_eps=1e-5, positions="rope", rope_theta=100000.0,
     mlp="swiglu", attn_bias=False, mlp_bias=False, norm_bias=False, tie_embeddings=True,
-)
-
-TRANSFORMER_BASE = Seq2SeqConfig(
-    vocab_size=37000, d_model=512, n_encoder_layers=6, n_decoder_layers=6, n_heads=8, d_ff=2048,
 )
 
 TINY_GPT2 = DecoderConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=128)
@@ -138,12 +132,3 @@ TINY_SEQ2SEQ = Seq2SeqConfig(
     vocab_size=97, d_model=32, n_encoder_layers=2, n_decoder_layers=2, n_heads=4, d_ff=64,
     max_src_len=64, max_tgt_len=64, dropout=0.0,
 )
-
-PRESETS: dict[str, DecoderConfig | Seq2SeqConfig] = {
-    "gpt2-small": GPT2_SMALL,
-    "smollm2-135m": SMOLLM2_135M,
-    "transformer-base": TRANSFORMER_BASE,
-    "tiny-gpt2": TINY_GPT2,
-    "tiny-llama": TINY_LLAMA,
-    "tiny-seq2seq": TINY_SEQ2SEQ,
-}

@@ -130,9 +130,6 @@ class PlainProgress:
         if refresh:
             self.refresh()
 
-    def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
-        self.desc = desc or ""
-
     def refresh(self) -> None:
         """A line if one is due: callers that wait without updating (a subprocess) still show they live."""
         now = time.monotonic()

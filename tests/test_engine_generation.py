@@ -400,9 +400,35 @@ def test_prefill_borrows_idle_cores_only_when_nothing_decodes(tmp_path, others_b
     assert torch.get_num_threads() == 1
 
 
+@pytest.mark.parametrize("others_busy, want", [(False, 2), (True, 1)])
+def test_decode_borrows_idle_cores_while_no_other_engine_works(tmp_path, others_busy, want):
+    """`decode_threads`: decode steps run on more threads while no other engine on the host has work."""
+    from service.engine.cpu_runtime import BusyBoard
+
+    neighbour = BusyBoard(tmp_path)
+    neighbour.set(others_busy)
+    engine = make_engine(threads=1, decode_threads=2)
+    engine.busy = BusyBoard(tmp_path)
+    seen, decode = [], engine.runner.decode
+
+    def counting(*args):
+        seen.append(torch.get_num_threads())
+        return decode(*args)
+
+    engine.runner.decode = counting
+    req = GenerateRequest(prompt_ids=prompt(random.Random(4), 7),
+                          params=SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))
+    _, _, done = run_engine(engine, lambda e: collect(e, req))
+    assert done.finish_reason == "length"
+    assert seen == [want] * 4  # the first token comes from the prefill
+    assert torch.get_num_threads() == 1
+
+
 def test_prefill_threads_must_be_positive():
     with pytest.raises(ValueError, match="prefill_threads"):
         EngineConfig(prefill_threads=0)
+    with pytest.raises(ValueError, match="decode_threads"):
+        EngineConfig(decode_threads=0)
 
 
 def test_a_new_prompts_first_token_streams_before_the_running_rows_decode():

@@ -30,6 +30,9 @@ class EngineConfig:
     # torch threads for a step that only prefills prompts (nothing decoding) while the host has that many
     # cores idle (service/engine/cpu_runtime.py); None = `threads`. Cuts time to first token at low load.
     prefill_threads: int | None = None
+    # torch threads for a step that decodes, on the same terms: one stream's tokens come faster while the
+    # host's other engines are idle; None = `threads`
+    decode_threads: int | None = None
     # a prompt copies the K/V of the longest prefix already cached (a running sequence's tokens or a freed
     # slot's) instead of prefilling it (service/engine/prefix_reuse.py); the generation engine only
     prefix_reuse: bool = True
@@ -53,7 +56,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.prefill_max_padding must be >= 0, got {self.prefill_max_padding}")
         if self.max_waiting < 0:
             raise ValueError(f"EngineConfig.max_waiting must be >= 0, got {self.max_waiting}")
-        for name in ("threads", "prefill_threads"):
+        for name in ("threads", "prefill_threads", "decode_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1 or None, got {getattr(self, name)}")
 

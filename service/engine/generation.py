@@ -257,8 +257,9 @@ class GenerationEngine(EngineLoop):
         scored: list[Sequence] = []  # prompts scored without generating (max_new_tokens 0)
         logits = []
         chunks = [(seq, c) for seq, c in step.prefill if seq.params.prompt_logprobs is None]
+        borrowed = self._borrowed_threads(step)
         if chunks:
-            with hooks.phase("prefill forward"), torch_threads(self._prefill_threads(step)):
+            with hooks.phase("prefill forward"), torch_threads(borrowed):
                 out = self.runner.prefill([(s.slot, s.prompt[s.n_cached: s.n_cached + c], s.n_cached)
                                            for s, c in chunks])  # (P, V)
             take = self._prefilled(chunks, rows, scored)
@@ -280,7 +281,7 @@ class GenerationEngine(EngineLoop):
             scored, rows, logits = scored + rows, [], []
         if step.decode:
             d = step.decode
-            with hooks.phase("decode forward"):
+            with hooks.phase("decode forward"), torch_threads(borrowed):
                 out = self.runner.decode([s.slot for s in d], [s.output[-1] for s in d], [s.n_cached for s in d])
             for s in d:
                 s.n_cached += 1
@@ -316,10 +317,11 @@ class GenerationEngine(EngineLoop):
                     continue
             self.output.token(seq, tok, now, lp, complete)
 
-    def _prefill_threads(self, step: _Step) -> int | None:
-        """`prefill_threads` for a step with nothing decoding while no other engine on the host is busy."""
-        want, have = self.config.prefill_threads, torch.get_num_threads()
-        if want is None or want <= have or step.decode or self.busy.others_busy():
+    def _borrowed_threads(self, step: _Step) -> int | None:
+        """The threads a step may borrow while no other engine on the host is busy: `decode_threads` for a
+        step that decodes, `prefill_threads` for one that only prefills; None = the engine's own."""
+        want = self.config.decode_threads if step.decode else self.config.prefill_threads
+        if want is None or want <= torch.get_num_threads() or self.busy.others_busy():
             return None
         return want
 
