@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -409,11 +410,12 @@ def test_decode_borrows_idle_cores_while_no_other_engine_works(tmp_path, others_
     neighbour.set(others_busy)
     engine = make_engine(threads=1, decode_threads=2)
     engine.busy = BusyBoard(tmp_path)
-    seen, decode = [], engine.runner.decode
+    seen, rows_seen, decode = [], [], engine.runner.decode
 
-    def counting(*args):
+    def counting(slots, *args):
         seen.append(torch.get_num_threads())
-        return decode(*args)
+        rows_seen.append(len(slots))
+        return decode(slots, *args)
 
     engine.runner.decode = counting
     req = GenerateRequest(prompt_ids=prompt(random.Random(4), 7),
@@ -421,6 +423,15 @@ def test_decode_borrows_idle_cores_while_no_other_engine_works(tmp_path, others_
     _, _, done = run_engine(engine, lambda e: collect(e, req))
     assert done.finish_reason == "length"
     assert seen == [want] * 4  # the first token comes from the prefill
+    # a fuller step keeps the engine's own threads: three rows decode together after one shared prefill
+    seen.clear()
+    reqs = [dataclasses.replace(req, prompt_ids=prompt(random.Random(5 + i), 7)) for i in range(3)]
+
+    async def together(e):
+        return await asyncio.gather(*(collect(e, r) for r in reqs))
+
+    run_engine(engine, together)
+    assert 1 in seen and all(n == 1 for n, rows in zip(seen, rows_seen, strict=True) if rows > 2)
     assert torch.get_num_threads() == 1
 
 

@@ -58,6 +58,11 @@ class _Step:
     reuse: list[Move] = field(default_factory=list)  # cached prompt prefixes copied to new sequences, next
 
 
+# A decode step borrows threads only this small (one or two streams): there a second core halves the time
+# to stream the weights; fuller steps kept their tail latency better without (docs/decisions.md)
+BORROW_DECODE_ROWS = 2
+
+
 class GenerationEngine(EngineLoop):
     def __init__(self, model: DecoderLM, tokenizer, config: EngineConfig, *, eos_ids: set[int],
                  name: str = GENERATOR_ID, sink: MetricsSink | None = None):
@@ -321,6 +326,8 @@ class GenerationEngine(EngineLoop):
         """The threads a step may borrow while no other engine on the host is busy: `decode_threads` for a
         step that decodes, `prefill_threads` for one that only prefills; None = the engine's own."""
         want = self.config.decode_threads if step.decode else self.config.prefill_threads
+        if step.decode and len(step.decode) > BORROW_DECODE_ROWS:
+            return None
         if want is None or want <= torch.get_num_threads() or self.busy.others_busy():
             return None
         return want
