@@ -425,6 +425,7 @@ def test_decode_borrows_idle_cores_while_no_other_engine_works(tmp_path, others_
     assert seen == [want] * 4  # the first token comes from the prefill
     # a fuller step keeps the engine's own threads: three rows decode together after one shared prefill
     seen.clear()
+    rows_seen.clear()
     reqs = [dataclasses.replace(req, prompt_ids=prompt(random.Random(5 + i), 7)) for i in range(3)]
 
     async def together(e):
