@@ -36,6 +36,29 @@ struct Head {
   float* out;
 };
 
+// Keys past the last one the mask allows are skipped: rows shorter than the step's longest read a view as
+// long as that one's. The row's own key takes the score after the live ones.
+inline int64_t live_keys(const bool* ok, int64_t length) {
+  while (length > 0 && !ok[length - 1]) --length;
+  return length;
+}
+
+// Keys this far ahead are fetched while the current ones are summed, and each key's value row is fetched
+// for the second pass: a row's prefix is too short a stream for the hardware prefetcher to ramp up
+constexpr int64_t PREFETCH_KEYS = 16;
+
+template <typename T>
+inline void prefetch_keys(const Head<T>& h, int64_t j, int64_t count) {
+  for (int64_t t = 0; t < count; ++t) {
+    const char* kp = reinterpret_cast<const char*>(h.k + (j + t + PREFETCH_KEYS) * h.ks);
+    const char* vp = reinterpret_cast<const char*>(h.v + (j + t) * h.vs);
+    for (int64_t b = 0; b < h.d * static_cast<int64_t>(sizeof(T)); b += 64) {
+      _mm_prefetch(kp + b, _MM_HINT_T0);
+      _mm_prefetch(vp + b, _MM_HINT_T0);
+    }
+  }
+}
+
 // softmax over scores (G, L + 1) in place, masked keys at -inf; the own key (last) is always attended
 void softmax_rows(float* s, int64_t g, int64_t n) {
   for (int64_t h = 0; h < g; ++h) {
@@ -111,9 +134,9 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512 exp_512(__m512 x) {
 }
 
 __attribute__((target("avx512f,avx512bw")))
-void softmax_512(float* s, int64_t g, int64_t n) {
+void softmax_512(float* s, int64_t g, int64_t stride, int64_t n) {  // n of each row's stride
   for (int64_t h = 0; h < g; ++h) {
-    float* row = s + h * n;
+    float* row = s + h * stride;
     __m512 mx = _mm512_set1_ps(row[n - 1]);
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + j));
@@ -143,11 +166,12 @@ template <typename T, int G>
 __attribute__((target("avx512f,avx512bw")))
 void head_avx512(const Head<T>& h, float* s) {
   constexpr int64_t W = 16;
-  const int64_t n = h.length + 1, c = h.d / W;
+  const int64_t n = h.length + 1, c = h.d / W, live = live_keys(h.ok, h.length);
   const float ninf = -std::numeric_limits<float>::infinity();
   int64_t j = 0;
   if constexpr (G <= 4) {  // four keys at a time, their sums reduced together (one reduction per key is slow)
-    for (; j + 4 <= h.length; j += 4) {
+    for (; j + 4 <= live; j += 4) {
+      prefetch_keys(h, j, 4);
       __m512 acc[G][4];
 #pragma GCC unroll 8
       for (int a = 0; a < G; ++a)
@@ -177,8 +201,8 @@ void head_avx512(const Head<T>& h, float* s) {
       }
     }
   }
-  for (; j < n; ++j) {
-    const bool own = j == h.length;
+  for (; j <= live; ++j) {  // the last few keys, then the row's own key (its score at index `live`)
+    const bool own = j == live;
     if (!own && !h.ok[j]) {
 #pragma GCC unroll 8
       for (int a = 0; a < G; ++a) s[a * n + j] = ninf;
@@ -195,7 +219,7 @@ void head_avx512(const Head<T>& h, float* s) {
 #pragma GCC unroll 8
     for (int a = 0; a < G; ++a) s[a * n + j] = _mm512_reduce_add_ps(acc[a]);
   }
-  softmax_512(s, G, n);
+  softmax_512(s, G, n, live + 1);
   // SL 16-wide slices of D at a time, G x SL accumulators over every key: one FMA chain per accumulator
   // would wait on its own latency at every key, SL x G independent ones keep the FMA units busy
   constexpr int SL = slices_per_pass(G);
@@ -205,9 +229,9 @@ void head_avx512(const Head<T>& h, float* s) {
     for (int t = 0; t < SL; ++t) {
       const __m512 vo = i0 + t < c ? _mm512_loadu_ps(h.v_own + (i0 + t) * W) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-      for (int a = 0; a < G; ++a) o[a][t] = _mm512_mul_ps(_mm512_set1_ps(s[a * n + h.length]), vo);
+      for (int a = 0; a < G; ++a) o[a][t] = _mm512_mul_ps(_mm512_set1_ps(s[a * n + live]), vo);
     }
-    for (int64_t j = 0; j < h.length; ++j) {
+    for (int64_t j = 0; j < live; ++j) {
       if (!h.ok[j]) continue;
 #pragma GCC unroll 8
       for (int t = 0; t < SL; ++t) {
@@ -251,9 +275,9 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_256(__m256 x) {
 }
 
 __attribute__((target("avx2,fma")))
-void softmax_256(float* s, int64_t g, int64_t n) {
+void softmax_256(float* s, int64_t g, int64_t stride, int64_t n) {  // n of each row's stride
   for (int64_t h = 0; h < g; ++h) {
-    float* row = s + h * n;
+    float* row = s + h * stride;
     float m = row[n - 1];
     for (int64_t j = 0; j < n; ++j) m = std::max(m, row[j]);
     const __m256 vm = _mm256_set1_ps(m);
@@ -271,15 +295,68 @@ void softmax_256(float* s, int64_t g, int64_t n) {
   }
 }
 
-// as head_avx512, 8 wide; D a multiple of 8
+// keys per pass of the score loop: G x KB accumulators, G query slices and one key slice in 16 registers
+constexpr int keys_per_pass_256(int g) { return g <= 3 ? 4 : (g <= 5 ? 2 : 1); }
+
+// sums of KB accumulators (8 lanes each) -> KB floats at dst
+template <int KB>
+__attribute__((target("avx2,fma"))) inline void store_sums(const __m256* acc, float* dst) {
+  if constexpr (KB == 1) {
+    dst[0] = hsum8(acc[0]);
+  } else {
+    const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]);
+    __m256 t1 = t0;
+    if constexpr (KB == 4) t1 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 t2 = _mm256_hadd_ps(t0, t1);  // per 128-bit lane: [k0, k1, k2, k3] partial sums
+    const __m128 r = _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1));
+    if constexpr (KB == 4) {
+      _mm_storeu_ps(dst, r);
+    } else {
+      _mm_storel_pi(reinterpret_cast<__m64*>(dst), r);
+    }
+  }
+}
+
+// as head_avx512, 8 wide, with 16 registers: G x KB score accumulators (KB keys at a time) and G x SL
+// output slices per pass; D a multiple of 8
+constexpr int slices_per_pass_256(int g) { return g <= 1 ? 8 : (g <= 3 ? 4 : (g <= 5 ? 2 : 1)); }
+
 template <typename T, int G>
 __attribute__((target("avx2,fma")))
 void head_avx2(const Head<T>& h, float* s) {
   constexpr int64_t W = 8;
-  const int64_t n = h.length + 1, c = h.d / W;
+  constexpr int KB = keys_per_pass_256(G), SL = slices_per_pass_256(G);
+  const int64_t n = h.length + 1, c = h.d / W, live = live_keys(h.ok, h.length);
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
-    const bool own = j == h.length;
+  int64_t j = 0;
+  for (; j + KB <= live; j += KB) {
+    prefetch_keys(h, j, KB);
+    __m256 acc[G][KB];
+#pragma GCC unroll 8
+    for (int a = 0; a < G; ++a)
+#pragma GCC unroll 4
+      for (int t = 0; t < KB; ++t) acc[a][t] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < c; ++i) {
+      __m256 qa[G];
+#pragma GCC unroll 8
+      for (int a = 0; a < G; ++a) qa[a] = _mm256_loadu_ps(h.q + a * h.d + i * W);
+#pragma GCC unroll 4
+      for (int t = 0; t < KB; ++t) {
+        const __m256 kv = load8(h.k + (j + t) * h.ks + i * W);
+#pragma GCC unroll 8
+        for (int a = 0; a < G; ++a) acc[a][t] = _mm256_fmadd_ps(qa[a], kv, acc[a][t]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int a = 0; a < G; ++a) {
+      store_sums<KB>(acc[a], s + a * n + j);
+#pragma GCC unroll 4
+      for (int t = 0; t < KB; ++t)
+        if (!h.ok[j + t]) s[a * n + j + t] = ninf;
+    }
+  }
+  for (; j <= live; ++j) {  // the last few keys, then the row's own key (its score at index `live`)
+    const bool own = j == live;
     if (!own && !h.ok[j]) {
 #pragma GCC unroll 8
       for (int a = 0; a < G; ++a) s[a * n + j] = ninf;
@@ -296,24 +373,26 @@ void head_avx2(const Head<T>& h, float* s) {
 #pragma GCC unroll 8
     for (int a = 0; a < G; ++a) s[a * n + j] = hsum8(acc[a]);
   }
-  softmax_256(s, G, n);
-  constexpr int SL = std::max(1, slices_per_pass(G) / 2);  // 16 registers, not 32
+  softmax_256(s, G, n, live + 1);
   for (int64_t i0 = 0; i0 < c; i0 += SL) {
     __m256 o[G][SL];
 #pragma GCC unroll 8
     for (int t = 0; t < SL; ++t) {
       const __m256 vo = i0 + t < c ? _mm256_loadu_ps(h.v_own + (i0 + t) * W) : _mm256_setzero_ps();
 #pragma GCC unroll 8
-      for (int a = 0; a < G; ++a) o[a][t] = _mm256_mul_ps(_mm256_set1_ps(s[a * n + h.length]), vo);
+      for (int a = 0; a < G; ++a) o[a][t] = _mm256_mul_ps(_mm256_set1_ps(s[a * n + live]), vo);
     }
-    for (int64_t j = 0; j < h.length; ++j) {
+    for (int64_t j = 0; j < live; ++j) {
       if (!h.ok[j]) continue;
+      __m256 p[G];
+#pragma GCC unroll 8
+      for (int a = 0; a < G; ++a) p[a] = _mm256_set1_ps(s[a * n + j]);
 #pragma GCC unroll 8
       for (int t = 0; t < SL; ++t) {
         if (i0 + t >= c) break;
         const __m256 vv = load8(h.v + j * h.vs + (i0 + t) * W);
 #pragma GCC unroll 8
-        for (int a = 0; a < G; ++a) o[a][t] = _mm256_fmadd_ps(_mm256_set1_ps(s[a * n + j]), vv, o[a][t]);
+        for (int a = 0; a < G; ++a) o[a][t] = _mm256_fmadd_ps(p[a], vv, o[a][t]);
       }
     }
 #pragma GCC unroll 8
