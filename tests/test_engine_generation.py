@@ -364,6 +364,40 @@ def test_prefill_groups_bound_padding_and_keep_every_chunk():
     assert len(padding_bounded_groups([0, 1, 2], [256, 250, 240])) == 1
 
 
+def test_prefill_sends_few_or_long_chunks_one_by_one_to_the_compiled_prefill():
+    """With a compiled prefill, a group of one or two chunks, or of chunks 32 tokens long on average, goes
+    through it a chunk at a time; many short chunks share one eager forward; a chunk it refuses (None) is
+    run eagerly. Logits come back in the chunks' order."""
+    from service.engine.decoder_runner import DecoderRunner, compiled_one_by_one
+
+    assert compiled_one_by_one([3]) and compiled_one_by_one([2, 300]) and compiled_one_by_one([30, 34, 40])
+    assert not compiled_one_by_one([4, 4, 4]) and not compiled_one_by_one([40, 8, 8, 8])
+    model = tiny_llama()
+    runner = DecoderRunner(model, EngineConfig(max_slots=8, max_seq_len=128))
+    reference = DecoderRunner(model, EngineConfig(max_slots=8, max_seq_len=128))
+    eager = DecoderRunner(model, EngineConfig(max_slots=8, max_seq_len=128))
+    eager.cache = runner.cache
+
+    class Compiled:  # stands in for CompiledDecoder.prefill: eager logits for slots it takes, None for slot 1
+        calls: list[int] = []
+
+        def prefill(self, slot, tokens, start):
+            self.calls.append(slot)
+            return None if slot == 1 else eager.prefill([(slot, tokens, start)])[0]
+
+    runner.compiled = Compiled()
+    rng = random.Random(0)
+    for lengths, one_by_one in (([40, 40, 36], [0, 1, 2]), ([5, 6, 7, 5], [])):
+        chunks = [(slot, prompt(rng, n), 0) for slot, n in enumerate(lengths)]
+        Compiled.calls.clear()
+        got = runner.prefill(chunks)
+        assert Compiled.calls == one_by_one
+        want = reference.prefill(chunks)
+        assert torch.allclose(got, want, atol=1e-5)
+        for slot, n in enumerate(lengths):  # past a chunk, a batched forward's pad rows may write
+            assert torch.allclose(runner.cache.k[:, slot, :, :n], reference.cache.k[:, slot, :, :n], atol=1e-5)
+
+
 @pytest.mark.parametrize("others_busy, want", [(False, [2, 1]), (True, [1, 1])])
 def test_prefill_borrows_idle_cores_only_when_nothing_decodes(tmp_path, others_busy, want):
     """`prefill_threads`: a prompt reaching an idle engine prefills on more threads while no other engine

@@ -10,6 +10,7 @@ from service.engine.compiled import CompiledDecoder
 from service.engine.config import EngineConfig
 
 Chunk = tuple[int, list[int], int]  # (slot, prompt tokens, position of the first)
+ONE_BY_ONE_MIN_AVERAGE = 32  # tokens a chunk, on average, for more than two to go one by one
 
 
 class DecoderRunner:
@@ -34,10 +35,11 @@ class DecoderRunner:
         out: list[torch.Tensor | None] = [None] * len(chunks)
         for group in padding_bounded_groups(list(range(len(chunks))), [len(t) for _, t, _ in chunks],
                                             self.config.prefill_max_padding):
-            if len(group) == 1 and self.compiled is not None:
-                logits = self.compiled.prefill(*chunks[group[0]])  # (V,), or None: run it eagerly
-                if logits is not None:
-                    out[group[0]] = logits
+            if self.compiled is not None and compiled_one_by_one([len(chunks[i][1]) for i in group]):
+                for i in group:
+                    out[i] = self.compiled.prefill(*chunks[i])  # (V,), or None: run it eagerly
+                group = [i for i in group if out[i] is None]
+                if not group:
                     continue
             logits = self._forward([chunks[i] for i in group], last_only=True)  # (P, V)
             for row, i in enumerate(group):
@@ -73,6 +75,13 @@ class DecoderRunner:
         tokens_t = torch.tensor(tokens, device=dev)[:, None]  # (D, 1)
         positions_t = torch.tensor(positions, device=dev)[:, None]  # (D, 1)
         return self.model(tokens_t, positions_t, self.cache, slots)[:, -1]  # (D, V)
+
+
+def compiled_one_by_one(lengths: list[int]) -> bool:
+    """Whether a group of prompt chunks of these lengths goes through the compiled prefill one chunk at a
+    time rather than in one eager forward: each compiled call streams every weight once, the eager forward
+    pays Python per op once for the group, so a few chunks or long ones go one by one."""
+    return len(lengths) <= 2 or sum(lengths) >= ONE_BY_ONE_MIN_AVERAGE * len(lengths)
 
 
 def padding_bounded_groups(items: list, lengths: list[int], max_padding: float = 0.25) -> list[list]:
