@@ -13,20 +13,48 @@ from model.file_lock import file_lock
 from service.routing import ReadyFirstRouter
 
 
-def _choose(candidates):
-    return asyncio.run(ReadyFirstRouter.choose_replicas(None, candidates))
+def _router():
+    router = ReadyFirstRouter.__new__(ReadyFirstRouter)  # Serve builds it with its own arguments
+    router.initialize_state()
+    return router
+
+
+def _replica(n, ready):
+    return SimpleNamespace(routing_stats={} if ready is None else {"ready": ready}, replica_id=n)
 
 
 def test_router_offers_only_ready_replicas_once_one_is_ready():
-    loading = [SimpleNamespace(routing_stats={"ready": False}, n=i) for i in range(3)]
-    ready = [SimpleNamespace(routing_stats={"ready": True}, n=i) for i in range(3, 6)]
-    assert [r.n for r in _choose(loading[:2])[0]] == [0, 1]  # none ready: all (healthz answers)
-    assert {r.n for r in _choose([SimpleNamespace(routing_stats={}, n=9)])[0]} == {9}  # no stats yet
+    router = _router()
+    loading = [_replica(i, False) for i in range(3)]
+    ready = [_replica(i, True) for i in range(3, 6)]
+    ranks = asyncio.run(router.choose_replicas(loading[:2]))
+    assert sorted(r.replica_id for (r,) in ranks) == [0, 1]  # none ready: all (healthz answers)
+    assert [[r.replica_id for r in rank] for rank in asyncio.run(router.choose_replicas([_replica(9, None)]))] == [[9]]
     for _ in range(20):
-        (rank,) = _choose(loading + ready)
-        assert len(rank) == 2 and all(r.routing_stats["ready"] for r in rank)
-    (rank,) = _choose(loading + ready[:1])
-    assert [r.n for r in rank] == [3]
+        ranks = asyncio.run(router.choose_replicas(loading + ready))
+        assert sorted(r.replica_id for (r,) in ranks) == [3, 4, 5]
+    assert [r.replica_id for (r,) in asyncio.run(router.choose_replicas(loading + ready[:1]))] == [3]
+
+
+def test_router_sends_a_burst_to_the_replica_with_fewest_in_flight(monkeypatch):
+    """Serve's cached queue lengths go stale when idle; the router's own count of what it sent and what
+    completed keeps a burst even across replicas."""
+    from ray.serve.request_router import RequestRouter
+
+    monkeypatch.setattr(RequestRouter, "on_send_request", lambda self, replica_id: None)
+    monkeypatch.setattr(RequestRouter, "on_request_completed", lambda self, replica_id, request_id: None)
+    router = _router()
+    replicas = [_replica(i, True) for i in range(2)]
+    for _ in range(64):  # each request goes where the first rank points
+        (first,), _ = asyncio.run(router.choose_replicas(replicas))
+        router.on_send_request(first.replica_id)
+    assert router.in_flight == {0: 32, 1: 32}
+    for _ in range(5):
+        router.on_request_completed(1, "id")
+    assert [r.replica_id for (r,) in asyncio.run(router.choose_replicas(replicas))] == [1, 0]
+    for _ in range(40):
+        router.on_request_completed(0, "id")
+    assert router.in_flight[0] == 0
 
 
 def test_deployment_reports_readiness_for_routing():
