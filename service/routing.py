@@ -15,29 +15,71 @@ and `/readyz` answer during start-up). Set in the Serve config:
 from __future__ import annotations
 
 import random
+import time
+from dataclasses import dataclass
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+ABANDONED_S = 30.0  # a request chosen for but not routed this long ago was cancelled while waiting
+
+
+@dataclass
+class _Placed:
+    replica_id: object
+    chosen_at: float
+    routed: bool = False
 
 
 class ReadyFirstRouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
-        self.in_flight: dict = {}  # replica id -> requests this router sent that have not completed
+        self.in_flight: dict = {}  # replica id -> requests this router placed there that have not completed
+        self.placed: dict[str, _Placed] = {}  # request id -> where it is counted
+        self.swept_at = time.monotonic()
 
-    def on_send_request(self, replica_id) -> None:
-        super().on_send_request(replica_id)
-        self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
+    def _count(self, replica_id, delta: int) -> None:
+        self.in_flight[replica_id] = max(0, self.in_flight.get(replica_id, 0) + delta)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
+        placed = self.placed.get(pending_request.metadata.internal_request_id)
+        if placed is not None:
+            if placed.replica_id != replica_id:  # its first rank was full: count it where it went
+                self._count(placed.replica_id, -1)
+                self._count(replica_id, +1)
+                placed.replica_id = replica_id
+            placed.routed = True
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
-        self.in_flight[replica_id] = max(0, self.in_flight.get(replica_id, 0) - 1)
+        placed = self.placed.pop(internal_request_id, None)
+        if placed is not None:
+            self._count(placed.replica_id, -1)
+
+    def _sweep(self, now: float) -> None:
+        """Uncount requests that were chosen for but never routed (cancelled while Serve waited for room)."""
+        if now - self.swept_at < 1.0:
+            return
+        self.swept_at = now
+        for rid in [rid for rid, p in self.placed.items() if not p.routed and now - p.chosen_at > ABANDONED_S]:
+            self._count(self.placed.pop(rid).replica_id, -1)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         ready = [r for r in candidate_replicas if (r.routing_stats or {}).get("ready")]
         pool = ready or candidate_replicas
-        # fewest in flight from here first, ties at random: Serve's cached queue lengths go stale after ~10 s
-        # idle, and a burst then probes every replica at once and sees the same lengths (64 streams at once
-        # put 40 on one 32-slot replica and 24 on the other)
+        # fewest in flight from here first, ties at random. Serve's cached queue lengths go stale after
+        # ~10 s idle, and a burst then probes every replica at once and sees the same lengths (64 streams
+        # at once put 40 on one 32-slot replica, 24 on the other). The request is counted on the first
+        # rank now, before any await, so the next one of the burst already sees it.
+        now = time.monotonic()
+        self._sweep(now)
         pool = random.sample(pool, len(pool))
         pool.sort(key=lambda r: self.in_flight.get(r.replica_id, 0))
+        if pending_request is not None and pool:
+            rid = pending_request.metadata.internal_request_id
+            old = self.placed.get(rid)
+            if old is not None:  # chosen again (no room at the first choice): move its count
+                self._count(old.replica_id, -1)
+            self.placed[rid] = _Placed(pool[0].replica_id, now)
+            self._count(pool[0].replica_id, +1)
         return [[r] for r in pool]

@@ -398,6 +398,28 @@ def test_prefill_sends_few_or_long_chunks_one_by_one_to_the_compiled_prefill():
             assert torch.allclose(runner.cache.k[:, slot, :, :n], reference.cache.k[:, slot, :, :n], atol=1e-5)
 
 
+def test_submit_marks_the_engine_busy_before_its_loop_turns(tmp_path):
+    """Two replicas receiving a burst in the same millisecond: each sees the other busy as soon as the
+    other queued work, so neither borrows the core the other is about to use."""
+    from service.engine.cpu_runtime import BusyBoard
+
+    neighbour = BusyBoard(tmp_path)
+    engine = make_engine(threads=1, prefill_threads=2)
+    engine.busy = BusyBoard(tmp_path)
+    req = GenerateRequest(prompt_ids=prompt(random.Random(4), 9),
+                          params=SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
+
+    async def scenario(engine):
+        assert not neighbour.others_busy()
+        stream = engine.submit(req)
+        busy_at_once = neighbour.others_busy()  # no await since submit: the loop has not turned
+        async for _ in stream:
+            pass
+        return busy_at_once
+
+    assert run_engine(engine, scenario)
+
+
 @pytest.mark.parametrize("others_busy, want", [(False, [2, 1]), (True, [1, 1])])
 def test_prefill_borrows_idle_cores_only_when_nothing_decodes(tmp_path, others_busy, want):
     """`prefill_threads`: a prompt reaching an idle engine prefills on more threads while no other engine

@@ -37,24 +37,37 @@ def test_router_offers_only_ready_replicas_once_one_is_ready():
 
 
 def test_router_sends_a_burst_to_the_replica_with_fewest_in_flight(monkeypatch):
-    """Serve's cached queue lengths go stale when idle; the router's own count of what it sent and what
-    completed keeps a burst even across replicas."""
+    """Serve's cached queue lengths go stale when idle; the router counts each request on the replica it
+    ranks first as it ranks it (a burst routes concurrently) and uncounts it when it completes."""
     from ray.serve.request_router import RequestRouter
 
-    monkeypatch.setattr(RequestRouter, "on_send_request", lambda self, replica_id: None)
     monkeypatch.setattr(RequestRouter, "on_request_completed", lambda self, replica_id, request_id: None)
+    monkeypatch.setattr(RequestRouter, "on_request_routed", lambda self, request, replica_id, result: None)
     router = _router()
     replicas = [_replica(i, True) for i in range(2)]
-    for _ in range(64):  # each request goes where the first rank points
-        (first,), _ = asyncio.run(router.choose_replicas(replicas))
-        router.on_send_request(first.replica_id)
-    assert router.in_flight == {0: 32, 1: 32}
-    for _ in range(5):
-        router.on_request_completed(1, "id")
-    assert [r.replica_id for (r,) in asyncio.run(router.choose_replicas(replicas))] == [1, 0]
-    for _ in range(40):
-        router.on_request_completed(0, "id")
-    assert router.in_flight[0] == 0
+
+    def request(rid):
+        return SimpleNamespace(metadata=SimpleNamespace(internal_request_id=rid))
+
+    firsts = [asyncio.run(router.choose_replicas(replicas, request(str(i))))[0][0].replica_id for i in range(64)]
+    assert router.in_flight == {0: 32, 1: 32} and firsts.count(0) == 32
+    asyncio.run(router.choose_replicas(replicas, request("0")))  # chosen again: counted once
+    assert sum(router.in_flight.values()) == 64
+    firsts[0] = router.placed["0"].replica_id
+    for i in range(5):  # Serve names the replica too; the count follows where each was placed
+        router.on_request_completed(firsts[i], str(i))
+    assert [router.in_flight[r] for r in (0, 1)] == [32 - firsts[:5].count(r) for r in (0, 1)]
+    (first,), _ = asyncio.run(router.choose_replicas(replicas, request("99")))
+    assert router.in_flight[first.replica_id] == min(router.in_flight.values())
+    other = 1 - first.replica_id
+    router.on_request_routed(request("99"), other, None)  # Serve sent it elsewhere: counted there
+    assert router.placed["99"].replica_id == other and router.placed["99"].routed
+    before = dict(router.in_flight)
+    router.swept_at = -1e9
+    for p in router.placed.values():
+        p.chosen_at -= 3600  # chosen an hour ago
+    asyncio.run(router.choose_replicas(replicas))  # those never routed were cancelled: uncounted
+    assert list(router.placed) == ["99"] and sum(router.in_flight.values()) == 1 and before[other] >= 1
 
 
 def test_deployment_reports_readiness_for_routing():

@@ -169,7 +169,7 @@ class GenerationEngine(EngineLoop):
             seq.group = group
         group[0].forks = group[1:]
         self.scheduler.add([group])
-        self._wake()
+        self._queued()
         return self._stream(group[0])
 
     async def _stream(self, seq: Sequence) -> AsyncIterator[GenerationEvent]:

@@ -94,6 +94,13 @@ class EngineLoop:
         if self._wakeup is not None:
             self._wakeup.set()
 
+    def _queued(self) -> None:
+        """New work was queued: mark this engine busy on the host's board now, not at its loop's next turn,
+        so a neighbour starting a step in the same millisecond (a burst spread over replicas) does not
+        borrow this engine's core; then wake the loop."""
+        self.busy.set(True)
+        self._wake()
+
     # --- schedule ----------------------------------------------------------------------------
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -141,7 +141,7 @@ class TranslationEngine(EngineLoop):
             return []
         self.scheduler.add([[s] for s in sentences])
         request.left = len(sentences)
-        self._wake()
+        self._queued()
         try:
             return await request.future
         finally:
