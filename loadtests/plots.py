@@ -4,6 +4,7 @@ throughput vs concurrency, TTFT percentiles vs concurrency, ITL percentiles vs c
 from __future__ import annotations
 
 import csv
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -50,7 +51,9 @@ def plot_sweep(csv_path: str | Path, out_dir: str | Path | None = None, title: s
     fig, ax = plt.subplots(figsize=(6, 4))
     for target, rows in data.items():
         _line(ax, rows, "output_tok_per_s", target)
-    ax.set(xlabel="concurrent users", ylabel="output tokens/s", title=title or "Throughput vs concurrency")
+    ax.set(xlabel="concurrent users", ylabel="output tokens/s")
+    # a long title (peers, host, CPU flags) wraps instead of running off the figure
+    ax.set_title(textwrap.fill(title or "Throughput vs concurrency", 70), fontsize=9 if title else None)
     paths.append(_finish(fig, ax, out / "throughput.png"))
 
     latencies = (("ttft", "Time to first token", ("p50", "p95", "p99")), ("itl", "Inter-token latency", ("p50", "p95")))
