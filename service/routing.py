@@ -73,13 +73,13 @@ class ReadyFirstRouter(RequestRouter):
         # rank now, before any await, so the next one of the burst already sees it.
         now = time.monotonic()
         self._sweep(now)
+        rid = pending_request.metadata.internal_request_id if pending_request is not None else None
+        old = self.placed.pop(rid, None)
+        if old is not None:  # chosen again (no room at the first choice): ranked without its own count
+            self._count(old.replica_id, -1)
         pool = random.sample(pool, len(pool))
         pool.sort(key=lambda r: self.in_flight.get(r.replica_id, 0))
-        if pending_request is not None and pool:
-            rid = pending_request.metadata.internal_request_id
-            old = self.placed.get(rid)
-            if old is not None:  # chosen again (no room at the first choice): move its count
-                self._count(old.replica_id, -1)
+        if rid is not None and pool:
             self.placed[rid] = _Placed(pool[0].replica_id, now)
             self._count(pool[0].replica_id, +1)
         return [[r] for r in pool]

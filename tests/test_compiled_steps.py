@@ -144,7 +144,8 @@ def test_decoder_step_equals_forward_over_ragged_rows():
         ref = lm(tokens[:, None], positions[:, None], general, list(range(5)))[:, -1]  # (R, V)
         k, v = stepped.prefix_views(5, int(positions.max()) + 2)  # extra keys are masked
         logits, new_k, new_v = decoder_step(lm, tokens, positions, k, v)
-        torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+        # the step's view is longer (masked keys past each row's last): its sums run in another order
+        torch.testing.assert_close(logits, ref, atol=2e-5, rtol=1e-5)
         stepped.write_step(new_k, new_v, positions, rows=torch.tensor([0, 1, 2, 3, 4]))
         tokens = ref.argmax(-1)
     for row, pos in enumerate((start + 6).tolist()):
