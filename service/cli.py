@@ -48,11 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         print(f"attnserve {name}: not available in this build ({e})", file=sys.stderr)
         return 2
+    from service.commands import CommandError
+
     cmd = argparse.ArgumentParser(prog=f"attnserve {name}", description=COMMANDS[name])
     module.add_arguments(cmd)
     args = cmd.parse_args(argv[1:])
     try:
         return int(module.run(args) or 0)
+    except CommandError as e:
+        print(f"attnserve {name}: {e}", file=sys.stderr, flush=True)
+        return e.code
     except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's exit status for SIGINT
         print(f"\nattnserve {name}: interrupted", file=sys.stderr)
         return 130

@@ -2,7 +2,7 @@
 attnserve data sample translate [--n 50] [--seed 50];
 attnserve data backtranslate translate [--sentences 30000] [--model DIR]"""
 
-import sys
+from service.commands import CommandError
 
 
 def add_arguments(p):
@@ -30,8 +30,7 @@ def run(args) -> int:
     counts = (("--n", args.n), ("--sentences", args.sentences), ("--heldout-sentences", args.heldout_sentences))
     for flag, value in counts:
         if value is not None and value < 1:
-            print(f"attnserve data: {flag} must be >= 1, got {value}", file=sys.stderr)
-            return 2
+            raise CommandError(f"{flag} must be >= 1, got {value}")
     try:
         if args.action == "prepare":
             translate_data.prepare(out, heldout_sentences=args.heldout_sentences)
@@ -41,8 +40,7 @@ def run(args) -> int:
         for k, (en, zh) in enumerate(translate_data.alignment_sample(args.n, args.seed, out), 1):
             print(f"{k}. ZH {zh}\n   EN {en}")
     except (ModelUnavailable, OSError, ValueError) as e:  # no checkpoint, data not prepared yet, ...
-        print(f"attnserve data: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from e
     return 0
 
 

@@ -4,11 +4,11 @@ wait until its applications are RUNNING, then report the replica's start-up phas
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from pathlib import Path
 
+from service.commands import CommandError
 from service.startup import watch_startup
 
 
@@ -39,33 +39,25 @@ def run(args) -> int:
     try:
         config = ray_local.read_config(args.config)
     except (FileNotFoundError, ValueError) as e:
-        print(f"attnserve deploy: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from e
     if not _reachable(args.address, min(args.timeout, 10.0)):
-        print(f"attnserve deploy: no Ray cluster answers at {args.address} (`attnserve cluster up` starts one)",
-              file=sys.stderr)
-        return 1
+        raise CommandError(f"no Ray cluster answers at {args.address} (`attnserve cluster up` starts one)", 1)
     import ray
 
     try:
         ray.init(address=args.address, namespace="serve")
     except ConnectionError as e:
-        print(f"attnserve deploy: no Ray cluster to deploy to at {args.address} ({e})", file=sys.stderr)
-        return 1
+        raise CommandError(f"no Ray cluster to deploy to at {args.address} ({e})", 1) from e
     t0 = time.monotonic()
     try:
         ray_local.deploy(config, args.timeout)
     except (RuntimeError, TimeoutError, ray.exceptions.RayError) as e:  # e.g. Serve's proxy died starting
-        print(f"attnserve deploy: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-              file=sys.stderr)
-        return 1
+        raise CommandError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", 1) from e
     h = config["http_options"]
     base = f"http://{h['host']}:{h['port']}"
     # the replicas load their models behind /readyz: report the phases until one is ready
     if not watch_startup(base, threading.Event(), t0, timeout_s=max(args.timeout - (time.monotonic() - t0), 1)):
-        print(f"attnserve deploy: {base}/readyz not ready after {args.timeout:.0f} s (`serve status` for details)",
-              file=sys.stderr)
-        return 1
+        raise CommandError(f"{base}/readyz not ready after {args.timeout:.0f} s (`serve status` for details)", 1)
     print(f"deployed; API at {base}/v1 (`serve status` for details)")
     return 0
 

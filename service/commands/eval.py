@@ -1,8 +1,7 @@
 """attnserve eval translate [--model DIR] [--out docs/translate_eval.json] [--beams 1,4] [--limit N]
 [--split test|dev|ted_test|ted_dev] [--data DIR] [--no-repeat-ngram N] [--length-penalty A]"""
 
-
-import sys
+from service.commands import CommandError
 
 
 def add_arguments(p):
@@ -33,22 +32,17 @@ def run(args) -> int:
     except ValueError:
         beams = ()
     if not beams or not all(1 <= b <= 32 for b in beams):
-        print(f"attnserve eval: --beams takes comma-separated beam sizes in 1..32, got {args.beams!r}",
-              file=sys.stderr)
-        return 2
+        raise CommandError(f"--beams takes comma-separated beam sizes in 1..32, got {args.beams!r}")
     if args.limit is not None and args.limit < 1:
-        print(f"attnserve eval: --limit must be >= 1, got {args.limit}", file=sys.stderr)
-        return 2
+        raise CommandError(f"--limit must be >= 1, got {args.limit}")
     out = Path(args.out)
     if out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
-        print(f"attnserve eval: --out {out} cannot be written (a folder, or under a file)", file=sys.stderr)
-        return 2
+        raise CommandError(f"--out {out} cannot be written (a folder, or under a file)")
     checkpoint = args.model or paths.SHIPPED_TRANSLATOR
     try:
         translator = local.load_translator(local.translator_spec(checkpoint))
     except (ModelUnavailable, OSError, ValueError) as e:
-        print(f"attnserve eval: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from e
     options = {name: value for name, value in (("no_repeat_ngram", args.no_repeat_ngram),
                                                ("length_penalty", args.length_penalty)) if value is not None}
 
@@ -61,6 +55,5 @@ def run(args) -> int:
         evaluate(checkpoint, args.out, translate=translate, beams=beams, limit=args.limit, split=args.split,
                  data_dir=Path(args.data) if args.data else None)
     except FileNotFoundError as e:  # the prepared data
-        print(f"attnserve eval: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from e
     return 0

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 
 from model.quantize import QUANTIZATIONS
+from service.commands import CommandError
 
 
 def add_arguments(p):
@@ -106,16 +107,12 @@ def run(args) -> int:
     from service.models import ModelUnavailable, load_generator
 
     if args.system is not None and not args.chat:
-        print("attnserve generate: --system needs --chat (a system message goes into the chat template)",
-              file=sys.stderr)
-        return 2
+        raise CommandError("--system needs --chat (a system message goes into the chat template)")
     if args.max_tokens < 1:
-        print(f"attnserve generate: --max-tokens must be >= 1, got {args.max_tokens}", file=sys.stderr)
-        return 2
+        raise CommandError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
-        print("attnserve generate: empty prompt", file=sys.stderr)
-        return 2
+        raise CommandError("empty prompt")
     # load on this thread single-threaded: the engine's own thread runs the steps (service/engine/cpu_runtime.py)
     single_threaded_caller()
     t0 = time.perf_counter()
@@ -124,8 +121,7 @@ def run(args) -> int:
                                     device=args.device, threads=args.threads, compile=False if args.eager else None)
         generator = load_generator(spec, log=lambda m: print(m, file=sys.stderr))
     except (ModelUnavailable, OSError, RuntimeError, ValueError) as e:  # CheckpointError is a ValueError
-        print(f"attnserve generate: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from e
     engine = generator.engine
     mode = quantization_of(engine.model)
     label = engine.config.dtype if mode == "none" else f"{engine.config.dtype}, {mode} linears"
@@ -146,8 +142,7 @@ def run(args) -> int:
             sys.stdout.write(delta)
             sys.stdout.flush()
     except EngineError as e:  # a rejection (the field named) or a failed step
-        print(f"attnserve generate: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from e
     sys.stdout.write("\n")
     n = stats.get("tokens", 0)
     print(f"[prompt {len(ids)} tokens in {stats['prefill_s']:.2f} s; {n} new tokens in {stats['decode_s']:.2f} s"

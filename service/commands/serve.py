@@ -7,11 +7,11 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import sys
 import threading
 import time
 
 from model.paths import home
+from service.commands import CommandError
 
 
 def pid_file():
@@ -38,18 +38,15 @@ def run(args) -> int:
     try:
         config = ray_local.read_config(args.config, args.host, args.port)
     except (FileNotFoundError, ValueError) as e:
-        print(f"attnserve serve: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from e
     http = config["http_options"]
     try:
         free = _port_free(http["host"], http["port"])
     except (ValueError, OSError) as e:  # a name that does not resolve (socket.gaierror), an address not ours
-        print(f"attnserve serve: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from e
     if not free:
-        print(f"attnserve serve: {http['host']}:{http['port']} is already in use (another `attnserve serve`? "
-              f"`attnserve stop` ends it); or choose --port", file=sys.stderr)
-        return 2
+        raise CommandError(f"{http['host']}:{http['port']} is already in use (another `attnserve serve`? "
+                           f"`attnserve stop` ends it); or choose --port")
     stop = threading.Event()
 
     def on_stop_signals() -> None:
@@ -62,8 +59,7 @@ def run(args) -> int:
     try:
         ray_local.start_ray(args.num_cpus, args.object_store_mb * 2**20, log_to_driver=args.access_log)
     except (RuntimeError, ValueError, ConnectionError) as e:  # Ray's refusals (resources, an object store too small)
-        print(f"attnserve serve: Ray did not start: {e}", file=sys.stderr, flush=True)
-        return 1
+        raise CommandError(f"Ray did not start: {e}", 1) from e
     try:
         print(f"[{time.monotonic() - t0:6.1f} s] deploying {args.config} ...", flush=True)
         ray_local.deploy(config, stop=stop)
@@ -84,8 +80,7 @@ def run(args) -> int:
         print("shutting down Serve and Ray ...", flush=True)
         return 0
     except (RuntimeError, TimeoutError) as e:
-        print(f"attnserve serve: {e}", file=sys.stderr, flush=True)
-        return 1
+        raise CommandError(str(e), 1) from e
     finally:
         ray_local.shutdown()
         pid_file().unlink(missing_ok=True)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from service.commands import CommandError
+
 
 def add_arguments(p) -> None:
     p.add_argument("--ray", action="store_true", help="also run `ray stop` (a cluster started with ray start)")
@@ -19,8 +21,7 @@ def run(args) -> int:
     from service.commands.serve import pid_file
 
     if not args.timeout > 0:
-        print(f"attnserve stop: --timeout must be > 0 seconds, got {args.timeout}", file=sys.stderr)
-        return 2
+        raise CommandError(f"--timeout must be > 0 seconds, got {args.timeout}")
     rc = 0
     f = pid_file()
     pid = _serve_pid(f) if f.is_file() else None

@@ -1,5 +1,7 @@
 """attnserve train translate --config configs/translate.json [--resume] [--export-only] [--device cuda]"""
 
+from service.commands import CommandError
+
 
 def add_arguments(p):
     p.add_argument("task", choices=["translate"])
@@ -20,19 +22,15 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    import sys
-
     from model.training.train_translate import train
 
     for flag, value in (("--threads", args.threads), ("--avg-last", args.avg_last)):
         if value is not None and value < 1:
-            print(f"attnserve train: {flag} must be >= 1, got {value}", file=sys.stderr)
-            return 2
+            raise CommandError(f"{flag} must be >= 1, got {value}")
     try:
         train(args.config, args.run_dir, resume=args.resume, export_only=args.export_only,
               export_to=args.export_to, threads=args.threads,
               init_from=args.init_from, avg_last=args.avg_last, device=args.device)
     except (FileExistsError, FileNotFoundError, ValueError) as e:  # their messages say what to do
-        print(f"attnserve train: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from e
     return 0

@@ -7,6 +7,7 @@ settings from the Serve config: the same text gives the same translation here an
 import sys
 
 from model.translation import DEFAULT_BEAM_SIZE, DEFAULT_NO_REPEAT_NGRAM
+from service.commands import CommandError
 
 
 def add_arguments(p):
@@ -26,19 +27,16 @@ def run(args) -> int:
 
     texts = args.text or [line.strip() for line in sys.stdin if line.strip()]
     if not texts:
-        print("attnserve translate: no text given", file=sys.stderr)
-        return 2
+        raise CommandError("no text given")
     empty = [i for i, t in enumerate(texts) if not t.strip()]
     if empty:  # as /v1/translate answers: 400 naming the text
-        print(f"attnserve translate: text[{empty[0]}] is empty", file=sys.stderr)
-        return 2
+        raise CommandError(f"text[{empty[0]}] is empty")
     try:
         translator = local.load_translator(local.translator_spec(args.model, config=args.config))
         result = local.translate(translator, texts, target_lang=args.to, beam_size=args.beam,
                                  no_repeat_ngram=args.no_repeat_ngram)
     except (ModelUnavailable, RequestRejected, OSError, ValueError) as e:
-        print(f"attnserve translate: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from e
     for out in result.translations:
         print(out)
     return 0

@@ -9,6 +9,8 @@ format (once), then loads it to report where it is and how long a start-up load 
 
 from __future__ import annotations
 
+from service.commands import CommandError
+
 
 def add_arguments(p):
     p.add_argument("action", choices=["fetch", "export-marian"])
@@ -20,18 +22,15 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    import sys
 
     if args.action == "export-marian":
         if args.model is not None:
-            print("attnserve weights export-marian: exports the translator (its folder: --model DIR); "
-                  f"{args.model!r} is for `weights fetch`", file=sys.stderr)
-            return 2
+            raise CommandError("export-marian: exports the translator (its folder: --model DIR); "
+                               f"{args.model!r} is for `weights fetch`")
         return _export_marian(args)
     if args.model is None or args.model_dir is not None:
-        print("attnserve weights fetch: name the model as a word: `attnserve weights fetch smollm2` (--model DIR "
-              "is export-marian's)", file=sys.stderr)
-        return 2
+        raise CommandError("fetch: name the model as a word: `attnserve weights fetch smollm2` (--model DIR "
+                           "is export-marian's)")
     import time
 
     import torch
@@ -40,9 +39,8 @@ def run(args) -> int:
     from model.importers.smollm2 import DTYPES, ensure_smollm2
 
     if args.dtype not in DTYPES:  # float16 is for export-marian only
-        print(f"attnserve weights fetch: --dtype {args.dtype} is not available for smollm2; choose one of "
-              f"{', '.join(DTYPES)}", file=sys.stderr)
-        return 2
+        raise CommandError(f"fetch: --dtype {args.dtype} is not available for smollm2; choose one of "
+                           f"{', '.join(DTYPES)}")
 
     t0 = time.perf_counter()
     d = ensure_smollm2(args.dtype)
@@ -56,7 +54,6 @@ def run(args) -> int:
 
 
 def _export_marian(args) -> int:
-    import sys
     from pathlib import Path
 
     import torch
@@ -67,11 +64,9 @@ def _export_marian(args) -> int:
     from model.seq2seq import EncoderDecoder
 
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
-        print(f"attnserve weights export-marian: --out {args.out} is a file, not a folder", file=sys.stderr)
-        return 2
+        raise CommandError(f"export-marian: --out {args.out} is a file, not a folder")
     if not args.out:
-        print("attnserve weights export-marian: --out DIR is required")
-        return 2
+        raise CommandError("export-marian: --out DIR is required")
     src = Path(args.model_dir) if args.model_dir else SHIPPED_TRANSLATOR
     if not (src / "config.json").is_file():
         print(f"no checkpoint at {src} (expected config.json + model.safetensors; the shipped translator "
