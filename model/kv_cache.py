@@ -9,9 +9,33 @@ Encoder-decoder models also keep cross-attention K/V per slot, computed once per
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14  # Linux
+
+
+def cache_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros for a cache buffer. A large one on a Linux CPU asks for transparent huge pages before it is
+    first touched: a decode step reads a short run of keys in each of hundreds of (slot, head) blocks per
+    layer, and with 4 KB pages each run costs TLB misses (docs/decisions.md). ATTNSERVE_HUGE_PAGES=0: off."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    size = t.numel() * t.element_size()
+    if (t.device.type == "cpu" and size >= 4 * HUGE_PAGE and sys.platform == "linux"
+            and os.environ.get("ATTNSERVE_HUGE_PAGES", "1") != "0"):
+        start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # madvise wants an aligned start
+        end = (t.data_ptr() + size) // HUGE_PAGE * HUGE_PAGE
+        try:  # a kernel without transparent huge pages refuses: small pages then, as before
+            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                                      MADV_HUGEPAGE)
+        except (OSError, AttributeError):
+            pass
+    return t.zero_()
 
 
 class KVCache:
@@ -20,8 +44,8 @@ class KVCache:
                  device: torch.device | str = "cpu"):
         self.n_layers, self.n_slots, self.max_len = n_layers, n_slots, max_len
         shape = (n_layers, n_slots, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (NL, S, Hkv, L, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = cache_buffer(shape, dtype, device)  # (NL, S, Hkv, L, D)
+        self.v = cache_buffer(shape, dtype, device)
         self.cross_len = cross_len
         if cross_len:
             cshape = (n_layers, n_slots, n_kv_heads, cross_len, head_dim)

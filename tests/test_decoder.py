@@ -178,3 +178,31 @@ def test_position_beyond_cache_is_a_clear_error(model):
     cache = model.new_cache(1, 8)
     with pytest.raises(ValueError, match="max_len"):
         model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[8]]), cache, [0])
+
+
+def _anon_huge_kb() -> int:
+    import re
+
+    return int(re.search(r"AnonHugePages:\s+(\d+)", open("/proc/self/smaps_rollup").read()).group(1))
+
+
+@pytest.mark.parametrize("huge", ["1", "0"])
+def test_cache_buffers_are_zeros_and_ask_for_huge_pages(huge, monkeypatch):
+    """A large CPU cache buffer is zeros of its shape and dtype either way; asked for (the default), it
+    lives on transparent huge pages where the kernel offers them (`madvise` mode or `always`)."""
+    import sys
+
+    from model.kv_cache import cache_buffer
+
+    monkeypatch.setenv("ATTNSERVE_HUGE_PAGES", huge)
+    before = _anon_huge_kb() if sys.platform == "linux" else 0
+    t = cache_buffer((64, 1024, 64), torch.bfloat16, "cpu")  # 8 MB
+    assert t.shape == (64, 1024, 64) and t.dtype == torch.bfloat16 and not t.any()
+    if sys.platform != "linux":
+        return
+    thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    grew = _anon_huge_kb() - before
+    if huge == "1" and "[never]" not in thp:
+        assert grew >= 4096  # at least the 2 MB-aligned part of 8 MB, but for one page at each end
+    if huge == "0" and "[madvise]" in thp:
+        assert grew < 2048
