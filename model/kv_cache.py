@@ -9,33 +9,34 @@ Encoder-decoder models also keep cross-attention K/V per slot, computed once per
 
 from __future__ import annotations
 
-import ctypes
+import math
+import mmap
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
 
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14  # Linux
 
 
 def cache_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Zeros for a cache buffer. A large one on a Linux CPU asks for transparent huge pages before it is
-    first touched: a decode step reads a short run of keys in each of hundreds of (slot, head) blocks per
-    layer, and with 4 KB pages each run costs TLB misses (docs/decisions.md). ATTNSERVE_HUGE_PAGES=0: off."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    size = t.numel() * t.element_size()
-    if (t.device.type == "cpu" and size >= 4 * HUGE_PAGE and sys.platform == "linux"
-            and os.environ.get("ATTNSERVE_HUGE_PAGES", "1") != "0"):
-        start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # madvise wants an aligned start
-        end = (t.data_ptr() + size) // HUGE_PAGE * HUGE_PAGE
-        try:  # a kernel without transparent huge pages refuses: small pages then, as before
-            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                                                      MADV_HUGEPAGE)
-        except (OSError, AttributeError):
-            pass
-    return t.zero_()
+    """Zeros for a cache buffer. A large one on a Linux CPU lives in its own mapping on transparent huge
+    pages: a decode step reads a short run of keys in each of hundreds of (slot, head) blocks per layer, and
+    with 4 KB pages each run costs TLB misses (docs/decisions.md). Its own mapping, because memory the heap
+    hands back already touched keeps its small pages. ATTNSERVE_HUGE_PAGES=0: off."""
+    numel = math.prod(shape)
+    size = numel * torch.empty((), dtype=dtype).element_size()
+    if (torch.device(device).type != "cpu" or size < 4 * HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE")
+            or os.environ.get("ATTNSERVE_HUGE_PAGES", "1") == "0"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # private and anonymous (a shared mapping is shmem: another THP setting), untouched: the advice applies
+    # as the pages are first written
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without transparent huge pages: small pages, as before
+        pass
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape).zero_()  # the tensor keeps `buf`
 
 
 class KVCache:
