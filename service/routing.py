@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -32,28 +33,24 @@ class _Placed:
 
 class ReadyFirstRouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
-        self.in_flight: dict = {}  # replica id -> requests this router placed there that have not completed
-        self.placed: dict[str, _Placed] = {}  # request id -> where it is counted
+        self.placed: dict[str, _Placed] = {}  # request id -> where it is counted, until it completes
         self.swept_at = time.monotonic()
 
-    def _count(self, replica_id, delta: int) -> None:
-        self.in_flight[replica_id] = max(0, self.in_flight.get(replica_id, 0) + delta)
+    @property
+    def in_flight(self) -> Counter:
+        """Replica id -> requests placed there that have not completed."""
+        return Counter(p.replica_id for p in self.placed.values())
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         super().on_request_routed(pending_request, replica_id, result)
         placed = self.placed.get(pending_request.metadata.internal_request_id)
         if placed is not None:
-            if placed.replica_id != replica_id:  # its first rank was full: count it where it went
-                self._count(placed.replica_id, -1)
-                self._count(replica_id, +1)
-                placed.replica_id = replica_id
+            placed.replica_id = replica_id  # its first rank may have been full: count it where it went
             placed.routed = True
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
-        placed = self.placed.pop(internal_request_id, None)
-        if placed is not None:
-            self._count(placed.replica_id, -1)
+        self.placed.pop(internal_request_id, None)
 
     def _sweep(self, now: float) -> None:
         """Uncount requests that were chosen for but never routed (cancelled while Serve waited for room)."""
@@ -61,7 +58,7 @@ class ReadyFirstRouter(RequestRouter):
             return
         self.swept_at = now
         for rid in [rid for rid, p in self.placed.items() if not p.routed and now - p.chosen_at > ABANDONED_S]:
-            self._count(self.placed.pop(rid).replica_id, -1)
+            del self.placed[rid]
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -74,12 +71,10 @@ class ReadyFirstRouter(RequestRouter):
         now = time.monotonic()
         self._sweep(now)
         rid = pending_request.metadata.internal_request_id if pending_request is not None else None
-        old = self.placed.pop(rid, None)
-        if old is not None:  # chosen again (no room at the first choice): ranked without its own count
-            self._count(old.replica_id, -1)
+        self.placed.pop(rid, None)  # chosen again (no room at the first choice): ranked without its own count
+        counts = self.in_flight
         pool = random.sample(pool, len(pool))
-        pool.sort(key=lambda r: self.in_flight.get(r.replica_id, 0))
+        pool.sort(key=lambda r: counts[r.replica_id])
         if rid is not None and pool:
             self.placed[rid] = _Placed(pool[0].replica_id, now)
-            self._count(pool[0].replica_id, +1)
         return [[r] for r in pool]
