@@ -14,7 +14,7 @@ from engine_util import CharTokenizer, run_engine, tiny_llama
 
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
-from service.engine.structured import Grammars, apply_bitmask, unpack_bits, unpack_bits_on
+from service.engine.structured import Grammars, apply_bitmask, closed_objects, unpack_bits, unpack_bits_on
 from service.engine.types import GenerateRequest, RequestRejected, SamplingParams
 
 torch.set_num_threads(1)
@@ -156,6 +156,33 @@ def test_json_object_mode_and_an_enum_root():
     check_valid(ENUM, outs[0][0])
     assert json.loads(outs[0][0]["text"]) in ENUM["enum"]
     check_valid(obj, outs[1][0])
+
+
+def test_listed_properties_close_an_object_unless_the_schema_opens_it():
+    """Left open, a small model invents keys; xgrammar, outlines and OpenAI's strict mode allow only the
+    listed ones unless the schema says otherwise."""
+    open_obj = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    m = Grammars(TOK, TOK.vocab_size, {TOK.eos_id}).compile(open_obj)
+    assert m.consume_tokens(TOK.encode('{"a":1')) and not m.consume_tokens(TOK.encode(',"b"'))
+    m = Grammars(TOK, TOK.vocab_size, {TOK.eos_id}).compile({**open_obj, "additionalProperties": True})
+    assert m.consume_tokens(TOK.encode('{"a":1,"b":2}')) and m.is_accepting()
+    m = Grammars(TOK, TOK.vocab_size, {TOK.eos_id}).compile({"type": "object"})  # JSON mode: any object
+    assert m.consume_tokens(TOK.encode('{"b":2}')) and m.is_accepting()
+
+
+def test_closed_objects_walks_schemas_not_property_names():
+    inner = {"type": "object", "properties": {"x": {"type": "string"}}}
+    schema = {"type": "object", "properties": {"properties": inner, "items": {"type": "array", "items": inner}},
+              "$defs": {"d": inner, "both": {"allOf": [inner, {"properties": {"y": {}}}]}}, "anyOf": [inner]}
+    out = closed_objects(schema)
+    assert out["additionalProperties"] is False and schema.get("additionalProperties") is None  # a copy
+    assert set(out["properties"]) == {"properties", "items"}  # property names are not schema keywords
+    assert out["properties"]["properties"]["additionalProperties"] is False
+    assert out["properties"]["items"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["d"]["additionalProperties"] is False and out["anyOf"][0]["additionalProperties"] is False
+    both = out["$defs"]["both"]  # closing each member would forbid the others' properties
+    assert "additionalProperties" not in both and all("additionalProperties" not in s for s in both["allOf"])
+    assert closed_objects({**inner, "patternProperties": {"^z": {}}}).get("additionalProperties") is None
 
 
 def test_max_tokens_reached_first_is_length_with_a_prefix_of_valid_json():

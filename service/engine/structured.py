@@ -28,6 +28,38 @@ CACHE_SIZE = 128  # compiled schemas kept
 NEG_INF_BITS = -8388608  # 0xFF800000, float32 -inf, as an int32
 
 
+# keys whose value is one schema, a list of schemas, or a map of names to schemas (JSON Schema 2020-12, draft 7)
+_ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "not",
+        "if", "then", "else", "contains", "propertyNames")
+_LIST = ("anyOf", "oneOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema, in_all_of: bool = False):
+    """A copy of `schema` where an object that lists `properties` but says nothing of others allows no
+    others, as xgrammar, outlines and OpenAI's strict mode read it: left open, a small model invents keys
+    (`{"a": 1, "": 2}`). An explicit `additionalProperties` stays; members of `allOf` stay open (closing
+    each would forbid the others' properties)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _ONE:
+        if isinstance(out.get(k), dict):
+            out[k] = closed_objects(out[k])
+    for k in _LIST:
+        if isinstance(out.get(k), list):
+            out[k] = [closed_objects(s) for s in out[k]]
+    for k in _MAP:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed_objects(s) for name, s in out[k].items()}
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(s, in_all_of=True) for s in out["allOf"]]
+    if (isinstance(out.get("properties"), dict) and not in_all_of and "allOf" not in out
+            and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & out.keys()):
+        out["additionalProperties"] = False
+    return out
+
+
 def schema_key(schema: dict) -> str:
     """The cache key of a schema: its canonical JSON text."""
     return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -85,7 +117,7 @@ class Grammars:
         if template is None:
             ll, lltok, _ = self._setup()
             try:
-                grammar = ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+                grammar = ll.LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=JSON_OPTIONS)
             except ValueError as e:
                 raise RequestRejected(f"invalid JSON schema: {e}") from None
             template = ll.LLMatcher(lltok, grammar, log_level=0)  # builds the lexer: the costly part
