@@ -18,9 +18,14 @@ def test_log_fit_recovers_a_known_curve_and_inverts_it():
 
 def test_plot_writes_the_figure_and_reports_hours_to_goal(tmp_path):
     pts = [{"hours": h, "zh2en": 2 + 6 * math.log(h), "en2zh": 1 + 8 * math.log(h)} for h in (2, 4, 8, 12)]
+    for p in pts[1:]:  # a second test set scored from the second export on: its own panel
+        p["ted_zh2en"], p["ted_en2zh"] = -4 + 5 * math.log(p["hours"]), 7.0
     data = tmp_path / "progress.json"
-    data.write_text(json.dumps({"goals": {"zh2en": 30, "en2zh": 25}, "points": pts}))
+    data.write_text(json.dumps({"goals": {"zh2en": 30, "en2zh": 25, "ted_zh2en": 10, "ted_en2zh": 9},
+                                "points": pts}))
     summary = plot(data, tmp_path / "p.png")
+    assert summary["ted_zh2en"]["hours_to_goal"] == pytest.approx(math.exp(14 / 5), abs=0.05)
+    assert summary["ted_en2zh"]["hours_to_goal"] == math.inf  # flat: never
     assert (tmp_path / "p.png").stat().st_size > 10_000
     assert summary["zh2en"]["hours_to_goal"] == pytest.approx(math.exp(28 / 6), rel=1e-3)
     assert summary["en2zh"]["hours_to_goal"] == pytest.approx(math.exp(3), rel=1e-3)
