@@ -30,20 +30,30 @@ class ServeBatchGenerator(GeneratorFrontend):
             except EngineError as e:
                 streams.append(e)
         done = [False] * len(reqs)
-        while not all(done):
-            out: list = []
-            for i, s in enumerate(streams):
-                if done[i]:
-                    out.append(StopIteration)
-                    continue
-                if isinstance(s, Exception):
-                    done[i] = True
-                    out.append(s)
-                    continue
-                ev = await anext(s)
-                done[i] = ev.finished
-                out.append(ev)
-            yield out
+        try:
+            while not all(done):
+                out: list = []
+                for i, s in enumerate(streams):
+                    if done[i]:
+                        out.append(StopIteration)
+                        continue
+                    if isinstance(s, Exception):
+                        done[i] = True
+                        out.append(s)
+                        continue
+                    try:
+                        ev = await anext(s)
+                    except EngineError as e:  # this request's failure, delivered to it alone: raised out of the
+                        done[i] = True        # batch generator, Serve would hand it to every caller in the batch
+                        out.append(e)
+                        continue
+                    done[i] = ev.finished
+                    out.append(ev)
+                yield out
+        finally:  # now, not at garbage collection: a batch closed early (its callers gone) cancels what it streams
+            for s in streams:
+                if not isinstance(s, Exception):
+                    await s.aclose()
 
     def submit(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
         # the batch submits to the engine later: its check of what fits runs now, so a bad request is a 400
