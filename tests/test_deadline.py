@@ -61,6 +61,29 @@ def test_generation_past_its_deadline_times_out_and_frees_its_slot():
     run(main, b)
 
 
+def test_echoed_logprobs_of_a_prompt_cut_by_its_deadline_are_absent_not_a_500():
+    """Completions with echo + logprobs: a request timed out while its prompt still prefilled has no prompt
+    logprobs to echo; the choice says "timeout" with the prompt's text and no logprobs."""
+    b = backends({"default_deadline_s": DEADLINE_S, "prefill_chunk": 8}, with_translator=False)
+    engine = b.generator.engine
+    fast = engine.model.forward
+
+    def slow(*args, **kw):  # two 8-token chunks outlast the deadline: the prompt is never fully scored
+        time.sleep(0.6)
+        return fast(*args, **kw)
+
+    engine.model.forward = slow
+
+    async def main(c):
+        prompt = "abcdefgh" * 5
+        r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "echo": True, "logprobs": 1})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "timeout" and choice["text"] == prompt
+        assert engine.stats().slots_used == 0
+    run(main, b)
+
+
 def test_translation_past_its_deadline_is_a_504_and_frees_its_slots():
     b = backends(with_translator=False)
     b.translator = translator(default_deadline_s=DEADLINE_S)

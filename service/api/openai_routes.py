@@ -152,7 +152,8 @@ async def completions(body: CompletionBody, request: Request):
     for c in choices:
         lp = None
         if want_lp:
-            echoed = prompt_pairs(ids, c.prompt_logprobs) if body.echo else []
+            # a choice that ended (timeout, cancel) before its prompt was scored has no prompt logprobs
+            echoed = prompt_pairs(ids, c.prompt_logprobs) if body.echo and c.prompt_logprobs is not None else []
             lp = CompletionLogprobs(texts).render(echoed + output_pairs(c.logprobs))
         out.append({"index": c.index, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason})
     return _envelope(rid, "text_completion", gen.name, out, usage=usage_dict(usage))
