@@ -73,8 +73,12 @@ class OutputProcessor:
 
     def finish(self, seq: Sequence, reason: str, text: str = "", token_ids: list[int] | None = None,
                logprobs: list[TokenLogprob] | None = None) -> bool:
-        """Event loop: the choice's last event -> whether it was the request's last choice."""
+        """Event loop: the choice's last event -> whether it ended the request (False for a choice cancelled
+        after another failed: the request ended, and was counted, with that failure)."""
+        failed = any(s.finish_reason == "error" for s in seq.group if s is not seq)
         seq.finish_reason = reason
+        if failed:
+            return False
         more = any(s.finish_reason is None for s in seq.group)
         usage = Usage(prompt_tokens=len(seq.prompt), completion_tokens=len(seq.output),
                       cached_tokens=seq.group[0].n_reused if seq.group else seq.n_reused)
