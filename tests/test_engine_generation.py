@@ -201,6 +201,24 @@ def test_cancellation_frees_slots():
     assert st.slots_used == 0 and st.running == 0 and st.waiting == 0
 
 
+def test_a_stream_dropped_unread_cancels_its_request():
+    """A client gone before its response began: the stream is never iterated (no `finally` runs), so the
+    request is cancelled when the stream is collected, not decoded to max_new_tokens for nobody."""
+    async def main(engine):
+        req = GenerateRequest(prompt_ids=TARGET.prompt_ids, params=SamplingParams(max_new_tokens=100, ignore_eos=True))
+        kept = engine.submit(req)
+        engine.submit(dataclasses.replace(req, n=2))  # dropped at once
+        await kept.__anext__()
+        for _ in range(200):
+            if engine.stats().slots_used == 1:
+                break
+            await asyncio.sleep(0.005)
+        used = engine.stats().slots_used
+        await kept.aclose()
+        return used
+    assert run(main) == 1  # the dropped request's two slots were freed while the kept one still ran
+
+
 def test_overload_and_rejections():
     async def main(engine):
         p = SamplingParams(max_new_tokens=5)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -170,7 +171,10 @@ class GenerationEngine(EngineLoop):
         group[0].forks = group[1:]
         self.scheduler.add([group])
         self._queued()
-        return self._stream(group[0])
+        stream = self._stream(group[0])
+        # a stream never iterated (its client gone before the response began) runs no `finally`
+        weakref.finalize(stream, _abandon, group)
+        return stream
 
     async def _stream(self, seq: Sequence) -> AsyncIterator[GenerationEvent]:
         try:
@@ -416,3 +420,10 @@ class GenerationEngine(EngineLoop):
                 if id(seq.queue) not in told:
                     told.add(id(seq.queue))
                     seq.queue.put_nowait(error)
+
+
+def _abandon(group: list[Sequence]) -> None:
+    """Cancel a request whose stream was dropped unread; the loop's next sweep frees its slots."""
+    if any(s.finish_reason is None for s in group):
+        for s in group:
+            s.cancelled = True
