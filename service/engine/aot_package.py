@@ -6,8 +6,8 @@ step). `torch.export` + AOTInductor compiles the same pure step function once in
 package (generated C++, its shared library and the weights as constants) that later starts load in a
 fraction of a second, with the same dynamic sizes and bit-identical outputs to the `torch.compile`d step
 (docs/decisions.md). A package is found again only for the same torch version, CPU flags, engine thread
-count, step code (every file of `model/` and this engine's compile code), model weights and cache shape;
-anything else builds a new one.
+count, step code (the model modules a step imports, our kernels and this engine's compile code), model
+weights and cache shape; anything else builds a new one.
 
 A *shared* package takes a module's parameters and buffers as trailing inputs instead of holding them as
 constants: one graph, compiled once, then serves every module of the same structure (the decoder's runs
@@ -16,6 +16,7 @@ of identical layers), which cuts the build to a fraction of the whole model's (d
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import hashlib
@@ -76,14 +77,38 @@ def _runner(path: Path) -> Callable:
     return lambda *tensors: tuple(run(list(tensors)))
 
 
+STEP_MODULES = ("model/decoder_step.py", "model/seq2seq_step.py", "model/quantize.py", "service/engine/compiled.py",
+                "service/engine/aot_package.py")
+
+
+def step_sources() -> list[Path]:
+    """The files a package's generated code depends on: the step modules and every module of model/ they
+    import (read from their import statements, so training or importer code changes no package), our C++
+    kernels, and the compile code."""
+    todo, seen = [ROOT / m for m in STEP_MODULES], set()
+    while todo:
+        f = todo.pop()
+        if f in seen or not f.is_file():
+            continue
+        seen.add(f)
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "model":
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]  # a name may be a module
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "model"]
+            else:
+                continue
+            for name in names:
+                base = ROOT.joinpath(*name.split("."))
+                todo += [base.with_suffix(".py"), base / "__init__.py"]
+    return sorted(seen) + sorted((ROOT / "model" / "csrc").glob("*.cpp"))
+
+
 @functools.lru_cache(maxsize=1)
 def code_hash() -> str:
-    """What a package's generated code depends on in this repository: the model code (its C++ kernels
-    included), and the compile code."""
+    """A digest of `step_sources()`: a package is reused only for the same code."""
     h = hashlib.blake2b(digest_size=12)
-    files = sorted([*(ROOT / "model").rglob("*.py"), *(ROOT / "model").rglob("*.cpp")])
-    files += [Path(__file__), Path(__file__).with_name("compiled.py")]
-    for f in files:
+    for f in step_sources():
         h.update(str(f.relative_to(ROOT)).encode())
         h.update(f.read_bytes())
     return h.hexdigest()
