@@ -26,7 +26,9 @@ _TO_ASCII = {"，": ",", "。": ".", "：": ":", "；": ";", "？": "?", "！": 
 _OPENERS, _CLOSING = "“‘「『《【〈〔", "”’」』》】〉〕"
 # spans whose characters are never touched: URLs, e-mail addresses, code calls (`print("hi")`, `f(x, y)`)
 _URL_CHAR = r"[^\s\u3000-\u303f\uff00-\uffef" + _CJK_CHARS + "]"
-_LINK = (r"(?:https?://|www\.)" + _URL_CHAR + r"*?(?=[.,:;!?)\]'\"]*(?:\s|$|[^\x00-\x7f]))"
+# a bracketed part inside a URL (".../Python_(language)") belongs to it; a ")" closing the prose around it does not
+_URL_PART = r"(?:\([^\s()\u3000-\u303f\uff00-\uffef" + _CJK_CHARS + r"]*\)|" + _URL_CHAR + ")"
+_LINK = (r"(?:https?://|www\.)" + _URL_PART + r"*?(?=[.,:;!?)\]'\"]*(?:\s|$|[^\x00-\x7f]))"
          r"|[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+")
 _LINKS = re.compile(_LINK, re.IGNORECASE)
 # A call with ASCII inside is code, not a name with a note in brackets.
@@ -36,6 +38,11 @@ _PROTECTED = re.compile(_LINK + r"|(?<![A-Za-z0-9_])[A-Za-z_][A-Za-z0-9_.]*\([ -
 def without_protected(text: str) -> str:
     """The text with its URLs, e-mail addresses and code calls blanked out: what is left is prose."""
     return _PROTECTED.sub(" ", text)
+
+
+def is_link(text: str) -> bool:
+    """The whole text is one URL or e-mail address."""
+    return _LINKS.fullmatch(text) is not None
 
 
 def split_links(text: str) -> list[str]:

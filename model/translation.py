@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from model.punctuation import normalise_input, postprocess, split_links, without_protected
+from model.punctuation import is_link, normalise_input, postprocess, split_links, without_protected
 
 LANGS = ("en", "zh")
 TAGS = {"en": "<2en>", "zh": "<2zh>"}
@@ -23,8 +23,9 @@ _LATIN_WORD = re.compile(r"[A-Za-z]+")
 def detect_lang(text: str) -> str:
     """'zh' if the text has CJK characters and at least as many of them as Latin words, else 'en': a Chinese
     sentence naming "Visual Studio Code" stays Chinese, an English one quoting 北京 stays English.
-    URLs, e-mail addresses and code are not words."""
-    text = without_protected(text)
+    URLs, e-mail addresses and code are not words. Read as normalised (full-width letters are Latin), so the
+    text and each of its normalised sentences are judged alike."""
+    text = without_protected(normalise_input(text))
     cjk = len(_CJK.findall(text))
     return "zh" if cjk and cjk >= len(_LATIN_WORD.findall(text)) else "en"
 
@@ -83,8 +84,26 @@ def split_long(sentence: str, fits) -> list[str]:
     return [p for half in (sentence[:cut], sentence[cut:]) if (h := half.strip()) for p in split_long(h, fits)]
 
 
+_ASCII_ALNUM = re.compile(r"[A-Za-z0-9]")
+_MARKS_FULL = {",": "，", ".": "。", ":": "：", ";": "；", "?": "？", "!": "！"}
+
+
 def join_sentences(parts: list[str], lang: str) -> str:
-    return ("" if lang == "zh" else " ").join(p for p in parts if p)
+    """Translated sentences and passed-through pieces (URLs, numbers, marks) as one text. English: a space
+    between pieces, none before closing punctuation. Chinese: no space, but one between a URL or e-mail
+    address and ASCII letters or digits next to it (glued, they would change the address), and a lone
+    mark between pieces in its full-width form ("https://a.com,https://b.com" would read as one URL)."""
+    out = ""
+    last = ""
+    for p in (p for p in parts if p):
+        if lang == "zh":
+            p = _MARKS_FULL.get(p, p)
+            apart = (is_link(last) and _ASCII_ALNUM.match(p[0])) or (is_link(p) and _ASCII_ALNUM.match(out[-1:]))
+            out += (" " if out and apart else "") + p
+        else:
+            out += (" " if out and p[0] not in ",.;:!?)]}" else "") + p
+        last = p
+    return out
 
 
 _LINE_BREAK = re.compile(r"\r\n|[\n\r\x85\u2028\u2029]")  # Windows, old Mac and Unicode line ends

@@ -5,6 +5,7 @@ import pytest
 
 from model.translation import (
     detect_lang,
+    join_sentences,
     join_text,
     needs_translation,
     pieces,
@@ -58,6 +59,7 @@ def test_inputs_are_normalised_as_the_training_data_was():
     ("我用Visual Studio Code写代码", "zh"), ("JavaScript框架", "zh"), ("I visited 北京 last year", "en"),
     ("Hello world.", "en"), ("你好世界。", "zh"), ("2023", "en"),
     ("请联系john.smith@example.com", "zh"), ("详情请见https://www.example.com/funds/abc/index.html", "zh"),
+    ("ＩＢＭ ａｎｄ Ｍｉｃｒｏｓｏｆｔ 合作", "en"),  # full-width letters read as their normalised sentence is
 ])
 def test_detect_lang_weighs_cjk_characters_against_latin_words(text, lang):
     assert detect_lang(text) == lang
@@ -103,3 +105,20 @@ def test_urls_and_addresses_are_pieces_of_their_own():
         'Use print("hi") or mail', "a@b.com", "today."]
     assert pieces("under s.2(1) of the Ordinance.", lambda s: True) == ["under s.2(1) of the Ordinance."]
     assert not needs_translation("https://www.example.com/a.html", "zh")
+    # a bracketed part of a URL stays in it; the prose's own closing bracket does not
+    wiki = "https://en.wikipedia.org/wiki/Python_(programming_language)"
+    assert pieces(f"See {wiki} for details.", lambda s: True) == ["See", wiki, "for details."]
+    assert pieces(f"详见{wiki}。", lambda s: True) == ["详见", wiki, "。"]
+    assert pieces("(see https://a.com/x) now", lambda s: True) == ["(see", "https://a.com/x", ") now"]
+
+
+@pytest.mark.parametrize("parts, lang, text", [
+    (["See details", "https://example.com", "."], "en", "See details https://example.com."),
+    (["Email", "bob@example.com", "!"], "en", "Email bob@example.com!"),
+    (["(see", "https://a.com/x", ") now."], "en", "(see https://a.com/x) now."),
+    (["访问", "https://a.com", ",", "https://b.com", "."], "zh", "访问https://a.com，https://b.com。"),
+    (["下载", "https://example.com", "2次。"], "zh", "下载https://example.com 2次。"),  # the URL keeps its end
+    (["第一句。", "第二句。"], "zh", "第一句。第二句。"),
+])
+def test_pieces_join_without_gluing_or_stray_spaces(parts, lang, text):
+    assert join_sentences(parts, lang) == text
