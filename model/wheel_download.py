@@ -18,6 +18,10 @@ RAW_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)\s*$")
 PIP_USAGE_ERROR = 2  # pip before 24.1 has no raw bar and refuses the option
 
 
+class WheelDownloadError(OSError):
+    """pip could not fetch the wheel (no index reachable, no such version): the message says what to check."""
+
+
 def pip_download(package: str, version: str, dest: Path) -> Path:
     """The wheel `package==version` in `dest`, downloaded when none is there yet."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -31,10 +35,11 @@ def pip_download(package: str, version: str, dest: Path) -> Path:
     if rc == PIP_USAGE_ERROR:
         rc = subprocess.run([*cmd, "-q"]).returncode
     if rc:
-        raise subprocess.CalledProcessError(rc, cmd)
+        raise WheelDownloadError(f"`pip download {spec}` failed (exit {rc}, its message above): check that pip "
+                                 f"reaches an index with it (`pip config list`, proxies), or put the wheel in {dest}")
     found = sorted(dest.glob(pattern))
     if not found:
-        raise FileNotFoundError(f"pip download of {spec} produced no wheel in {dest}")
+        raise WheelDownloadError(f"pip download of {spec} produced no wheel in {dest}")
     return found[0]
 
 

@@ -97,6 +97,11 @@ def check_apps(config: dict, where: str | Path) -> None:
             raise ValueError(f"{where}: application {app.get('name')!r}: {e}") from None
 
 
+def http_base(host: str, port: int) -> str:
+    """The service's URL on `host`: an IPv6 literal goes in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def attnserve_route(config: dict) -> str:
     """The route prefix of the config's attnserve application ("" for "/")."""
     return (attnserve_apps(config)[0].get("route_prefix") or "/").rstrip("/")

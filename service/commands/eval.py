@@ -7,7 +7,7 @@ from service.commands import CommandError
 def add_arguments(p):
     p.add_argument("task", choices=["translate"])
     p.add_argument("--model", help="checkpoint folder (default: the shipped translator)")
-    p.add_argument("--out", default="docs/translate_eval.json", help="JSON report path")
+    p.add_argument("--out", help="JSON report path (default: docs/translate_eval.json in the repository)")
     p.add_argument("--beams", default="1,4", help="comma-separated beam sizes (1 = greedy)")
     p.add_argument("--limit", type=int, help="only the first N pairs")
     p.add_argument("--split", choices=["test", "dev", "ted_test", "ted_dev"], default="test",
@@ -25,6 +25,7 @@ def run(args) -> int:
     from model import paths
     from model.training.eval_translate import evaluate
     from service import local
+    from service.engine.types import EngineError
     from service.models import ModelUnavailable
 
     try:
@@ -35,7 +36,12 @@ def run(args) -> int:
         raise CommandError(f"--beams takes comma-separated beam sizes in 1..32, got {args.beams!r}")
     if args.limit is not None and args.limit < 1:
         raise CommandError(f"--limit must be >= 1, got {args.limit}")
-    out = Path(args.out)
+    # the bounds /v1/translate takes
+    if args.length_penalty is not None and not 0.0 <= args.length_penalty <= 2.0:
+        raise CommandError(f"--length-penalty takes 0..2, got {args.length_penalty}")
+    if args.no_repeat_ngram is not None and not 0 <= args.no_repeat_ngram <= 16:
+        raise CommandError(f"--no-repeat-ngram takes 0..16 (0: off), got {args.no_repeat_ngram}")
+    out = Path(args.out) if args.out else paths.REPO_ROOT / "docs" / "translate_eval.json"
     if out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
         raise CommandError(f"--out {out} cannot be written (a folder, or under a file)")
     checkpoint = args.model or paths.SHIPPED_TRANSLATOR
@@ -52,8 +58,10 @@ def run(args) -> int:
                                **options).translations
 
     try:
-        evaluate(checkpoint, args.out, translate=translate, beams=beams, limit=args.limit, split=args.split,
+        evaluate(checkpoint, out, translate=translate, beams=beams, limit=args.limit, split=args.split,
                  data_dir=Path(args.data) if args.data else None)
     except FileNotFoundError as e:  # the prepared data
         raise CommandError(str(e)) from e
+    except EngineError as e:  # a decoding option the engine refuses
+        raise CommandError(str(e)) from None
     return 0

