@@ -27,12 +27,27 @@ class ModelUnavailable(RuntimeError):
     """The model's files are missing or unreadable; the message says what to do."""
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_has_native_bf16() -> bool:
     """True when bf16 is the faster CPU dtype here: native bf16 instructions and a measured bf16 matmul
-    clearly faster than fp32 (model/cpu_features.py has the figures of this project's hosts)."""
-    from model.cpu_features import prefers_bf16
+    clearly faster than fp32 (model/cpu_features.py has the figures of this project's hosts). Measured once
+    per host and kept, as `quantization: auto` is: replicas starting side by side, or the CLI beside a
+    running service, measure on a busy CPU and must not choose different dtypes (bf16 rounding changes
+    which tokens win)."""
+    from model.cpu_features import cpu_flags, has_bf16_instructions, prefers_bf16
 
-    return prefers_bf16()
+    if not has_bf16_instructions(cpu_flags()):
+        return False
+    from model.file_lock import file_lock
+    from service.engine.compiled import use_persistent_cache
+
+    path = use_persistent_cache() / "dtype-auto.txt"  # the folder is keyed by torch and the CPU flags
+    with file_lock(path.with_suffix(".lock")):
+        kept = path.read_text().strip() if path.is_file() else ""
+        if kept not in ("bfloat16", "float32"):
+            kept = "bfloat16" if prefers_bf16() else "float32"
+            path.write_text(kept)
+    return kept == "bfloat16"
 
 
 def select_device(device: str, dtype: str, *, cuda_available: bool, ray_gpu_ids: list | None,

@@ -77,6 +77,23 @@ def test_engine_config_on_a_cpu_follows_the_bf16_decision(monkeypatch, bf16_fast
     assert (cfg.device, cfg.dtype, cfg.kv_torch_dtype, cfg.max_slots) == ("cpu", dtype, getattr(torch, dtype), 3)
 
 
+def test_the_cpu_dtype_decision_is_measured_once_per_host_and_kept(monkeypatch, tmp_path):
+    """Two processes on one host (replicas side by side, the CLI beside the service) choose the same dtype
+    even when their measurements on a busy CPU disagree."""
+    from model import cpu_features
+    from service import models
+
+    monkeypatch.setenv("ATTNSERVE_HOME", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(cpu_features, "has_bf16_instructions", lambda flags: True)
+    for measured, kept in ((True, True), (False, True)):  # the second process measures otherwise
+        monkeypatch.setattr(cpu_features, "prefers_bf16", lambda measured=measured: measured)
+        models.cpu_has_native_bf16.cache_clear()
+        assert models.cpu_has_native_bf16() is kept
+    models.cpu_has_native_bf16.cache_clear()
+    assert list(tmp_path.rglob("dtype-auto.txt"))[0].read_text() == "bfloat16"
+
+
 def test_kv_cache_dtype_defaults_to_the_weights_dtype_and_can_be_wider():
     assert EngineConfig(device="cpu", dtype="bfloat16").kv_torch_dtype == torch.bfloat16
     assert EngineConfig(device="cuda", dtype="float16").kv_torch_dtype == torch.float16
