@@ -55,7 +55,7 @@ def split_links(text: str) -> list[str]:
     return [p for p in (s.strip() for s in [*out, text[start:]]) if p]
 
 
-_ABBREV = re.compile(r"(?:\b(?i:Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|No|Nos|Inc|Ltd|Co|Corp|vs|etc|e\.g|i\.e|cf|Cap)"
+_ABBREV = re.compile(r"(?:\b(?i:Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|No|Nos|Inc|Ltd|Co|Corp|vs|etc|e\.g|i\.e|a\.m|p\.m|cf|Cap)"
                      r"|(?<![A-Za-z])[A-Z])$")
 # "1." / "b." / "III." opening a numbered item keeps its point; "二." becomes "二、"
 _LIST_NUMBER = re.compile(r"\s*[(（]?(?:\d{1,3}|[A-Za-z]|[IVXivx]{1,5})")

@@ -29,6 +29,7 @@ ZH_CASES = [
     ("邮件 a.b@c.com,谢谢", "邮件 a.b@c.com，谢谢"),
     ("他说 Hello, world 然后走了", "他说 Hello, world 然后走了"),  # a Latin phrase keeps its comma
     ("Mr. 史密斯来了.", "Mr. 史密斯来了。"),  # abbreviation before a name
+    ("会议在10 a.m.开始.", "会议在10 a.m.开始。"),  # a.m. / p.m. keep their points
     ("他的 U.S. 公司", "他的 U.S. 公司"),
     ("It's 他的", "It's 他的"),  # apostrophe
     ("版本 v1.2 发布了", "版本 v1.2 发布了"),
