@@ -46,10 +46,14 @@ class ApiLimits:
 
 
 def limits_from_user_config(user_config: dict | None, default: ApiLimits) -> ApiLimits:
-    """The deployment's `user_config: {limits: {...}}` (live-reloadable API limits); `default` without limits."""
+    """The deployment's `user_config: {limits: {...}}` (live-reloadable API limits) over `default`: a limit
+    it does not name keeps its value from `default` (the application's args, or the defaults)."""
     reject_unknown(user_config or {}, ["limits"], "user_config")
     limits = (user_config or {}).get("limits")
-    return default if limits is None else ApiLimits.from_dict(limits)
+    if limits is None:
+        return default
+    reject_unknown(limits, [f.name for f in dataclasses.fields(ApiLimits)], "user_config.limits")
+    return ApiLimits.from_dict({**dataclasses.asdict(default), **limits})
 
 
 @dataclass

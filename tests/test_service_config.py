@@ -187,11 +187,14 @@ def test_limits_in_args_hold_when_user_config_has_none():
     from service.deployments import AttnServe
 
     cls = AttnServe.func_or_class
-    replica = types.SimpleNamespace(config=ServiceConfig.from_dict({"limits": {"max_texts": 4}}), fastapi=None)
+    replica = types.SimpleNamespace(config=ServiceConfig.from_dict({"limits": {"max_texts": 4, "max_n": 3}}),
+                                    fastapi=None)
     cls.reconfigure(replica, {})
     assert replica.limits.max_texts == 4
     cls.reconfigure(replica, {"limits": {"max_texts": 2}})
-    assert replica.limits.max_texts == 2
+    assert replica.limits.max_texts == 2 and replica.limits.max_n == 3  # a limit not named keeps the args' value
+    with pytest.raises(ValueError, match="max_textz"):
+        cls.reconfigure(replica, {"limits": {"max_textz": 2}})
 
 
 @pytest.mark.parametrize("data, words", [
