@@ -25,6 +25,7 @@ import time
 
 import gevent
 import gevent.pool
+from gevent import GreenletExit
 from locust import HttpUser, constant, events, task
 from requests.adapters import HTTPAdapter
 
@@ -187,6 +188,7 @@ class LLMUser(HttpUser):
         start = time.time()
         t0 = time.perf_counter()
         rec = RequestRecord(name, start, start, False, 0)
+        stopped = None
         with self.client.post(
             path, json=body, stream=stream, catch_response=True, name=name, timeout=self.opts.request_timeout
         ) as resp:
@@ -199,17 +201,21 @@ class LLMUser(HttpUser):
                 else:
                     rec.output_tokens = int(count_tokens(resp.json()))
                     rec.ok = True
+            except GreenletExit as e:  # the run's end stopped this user mid-stream: record what it received
+                rec.ok, rec.cut, rec.error, stopped = False, True, "cut by the end of the run", e
             except Exception as e:  # a broken stream or body: a failure, not a crash of the user
                 rec.ok = False
                 rec.error = f"{type(e).__name__}: {e}"[:200]
             rec.end = start + (time.perf_counter() - t0)
             resp.request_meta["response_time"] = (rec.end - start) * 1000
             resp.request_meta["response_length"] = rec.output_tokens
-            if rec.ok:
+            if rec.ok or rec.cut:
                 resp.success()
             else:
                 resp.failure(f"HTTP {rec.status}" + (" (in stream)" if rec.status == 200 else ""))
         self._record(rec)
+        if stopped is not None:
+            raise stopped
 
     @staticmethod
     def _read_stream(resp, rec: RequestRecord, t0: float):
@@ -218,6 +224,7 @@ class LLMUser(HttpUser):
         last = None
         chunks = 0
         complete = False
+        usage = False
         for line in resp.iter_lines(chunk_size=None):
             chunk = parse_sse_line(line)
             if chunk is None:
@@ -230,7 +237,7 @@ class LLMUser(HttpUser):
                 break
             complete = complete or chunk.finish_reason is not None
             if chunk.usage_completion_tokens is not None:
-                rec.output_tokens = chunk.usage_completion_tokens
+                rec.output_tokens, usage = chunk.usage_completion_tokens, True
             if chunk.text:
                 now = time.perf_counter()
                 if last is None:
@@ -239,6 +246,8 @@ class LLMUser(HttpUser):
                     rec.itl_s.append(now - last)
                 last = now
                 chunks += 1
+                if not usage:  # kept current: a stream cut by the run's end counts what it received
+                    rec.output_tokens = chunks
         if not rec.output_tokens:
             rec.output_tokens = chunks  # no usage in the stream: one chunk ~ one token
         if not complete:

@@ -22,6 +22,9 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)  # gaps between consecutive content chunks
     output_tokens: int = 0  # from the response's usage when present, else counted chunks
     error: str = ""
+    # the run ended while it streamed: the tokens it had received count toward throughput; neither a
+    # success nor a failure, and not in the latencies
+    cut: bool = False
 
     @property
     def e2e_s(self) -> float:

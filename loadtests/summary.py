@@ -1,6 +1,7 @@
 """The numbers a load test reports, computed exactly from the per-request records.
 
-Throughput is counted over the measured window (first request sent -> last request finished). TTFT and
+Throughput is counted over the measured window (first request sent -> last request finished, or the run's
+end for requests it cut), from the tokens of successful requests and those cut requests had received. TTFT and
 ITL come from streaming requests only; ITL pools every gap between consecutive content chunks of every
 request (as vLLM's benchmark does), so long answers weigh more than short ones."""
 
@@ -22,11 +23,11 @@ def _pct(values: list[float], q: float) -> float | None:
 class Summary:
     scenario: str
     users: int
-    requests: int  # finished requests, ok or not
+    requests: int  # finished requests, ok or not (not those the run's end cut)
     failures: int
     window_s: float
     req_per_s: float  # successful requests per second
-    output_tok_per_s: float  # output tokens of successful requests per second
+    output_tok_per_s: float  # output tokens per second: of successful requests, and what cut ones received
     ttft_p50_s: float | None = None
     ttft_p95_s: float | None = None
     ttft_p99_s: float | None = None
@@ -53,21 +54,23 @@ def summarize(records: list[RequestRecord], scenario: str = "", users: int = 0) 
     if not records:
         raise ValueError("no requests were recorded: was the service reachable?")
     ok = [r for r in records if r.ok]
+    cut = [r for r in records if r.cut]
+    finished = [r for r in records if not r.cut]
     window = max(r.end for r in records) - min(r.start for r in records)
     window = max(window, 1e-9)
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     itls = [g for r in ok for g in r.itl_s]
     e2es = [r.e2e_s for r in ok]
     out_tokens = sum(r.output_tokens for r in ok)
-    fails = Counter(str(r.status) for r in records if not r.ok)
+    fails = Counter(str(r.status) for r in finished if not r.ok)
     return Summary(
         scenario=scenario or ",".join(sorted({r.scenario for r in records})),
         users=users,
-        requests=len(records),
-        failures=len(records) - len(ok),
+        requests=len(finished),
+        failures=len(finished) - len(ok),
         window_s=window,
         req_per_s=len(ok) / window,
-        output_tok_per_s=out_tokens / window,
+        output_tok_per_s=(out_tokens + sum(r.output_tokens for r in cut)) / window,
         ttft_p50_s=_pct(ttfts, 50),
         ttft_p95_s=_pct(ttfts, 95),
         ttft_p99_s=_pct(ttfts, 99),

@@ -41,6 +41,9 @@ def test_short_headless_runs_report_ttft_and_no_failures(tmp_path):
         assert (run_dir / name).stat().st_size > 0, name
     (row,) = csv.DictReader(open(run_dir / "summary.csv"))
     assert int(row["requests"]) >= 4 and int(row["failures"]) == 0 and float(row["error_rate"]) == 0.0
+    # closed loop: the run's end finds the users mid-stream; those requests are kept, marked cut
+    records = [json.loads(line) for line in open(run_dir / "requests.jsonl")]
+    assert any(r["cut"] and not r["ok"] for r in records)
     assert float(row["ttft_p50_s"]) > 0 and float(row["ttft_p99_s"]) >= float(row["ttft_p50_s"])
     assert float(row["itl_p50_s"]) > 0 and float(row["output_tok_per_s"]) > 0
     # Locust's own stats carry the LLM metrics as METRIC events, as in fw-ai's llm_bench.

@@ -40,6 +40,18 @@ def test_summary_percentiles_throughput_and_failures():
     assert "429:2" in table and "300/" in table and "10.0" in table
 
 
+def test_requests_cut_by_the_end_count_their_tokens_not_as_failures_or_latencies():
+    """A closed-loop run ends with every user mid-request: what those streams received was served in the
+    window, so it counts toward throughput (leaving it out favoured the server with the longer requests)."""
+    recs = [_rec(0.0, 4.0, ttft=0.5, itl=[0.1], tokens=40), _rec(1.0, 6.0, ttft=0.2, tokens=20)]
+    recs.append(RequestRecord("chat-stream", 4.0, 10.0, False, 200, 3.0, [0.5], 12, "cut by the end of the run",
+                              cut=True))
+    s = summarize(recs)
+    assert s.requests == 2 and s.failures == 0 and s.window_s == pytest.approx(10.0)
+    assert s.output_tok_per_s == pytest.approx((40 + 20 + 12) / 10.0) and s.mean_output_tokens == 30
+    assert s.ttft_p95_s < 0.5 + 1e-9 and s.req_per_s == pytest.approx(0.2)
+
+
 def test_summary_without_streams_has_no_ttft_and_empty_run_is_an_error():
     s = summarize([_rec(0.0, 2.0, tokens=7, scenario="generate")])
     assert s.ttft_p50_s is None and s.itl_p95_s is None and s.output_tok_per_s == pytest.approx(3.5)
