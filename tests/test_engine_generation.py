@@ -462,6 +462,7 @@ def test_prefill_borrows_idle_cores_only_when_nothing_decodes(tmp_path, others_b
                            params=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
 
     async def scenario(engine):
+        seen.clear()  # the start's warm-up calls
         stream = engine.submit(long)
         first = await stream.__anext__()  # prefilled alone: nothing else running
         _, _, done = await collect(engine, late)  # joins while `long` decodes
@@ -494,7 +495,12 @@ def test_decode_borrows_idle_cores_while_no_other_engine_works(tmp_path, others_
     engine.runner.decode = counting
     req = GenerateRequest(prompt_ids=prompt(random.Random(4), 7),
                           params=SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))
-    _, _, done = run_engine(engine, lambda e: collect(e, req))
+    async def alone(e):
+        seen.clear()  # the start's warm-up calls
+        rows_seen.clear()
+        return await collect(e, req)
+
+    _, _, done = run_engine(engine, alone)
     assert done.finish_reason == "length"
     assert seen == [want] * 4  # the first token comes from the prefill
     # a fuller step keeps the engine's own threads: three rows decode together after one shared prefill
@@ -503,11 +509,35 @@ def test_decode_borrows_idle_cores_while_no_other_engine_works(tmp_path, others_
     reqs = [dataclasses.replace(req, prompt_ids=prompt(random.Random(5 + i), 7)) for i in range(3)]
 
     async def together(e):
+        seen.clear()
+        rows_seen.clear()
         return await asyncio.gather(*(collect(e, r) for r in reqs))
 
     run_engine(engine, together)
     assert 1 in seen and all(n == 1 for n, rows in zip(seen, rows_seen, strict=True) if rows > 2)
     assert torch.get_num_threads() == 1
+
+
+def test_start_runs_each_kind_of_call_once_before_any_request():
+    """The first prefill and decode of a process pay one-time costs: the engine pays them at start, on free
+    slots, so the first request's time to first token does not (the slots stay free, the output unchanged)."""
+    engine = make_engine()
+    calls = []
+    for name in ("prefill", "decode"):
+        real = getattr(engine.runner, name)
+        setattr(engine.runner, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+
+    async def main(e):
+        started, st = list(calls), e.stats()
+        ids, _, _ = await collect(e, TARGET)
+        return started, st, ids
+
+    started, st, ids = run_engine(engine, main)
+    assert "prefill" in started and "decode" in started
+    assert st.slots_used == 0 and st.steps == 0
+    cold = make_engine()
+    cold.runner.warm_up = lambda: None
+    assert ids == run_engine(cold, lambda e: collect(e, TARGET))[0]
 
 
 def test_prefill_threads_must_be_positive():

@@ -29,6 +29,15 @@ class DecoderRunner:
         compiled.warm_up(build_prefill=self.build_prefill)
         self.compiled = compiled
 
+    def warm_up(self) -> None:
+        """Run each kind of call once on free slots, whose K/V no request reads (a slot counts only what its
+        sequence cached): a process's first call pays one-time costs (allocations, oneDNN's set-up, first
+        touches of the weights) that would otherwise fall on the first request's time to first token."""
+        n = min(3, self.config.max_slots, self.config.max_seq_len - 2)
+        self.prefill([(0, [0, 0], 0)])  # one prompt: compiled where built
+        self.prefill([(s, [0] * (s + 2), 0) for s in range(n)])  # short prompts together: one eager forward
+        self.decode(list(range(n)), [0] * n, [1] * n)
+
     def prefill(self, chunks: list[Chunk]) -> torch.Tensor:
         """Write the chunks' K/V -> each chunk's last-position logits (len(chunks), V), in order. Chunks
         go in right-padded forwards whose padding stays within `prefill_max_padding` of their tokens."""

@@ -151,7 +151,15 @@ class EngineLoop:
 
     def _prepare(self) -> None:
         """Run once on the worker thread before the first step: with `compile`, compile the step there
-        (service/engine/compiled.py). A failure is logged and the engine runs eagerly."""
+        (service/engine/compiled.py; a failure is logged and the engine runs eagerly); then one call of each
+        kind, so the first request does not pay their one-time costs."""
+        self._compile()
+        try:
+            self.runner.warm_up()
+        except Exception:  # only a cost moved off the first request: serve without it
+            log.warning("engine %s: warm-up call failed", self.name, exc_info=True)
+
+    def _compile(self) -> None:
         if not self.config.compile or self.runner.compiled is not None:
             return
         if torch.device(self.config.device).type != "cpu":

@@ -35,6 +35,13 @@ class Seq2SeqRunner:
         except ValueError:
             return True
 
+    def warm_up(self) -> None:
+        """Encode and decode once on free slots (their K/V no request reads): the first call's one-time costs
+        stay out of the first request's latency."""
+        cfg, n = self.model.cfg, min(2, self.cache.n_slots)
+        self.encode([[cfg.eos_id, cfg.eos_id]], [n], list(range(n)))
+        self.decode([cfg.bos_id] * n, [0] * n, [2] * n)
+
     def encode(self, sources: list[list[int]], copies: list[int], slots: list[int]) -> None:
         """Encode `sources` and store their cross K/V in `slots`: source i fills the next copies[i] slots
         (a beam's hypotheses share their source)."""
