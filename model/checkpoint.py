@@ -7,6 +7,8 @@ Loading never unpickles. A missing file, a wrong tensor shape, or an unknown arc
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -37,15 +39,24 @@ def architecture_of(config) -> str:
     return "decoder" if isinstance(config, DecoderConfig) else "seq2seq"
 
 
-def save_checkpoint(model: nn.Module, directory: str | Path, *, tokenizer=None,
-                    dtype: torch.dtype | None = None, extra: dict | None = None) -> Path:
+def _save_tensors(state: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def save_checkpoint(model: nn.Module, directory: str | Path, *, tokenizer=None,
+                    dtype: torch.dtype | None = None, extra: dict | None = None) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    # written beside the folder, then moved in file by file, the config last: a kill mid-write (an export
+    # over the served checkpoint) leaves the old files or the new ones, never a torn one; other files stay
+    tmp = d.parent / f".{d.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     cfg = model.cfg
     meta = {"architecture": architecture_of(cfg), "config": cfg.to_dict(), **(extra or {})}
-    (d / CONFIG_FILE).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+    (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
     state = {}
     seen: dict[int, str] = {}
     for name, t in model.state_dict().items():
@@ -56,9 +67,14 @@ def save_checkpoint(model: nn.Module, directory: str | Path, *, tokenizer=None,
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         state[name] = t.contiguous().cpu()
-    save_file(state, str(d / WEIGHTS_FILE), metadata={"format": "pt"})
-    if tokenizer is not None:
-        tokenizer.save(d)
+    try:
+        _save_tensors(state, tmp / WEIGHTS_FILE)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        for f in sorted(tmp.iterdir(), key=lambda f: f.name == CONFIG_FILE):
+            os.replace(f, d / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return d
 
 

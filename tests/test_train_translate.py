@@ -22,6 +22,9 @@ def test_tiny_training_run_drops_loss_and_resumes(tiny_run, tmp_path):
 
     cfg["max_steps"] = 170
     path.write_text(json.dumps(cfg))
+    # the state's metadata is committed with its tensors: a state.json left stale (a kill between two
+    # renames) does not move the resume
+    (run / "state.json").write_text(json.dumps({**json.loads((run / "state.json").read_text()), "step": 7}))
     train(path, run, data_dir=data, resume=True, export_to=tmp_path / "export2")
     log = _log(run)
     assert [r for r in log if r.get("event") == "resumed"][-1]["step"] == 150

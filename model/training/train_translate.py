@@ -206,17 +206,23 @@ def save_state(run: Path, model, opt, meta: dict, weights: dict[str, torch.Tenso
     if dev.type == "cuda":  # dropout masks on the GPU draw from its own generator
         tensors["rng.cuda"] = torch.cuda.get_rng_state(dev)
     tmp = run / "state.safetensors.tmp"
-    save_file(tensors, str(tmp))
+    # the metadata rides in the tensors' file, so one rename commits both (state.json is for people to read)
+    save_file(tensors, str(tmp), metadata={"state": json.dumps(meta)})
     tmp.replace(run / "state.safetensors")
     (run / "state.json.tmp").write_text(json.dumps(meta, indent=2))
     (run / "state.json.tmp").replace(run / "state.json")
 
 
 def load_state(run: Path, model, opt) -> dict:
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    tensors = load_file(str(run / "state.safetensors"))
-    meta = json.loads((run / "state.json").read_text())
+    path = run / "state.safetensors"
+    tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        kept = (f.metadata() or {}).get("state")
+    # runs saved before the metadata moved into the tensors' file have it in state.json only
+    meta = json.loads(kept) if kept is not None else json.loads((run / "state.json").read_text())
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     for n, p in model.named_parameters():
         if f"opt.{n}.exp_avg" in tensors:
@@ -493,7 +499,9 @@ def checkpoint(run: Path, model, opt, meta: dict, cfg: TrainConfig) -> None:
     save_state(run, model, opt, meta, weights)
     snaps = run / "snapshots"
     snaps.mkdir(exist_ok=True)
-    save_file(weights, str(snaps / f"step-{meta['step']}.safetensors"))
+    snap = snaps / f"step-{meta['step']}.safetensors"
+    save_file(weights, str(snap.with_suffix(".tmp")))  # a kill mid-write leaves no torn snapshot to average
+    snap.with_suffix(".tmp").replace(snap)
     old = sorted(snaps.glob("step-*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))
     for p in old[: -cfg.avg_last]:
         p.unlink()
