@@ -74,7 +74,8 @@ def format_ratios(rows: list[tuple[str, Summary]], ours: str, peer: str) -> str:
 
 
 def _start(cmd: list[str], url: str, health: str, log: Path, name: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    with open(log, "w") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -85,8 +86,18 @@ def _start(cmd: list[str], url: str, health: str, log: Path, name: str) -> tuple
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.kill()
+    _stop(proc)
     raise SystemExit(f"{name} not healthy after 180 s; see {log}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Terminate a peer server, killing it if it has not exited after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def start_llama_server(binary: Path, gguf: Path, parallel: int, log: Path) -> tuple[subprocess.Popen, str]:
@@ -163,15 +174,13 @@ def main(argv: list[str] | None = None) -> int:
             for label, host in targets if i % 2 == 0 else targets[::-1]:
                 sweep(label, host, [u])
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        _stop(proc)
     if py_users:  # serialises requests: measured alone, after the others
         proc, url = start_llama_cpp_python(python, gguf, out / "llama-cpp-python.log")
         try:
             sweep("llama-cpp-python", url, py_users)
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            _stop(proc)
     bar.close()
     host = cpu_label()
     print(f"host: {host}")  # the flags that change both servers' kernels, beside their figures

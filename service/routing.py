@@ -5,8 +5,8 @@ then its model routes return 503 + Retry-After. With more than one replica (the 
 docs/decisions.md), Serve's default power-of-two router would send requests to a replica still loading
 while another serves. This router reads each replica's `record_routing_stats()` (`{"ready": bool}`,
 refreshed every `request_routing_stats_period_s`) and offers Serve the ready replicas, those with the
-fewest requests it has in flight first; only while none is ready does it offer all of them (so `/healthz`
-and `/readyz` answer during start-up). Set in the Serve config:
+fewest requests it has in flight first (ties always in the same order); only while none is ready does it
+offer all of them (so `/healthz` and `/readyz` answer during start-up). Set in the Serve config:
 
     request_router_config: {request_router_class: "service.routing:ReadyFirstRouter",
                             request_routing_stats_period_s: 1}
@@ -14,7 +14,6 @@ and `/readyz` answer during start-up). Set in the Serve config:
 
 from __future__ import annotations
 
-import random
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -64,7 +63,7 @@ class ReadyFirstRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         ready = [r for r in candidate_replicas if (r.routing_stats or {}).get("ready")]
         pool = ready or candidate_replicas
-        # fewest in flight from here first, ties at random. Serve's cached queue lengths go stale after
+        # fewest in flight from here first. Serve's cached queue lengths go stale after
         # ~10 s idle, and a burst then probes every replica at once and sees the same lengths (64 streams
         # at once put 40 on one 32-slot replica, 24 on the other). The request is counted on the first
         # rank now, before any await, so the next one of the burst already sees it.
@@ -73,8 +72,9 @@ class ReadyFirstRouter(RequestRouter):
         rid = pending_request.metadata.internal_request_id if pending_request is not None else None
         self.placed.pop(rid, None)  # chosen again (no room at the first choice): ranked without its own count
         counts = self.in_flight
-        pool = random.sample(pool, len(pool))
-        pool.sort(key=lambda r: counts[r.replica_id])
+        # ties in a fixed order: light load stays on one replica, whose prefix cache then holds the
+        # conversation so far and whose neighbour idles (its core is lent to the busy one's steps)
+        pool = sorted(pool, key=lambda r: (counts[r.replica_id], str(r.replica_id)))
         if rid is not None and pool:
             self.placed[rid] = _Placed(pool[0].replica_id, now)
         return [[r] for r in pool]

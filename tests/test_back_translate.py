@@ -71,6 +71,14 @@ def test_a_run_grows_the_file_where_the_last_one_stopped(setup):
     assert rows[:2] == first  # kept, not redone
     assert [len(texts) for texts, _ in calls] == [1, 1]  # only the new sentence of each language
     assert len(set(rows)) == 4
+    # a run killed mid-row leaves a torn last line: the next run drops it and translates that row again
+    path = data / back_translate.FILE_NAME
+    path.write_text(path.read_text(encoding="utf-8") + "half a row\tno ta", encoding="utf-8")
+    assert back_translate.read(data) == rows  # a reader skips it
+    calls.clear()
+    back_translate.build(translate, 2, directory=data, wheel_path=wheel)
+    assert calls == [] and back_translate.read(data) == rows
+    assert path.read_text(encoding="utf-8").endswith("\n")
 
 
 def test_the_tag_never_comes_from_text():

@@ -70,6 +70,25 @@ def test_router_sends_a_burst_to_the_replica_with_fewest_in_flight(monkeypatch):
     assert list(router.placed) == ["99"] and sum(router.in_flight.values()) == 1 and before[other] >= 1
 
 
+def test_light_load_stays_on_one_replica(monkeypatch):
+    """One request at a time goes to the same replica (its prefix cache holds what came before); a second
+    at once goes to the other."""
+    from ray.serve.request_router import RequestRouter
+
+    monkeypatch.setattr(RequestRouter, "on_request_completed", lambda self, replica_id, request_id: None)
+    router = _router()
+    replicas = [_replica(i, True) for i in (1, 0)]
+    request = lambda rid: SimpleNamespace(metadata=SimpleNamespace(internal_request_id=rid))  # noqa: E731
+    firsts = []
+    for i in range(10):
+        firsts.append(asyncio.run(router.choose_replicas(replicas, request(str(i))))[0][0].replica_id)
+        router.on_request_completed(firsts[-1], str(i))
+    assert len(set(firsts)) == 1
+    a = asyncio.run(router.choose_replicas(replicas, request("a")))[0][0].replica_id
+    b = asyncio.run(router.choose_replicas(replicas, request("b")))[0][0].replica_id
+    assert {a, b} == {0, 1}
+
+
 def test_deployment_reports_readiness_for_routing():
     from service.deployments import AttnServe
     from service.startup import Startup

