@@ -518,6 +518,7 @@ def test_decode_borrows_idle_cores_while_no_other_engine_works(tmp_path, others_
     assert torch.get_num_threads() == 1
 
 
+@pytest.mark.timeout(120)
 def test_start_runs_each_kind_of_call_once_before_any_request():
     """The first prefill and decode of a process pay one-time costs: the engine pays them at start, on free
     slots, so the first request's time to first token does not (the slots stay free, the output unchanged)."""
