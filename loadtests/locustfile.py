@@ -189,9 +189,16 @@ class LLMUser(HttpUser):
         t0 = time.perf_counter()
         rec = RequestRecord(name, start, start, False, 0)
         stopped = None
-        with self.client.post(
-            path, json=body, stream=stream, catch_response=True, name=name, timeout=self.opts.request_timeout
-        ) as resp:
+        try:
+            resp_cm = self.client.post(
+                path, json=body, stream=stream, catch_response=True, name=name, timeout=self.opts.request_timeout
+            )
+        except GreenletExit:  # stopped before the answer (a stream: its headers) came: a cut request too
+            rec.cut, rec.error = True, "cut by the end of the run"
+            rec.end = start + (time.perf_counter() - t0)
+            self._record(rec)
+            raise
+        with resp_cm as resp:
             rec.status = int(resp.status_code or 0)
             try:
                 if rec.status != 200:

@@ -31,7 +31,7 @@ def test_short_headless_runs_report_ttft_and_no_failures(tmp_path):
                               + "\n" for s, t in SHORT))
     with live_service(log_path=tmp_path / "service.log") as url:
         chat = _loadtest(url, str(tmp_path / "chat"), "--scenario", "chat-stream")
-        translate = _loadtest(url, str(tmp_path / "tr"), "--scenario", "translate-batch", "--beam-size", "2",
+        translate = _loadtest(url, str(tmp_path / "tr"), "--scenario", "translate-batch", "--beam-size", "4",
                               "--duration", "5s", "--translate-file", str(inputs))
     assert chat.returncode == 0, chat.stderr + chat.stdout
     table = chat.stdout.splitlines()
@@ -41,9 +41,8 @@ def test_short_headless_runs_report_ttft_and_no_failures(tmp_path):
         assert (run_dir / name).stat().st_size > 0, name
     (row,) = csv.DictReader(open(run_dir / "summary.csv"))
     assert int(row["requests"]) >= 4 and int(row["failures"]) == 0 and float(row["error_rate"]) == 0.0
-    # closed loop: the run's end finds the users mid-stream; those requests are kept, marked cut
     records = [json.loads(line) for line in open(run_dir / "requests.jsonl")]
-    assert any(r["cut"] and not r["ok"] for r in records)
+    assert not any(r["cut"] and r["ok"] for r in records)
     assert float(row["ttft_p50_s"]) > 0 and float(row["ttft_p99_s"]) >= float(row["ttft_p50_s"])
     assert float(row["itl_p50_s"]) > 0 and float(row["output_tok_per_s"]) > 0
     # Locust's own stats carry the LLM metrics as METRIC events, as in fw-ai's llm_bench.
@@ -54,3 +53,8 @@ def test_short_headless_runs_report_ttft_and_no_failures(tmp_path):
     (run_dir,) = (tmp_path / "tr").iterdir()
     (row,) = csv.DictReader(open(run_dir / "summary.csv"))
     assert int(row["requests"]) >= 1 and int(row["failures"]) == 0 and row["ttft_p50_s"] == ""
+    # Closed loop: the run's end finds users mid-request; those requests are kept, marked cut, not failed.
+    # (Translating a batch takes long next to the few ms Locust takes to stop its users; 32-token chat
+    # streams often all finish within them.)
+    records = [json.loads(line) for line in open(run_dir / "requests.jsonl")]
+    assert any(r["cut"] and not r["ok"] for r in records)
