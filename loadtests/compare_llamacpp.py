@@ -28,7 +28,7 @@ import httpx
 
 from loadtests import cli
 from loadtests.plots import plot_sweep
-from loadtests.ports import free_port
+from loadtests.ports import free_port, stop_server
 from loadtests.summary import Summary, format_table
 from model.cpu_features import cpu_label
 from model.progress import progress, write_line
@@ -86,18 +86,8 @@ def _start(cmd: list[str], url: str, health: str, log: Path, name: str) -> tuple
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    _stop(proc)
+    stop_server(proc)
     raise SystemExit(f"{name} not healthy after 180 s; see {log}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Terminate a peer server, killing it if it has not exited after 30 s."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def start_llama_server(binary: Path, gguf: Path, parallel: int, log: Path) -> tuple[subprocess.Popen, str]:
@@ -174,13 +164,13 @@ def main(argv: list[str] | None = None) -> int:
             for label, host in targets if i % 2 == 0 else targets[::-1]:
                 sweep(label, host, [u])
     finally:
-        _stop(proc)
+        stop_server(proc)
     if py_users:  # serialises requests: measured alone, after the others
         proc, url = start_llama_cpp_python(python, gguf, out / "llama-cpp-python.log")
         try:
             sweep("llama-cpp-python", url, py_users)
         finally:
-            _stop(proc)
+            stop_server(proc)
     bar.close()
     host = cpu_label()
     print(f"host: {host}")  # the flags that change both servers' kernels, beside their figures

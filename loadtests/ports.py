@@ -1,9 +1,10 @@
-"""Free loopback ports for the servers that tests and load tests start."""
+"""The servers that tests and load tests start: free loopback ports for them, and stopping them."""
 
 from __future__ import annotations
 
 import random
 import socket
+import subprocess
 
 # Below the kernel's ephemeral range (32768+ by default) and above Ray's worker ports (10002-19999): a port
 # picked here cannot be taken by the ephemeral binds of Ray processes starting meanwhile, which a port picked
@@ -32,3 +33,13 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError(f"no free port in {_LOW}-{high} on 127.0.0.1")
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Terminate a server process, killing it if it has not exited after `timeout_s`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

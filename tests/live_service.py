@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtests.ports import free_port
+from loadtests.ports import free_port, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,12 +53,7 @@ def live_service(generator: str = "tiny", startup_timeout_s: float = 180.0, log_
             time.sleep(0.3)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc, timeout_s=20)
         if log is not subprocess.DEVNULL:
             log.close()
 

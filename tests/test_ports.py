@@ -11,3 +11,19 @@ def test_free_port_is_bindable_and_outside_the_ephemeral_range():
         assert 10000 <= port < lo  # Ray's worker ports end at 19999; ephemeral binds start at `lo`
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_stop_server_kills_a_server_that_ignores_sigterm():
+    import subprocess
+    import sys
+
+    from loadtests.ports import stop_server
+
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"  # the handler is in place
+    stop_server(proc, timeout_s=0.5)
+    assert proc.returncode == -9
+    gentle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stop_server(gentle, timeout_s=10)
+    assert gentle.returncode == -15
