@@ -29,10 +29,11 @@ _URL_CHAR = r"[^\s\u3000-\u303f\uff00-\uffef" + _CJK_CHARS + "]"
 # a bracketed part inside a URL (".../Python_(language)") belongs to it; a ")" closing the prose around it does not
 _URL_PART = r"(?:\([^\s()\u3000-\u303f\uff00-\uffef" + _CJK_CHARS + r"]*\)|" + _URL_CHAR + ")"
 _LINK = (r"(?:https?://|www\.)" + _URL_PART + r"*?(?=[.,:;!?)\]'\"]*(?:\s|$|[^\x00-\x7f]))"
-         r"|[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+")
+         # an address starts where a run of its characters starts: scanning from inside a long run is quadratic
+         r"|(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+")
 _LINKS = re.compile(_LINK, re.IGNORECASE)
 # A call with ASCII inside is code, not a name with a note in brackets.
-_PROTECTED = re.compile(_LINK + r"|(?<![A-Za-z0-9_])[A-Za-z_][A-Za-z0-9_.]*\([ -'*-~]*\)", re.IGNORECASE)
+_PROTECTED = re.compile(_LINK + r"|(?<![A-Za-z0-9_.])[A-Za-z_][A-Za-z0-9_.]*\([ -'*-~]*\)", re.IGNORECASE)
 
 
 def without_protected(text: str) -> str:

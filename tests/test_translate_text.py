@@ -112,6 +112,18 @@ def test_urls_and_addresses_are_pieces_of_their_own():
     assert pieces("(see https://a.com/x) now", lambda s: True) == ["(see", "https://a.com/x", ") now"]
 
 
+
+def test_links_and_code_calls_start_where_their_run_of_characters_starts():
+    """A match may not start inside a run of its own characters (which keeps scanning a long run without "@"
+    or "(" linear): whole addresses and calls are still found."""
+    from model.punctuation import split_links, without_protected
+
+    assert split_links("write to first.last+tag@mail.example.org now") == [
+        "write to", "first.last+tag@mail.example.org", "now"]
+    assert without_protected("see obj.attr.method(x, y) and f(z).") == "see   and  ."
+    assert without_protected("a.b.c.d") == "a.b.c.d" and split_links("x" * 50) == ["x" * 50]
+
+
 @pytest.mark.parametrize("parts, lang, text", [
     (["See details", "https://example.com", "."], "en", "See details https://example.com."),
     (["Email", "bob@example.com", "!"], "en", "Email bob@example.com!"),
