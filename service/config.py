@@ -29,6 +29,7 @@ class ApiLimits:
     max_messages: int = 64
     max_texts: int = 32  # texts per /v1/translate call
     max_text_chars: int = 2_000  # characters per text to translate
+    max_sentences: int = 2_048  # sentences to translate per /v1/translate call (each costs a beam search)
     max_stop: int = 4  # stop strings per request
     max_stop_chars: int = 64
     max_beam_size: int = 8

@@ -10,7 +10,7 @@ from service.config import ApiLimits
 
 torch.set_num_threads(1)
 LIMITS = ApiLimits(max_body_bytes=20_000, max_prompt_chars=200, max_messages=3, max_texts=2, max_text_chars=50,
-                   max_stop=2, max_stop_chars=5, max_beam_size=4, max_translate_length=32)
+                   max_stop=2, max_stop_chars=5, max_beam_size=4, max_translate_length=32, max_sentences=3)
 MSG = [{"role": "user", "content": "hi"}]
 
 CASES = [
@@ -119,6 +119,18 @@ def test_beam_and_length_limits_are_the_lower_of_api_limits_and_the_translator()
         assert "must be <= 63" in got["max_length", 64][1]["message"]
         assert got["beam_size", 8][0] == 200 and got["max_length", 63][0] == 200
     run(main, backends(), ApiLimits(max_beam_size=64, max_translate_length=4096))
+
+
+def test_sentences_to_translate_are_bounded_per_request():
+    """Each sentence costs a beam search: ApiLimits.max_sentences bounds a request's, counted after the split
+    (a text of many short sentences costs more than its characters say)."""
+    async def main(c):
+        r = await c.post("/v1/translate", json={"text": ["Go now. We ran.", "He sat. She ate."]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text"
+        assert "4 sentences" in r.json()["error"]["message"] and "limit is 3" in r.json()["error"]["message"]
+        r = await c.post("/v1/translate", json={"text": ["Go now. We ran.", "He sat."]})
+        assert r.status_code == 200 and len(r.json()["translations"]) == 2
+    run(main, backends(), LIMITS)
 
 
 def test_http_counter_records_500s_and_413s(monkeypatch):

@@ -77,7 +77,7 @@ async def translate(body: TranslateBody, request: Request):
         target = target or other(body.source_lang)
     req = TranslateRequest(texts=texts, target_lang=target, beam_size=body.beam_size,
                            length_penalty=body.length_penalty, max_length=body.max_length,
-                           no_repeat_ngram=body.no_repeat_ngram,
+                           no_repeat_ngram=body.no_repeat_ngram, max_sentences=limits.max_sentences,
                            request_id=new_id("tr"))
     try:
         result = await unless_disconnected(request, tr.translate(req))

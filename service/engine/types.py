@@ -102,6 +102,7 @@ class TranslateRequest:
     max_length: int | None = None  # target tokens per text; None = relative to the source
     request_id: str = ""
     deadline_s: float | None = None
+    max_sentences: int | None = None  # sentences to translate the texts may hold; None = no bound
 
 
 @dataclass

@@ -84,6 +84,9 @@ class TranslationFrontend:
                     sources.append(src)
                 plan.append(items)
             plans.append(plan)
+        if req.max_sentences is not None and len(sources) > req.max_sentences:
+            raise RequestRejected(f"the texts hold {len(sources)} sentences to translate; the limit is "
+                                  f"{req.max_sentences} per request", "text")
         outputs = await self.engine.run(SourceBatch(
             sources, beam_size=req.beam_size, length_penalty=req.length_penalty,
             no_repeat_ngram=req.no_repeat_ngram, max_length=req.max_length, request_id=req.request_id,
