@@ -139,3 +139,13 @@ def test_scored_prompt_choices_leave_no_prefix_they_never_wrote():
         return got
 
     assert run_engine(engine, go) == want
+
+
+def test_a_restart_forgets_the_prefixes_its_warm_up_overwrote():
+    """Slots freed before a stop held their prompts; the next start's warm-up writes over free slots, so a
+    prompt after the restart must not reuse them (it would read the warm-up's K/V as its prefix)."""
+    engine, req = _engine(True), _requests(11)[0]
+    first = run_engine(engine, lambda e: _answer(e, req))
+    assert engine.prefixes.freed  # the answer's slot and tokens, kept for reuse
+    again = run_engine(engine, lambda e: _answer(e, req))
+    assert again == first and engine.prefix_tokens_reused == 0

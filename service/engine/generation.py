@@ -80,6 +80,11 @@ class GenerationEngine(EngineLoop):
         self.prefixes = PrefixIndex(MIN_REUSE)
         self.prefix_tokens_reused = 0  # prompt tokens whose K/V were copied, not prefilled
 
+    def _prepare(self) -> None:
+        # the start's warm-up writes over free slots: what they held before a restart is gone
+        self.prefixes = PrefixIndex(MIN_REUSE)
+        super()._prepare()
+
     @property
     def max_context(self) -> int:
         """Longest prompt + output a request may have."""
