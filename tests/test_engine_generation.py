@@ -590,3 +590,52 @@ def test_a_new_prompts_first_token_streams_before_the_running_rows_decode():
     alone = run(lambda e: collect(e, late_req))
     assert first.token_ids + [t for ev in rest for t in ev.token_ids] == alone[1]  # same tokens as alone
     assert rest[-1].finish_reason == "length"
+
+
+@pytest.mark.timeout(60)
+def test_a_fault_between_steps_while_idle_does_not_end_the_engine():
+    """A metrics sink that raises while the engine idles (its gauges are re-reported then) is logged; the
+    schedule goes on and serves the next request instead of leaving it to wait forever."""
+    from service.engine.stats import NullSink
+
+    class FlakySink(NullSink):
+        faults = 1
+
+        def on_step(self, model, batch_size, kv_usage, running, waiting):
+            if batch_size == 0 and self.faults:
+                self.faults -= 1
+                raise RuntimeError("scrape target gone")
+
+    engine = make_engine()
+    engine.sink = FlakySink()
+
+    async def main(e):
+        while e.sink.faults:
+            await asyncio.sleep(0.01)
+        return await asyncio.wait_for(collect(e, TARGET), 30)
+
+    _, ids, done = run_engine(engine, main)
+    assert done.finish_reason == "length" and len(ids) == 40
+
+
+def test_a_step_raising_stopiteration_fails_its_requests_not_the_engine():
+    """asyncio cannot carry StopIteration out of the worker thread's future (the step would never end):
+    the engine turns it into an error for that step's requests and keeps serving."""
+    class Raising(StepHooks):
+        raised = False
+
+        def step_started(self, plan):
+            if not self.raised:
+                Raising.raised = True
+                raise StopIteration("next() on an empty iterator")
+
+    engine = make_engine()
+    engine.hooks = Raising()
+
+    async def main(e):
+        with pytest.raises(EngineError):
+            await asyncio.wait_for(collect(e, TARGET), 30)
+        return await asyncio.wait_for(collect(e, TARGET), 30)
+
+    _, ids, _ = run_engine(engine, main)
+    assert len(ids) == 40

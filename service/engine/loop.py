@@ -105,26 +105,31 @@ class EngineLoop:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._stopping:
-            self.busy.set(self.scheduler.has_work)
-            if not self.scheduler.has_work:
-                # idle: gauges at 0, re-reported while idle so every scrape finds them (Ray's metrics
-                # agent stops exporting a worker that has reported nothing for a while)
-                self.sink.on_step(self.name, 0, 0.0, 0, 0)
-                self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), IDLE_REPORT_S)
-                except TimeoutError:
-                    pass
-                continue
-            # one turn of the event loop first: callers that the last _deliver woke (a finished request's
-            # client sending its next one) submit now and are admitted by this plan, not one step later
-            await asyncio.sleep(0)
             try:
+                if not self.scheduler.has_work:
+                    await self._idle()
+                    continue
+                self.busy.set(True)
+                # one turn of the event loop first: callers that the last _deliver woke (a finished request's
+                # client sending its next one) submit now and are admitted by this plan, not one step later
+                await asyncio.sleep(0)
                 await self._turn(loop)
-            except Exception as e:  # a bug outside the step (planning, delivery, a hook): without this the
-                # task would end and every request, current or later, would wait forever
+            except Exception as e:  # a bug outside the step (planning, delivery, a hook, a metrics sink):
+                # without this the task would end and every request, current or later, would wait forever
                 log.exception("engine %s failed between steps", self.name)
                 self._fail_all(EngineError(f"engine {self.name} error: {type(e).__name__}: {e}"))
+                await asyncio.sleep(0.01)  # a fault that repeats must not spin the event loop
+
+    async def _idle(self) -> None:
+        self.busy.set(False)
+        # gauges at 0, re-reported while idle so every scrape finds them (Ray's metrics agent stops
+        # exporting a worker that has reported nothing for a while)
+        self.sink.on_step(self.name, 0, 0.0, 0, 0)
+        self._wakeup.clear()
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), IDLE_REPORT_S)
+        except TimeoutError:
+            pass
 
     async def _turn(self, loop: asyncio.AbstractEventLoop) -> None:
         await self.scheduler.wait_for_batch()
@@ -143,11 +148,14 @@ class EngineLoop:
         self._deliver(result)
 
     def _step(self, plan: Any) -> Any:
-        self.hooks.step_started(plan)
         try:
-            return self._execute(plan)
-        finally:
-            self.hooks.step_finished(plan)
+            self.hooks.step_started(plan)
+            try:
+                return self._execute(plan)
+            finally:
+                self.hooks.step_finished(plan)
+        except StopIteration as e:  # asyncio cannot pass it through a future: the step would never end
+            raise RuntimeError(f"step raised StopIteration: {e}") from e
 
     def _prepare(self) -> None:
         """Run once on the worker thread before the first step: with `compile`, compile the step there
