@@ -15,9 +15,15 @@ from service.engine.types import RequestRejected, SamplingParams
 class Sink(MetricsSink):
     def __init__(self):
         self.finished: list[str] = []
+        self.tokens: list[tuple[int, int]] = []  # (prompt, generated) per counted request
+        self.first_tokens = 0
+
+    def on_first_token(self, model, queue_s, ttft_s):
+        self.first_tokens += 1
 
     def on_finish(self, model, finish_reason, prompt_tokens, generation_tokens, e2e_s):
         self.finished.append(finish_reason)
+        self.tokens.append((prompt_tokens, generation_tokens))
 
 
 def group(n: int) -> list[Sequence]:
@@ -38,8 +44,21 @@ def test_choices_cancelled_after_a_failure_do_not_count_the_request_again():
     assert sink.finished == ["error"]
 
 
-def test_the_last_choice_to_finish_ends_the_request():
+def test_the_last_choice_to_finish_ends_the_request_counted_once_with_every_choices_tokens():
     sink, (a, b) = Sink(), group(2)
     out = OutputProcessor(eos_ids={0}, sink=sink, name="m")
+    a.output, b.output = [5], [6, 7, 8]
     assert out.finish(a, "stop") is False and out.finish(b, "length") is True
-    assert sink.finished == ["stop", "length"]
+    assert sink.finished == ["length"] and sink.tokens == [(2, 4)]  # the shared prompt once
+
+
+def test_a_request_has_one_time_to_first_token_whatever_its_choices():
+    import types
+
+    sink, seqs = Sink(), group(3)
+    out = OutputProcessor(eos_ids={0}, sink=sink, name="m")
+    for s in seqs:
+        s.t_admit, s.t_last = 0.0, 0.0
+        s.detok = types.SimpleNamespace(push=lambda tok: "x", flush=lambda: "")
+        out.token(s, 9, now=1.0)
+    assert sink.first_tokens == 1

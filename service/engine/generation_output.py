@@ -26,7 +26,7 @@ class OutputProcessor:
         """Worker thread: append a sampled token and stage its event, or the choice's end in `seq.done`.
         `complete`: the token completed the request's grammar, so nothing but end-of-sequence could follow."""
         seq.output.append(tok)
-        if len(seq.output) == 1:
+        if len(seq.output) == 1 and seq.index == 0:  # a request's first token: its choices share the prompt
             self.sink.on_first_token(self.name, seq.t_admit - seq.t_submit, now - seq.t_submit)
         else:
             self.sink.on_token_latency(self.name, now - seq.t_last)
@@ -86,7 +86,7 @@ class OutputProcessor:
         seq.queue.put_nowait(GenerationEvent(text=text, token_ids=token_ids or [], finish_reason=reason,
                                              usage=usage, index=seq.index, logprobs=logprobs,
                                              cumulative_logprob=cum, more=more))
-        # the prompt was computed once for all choices: count it once
-        self.sink.on_finish(self.name, reason, len(seq.prompt) if seq.index == 0 else 0, len(seq.output),
-                            time.monotonic() - seq.t_submit)
+        if not more:  # one request, counted once (as a failure is): the prompt once, every choice's tokens
+            self.sink.on_finish(self.name, reason, len(seq.prompt), sum(len(s.output) for s in seq.group),
+                                time.monotonic() - seq.t_submit)
         return not more
