@@ -286,3 +286,34 @@ def test_urls_and_addresses_pass_through_as_they_are():
     want = [offline(["the cat sat on"], 1)[0], "https://example.com/a_b?c=1", offline(["and mail"], 1)[0],
             "a.b@example.com", offline(["now."], 1)[0]]
     assert run(main).translations == [join_sentences(want, "zh")]  # a space keeps a link off ASCII next to it
+
+
+def test_a_failed_step_fails_its_requests_with_an_engine_error_counted_once():
+    """As in the generation engine: the step's requests get an EngineError naming the engine (the HTTP layer's
+    500 carries it), each counted once as an error, and the engine serves the next request."""
+    from service.engine.stats import NullSink
+    from service.engine.types import EngineError
+
+    class Sink(NullSink):
+        reasons: list[str] = []
+
+        def on_finish(self, model, finish_reason, prompt_tokens, generation_tokens, e2e_s):
+            self.reasons.append(finish_reason)
+
+    class Failing(StepHooks):
+        failed = False
+
+        def step_started(self, plan):
+            if not self.failed:
+                Failing.failed = True
+                raise RuntimeError("kernel fault")
+
+    async def main(engine):
+        engine.hooks, engine.sink = Failing(), Sink()
+        with pytest.raises(EngineError, match="step failed: RuntimeError: kernel fault"):
+            await asyncio.wait_for(translate(engine, TranslateRequest(texts=TEXTS[:2], target_lang="zh")), 60)
+        ok = await asyncio.wait_for(translate(engine, TranslateRequest(texts=TEXTS[:1], target_lang="zh")), 60)
+        return ok, engine.sink.reasons
+
+    ok, reasons = run(main)
+    assert len(ok.translations) == 1 and reasons == ["error", "stop"]

@@ -27,7 +27,7 @@ from service.engine.scheduler import Expiry
 from service.engine.seq2seq_runner import Seq2SeqRunner
 from service.engine.slot_table import Move
 from service.engine.stats import MetricsSink
-from service.engine.types import RequestRejected, SourceBatch
+from service.engine.types import EngineError, RequestRejected, SourceBatch
 
 
 @dataclass(eq=False)
@@ -218,10 +218,15 @@ class TranslationEngine(EngineLoop):
         self.scheduler.drop_released()
 
     def _fail_plan(self, step: _Step, error: Exception) -> None:
+        """Fail every request the step touched (as the generation engine does: an EngineError, counted)."""
+        failed = EngineError(f"engine {self.name} step failed: {type(error).__name__}: {error}")
         for s in step.sentences:
             self.scheduler.release(s)
-            if not s.request.future.done():
-                s.request.future.set_exception(error)
+            request = s.request
+            if not request.future.done():
+                request.future.set_exception(failed)
+                self.sink.on_finish(self.name, "error", request.prompt_tokens, request.completion_tokens,
+                                    time.monotonic() - request.t_submit)
         self.scheduler.drop_released()
 
     def _fail_all(self, error: Exception) -> None:
