@@ -639,3 +639,27 @@ def test_a_step_raising_stopiteration_fails_its_requests_not_the_engine():
 
     _, ids, _ = run_engine(engine, main)
     assert len(ids) == 40
+
+
+def test_start_and_stop_while_starting_wait_for_the_start():
+    """A second start during the first one's preparation prepares nothing again and runs no second schedule;
+    a stop during a start waits for it, then stops (no engine left running, no worker thread left)."""
+    import time
+
+    engine = make_engine()
+    warm_ups = []
+    engine.runner.warm_up = lambda: warm_ups.append(time.sleep(0.2))
+
+    async def main():
+        first = asyncio.create_task(engine.start())
+        await asyncio.sleep(0.05)  # the first start is preparing on the worker thread
+        await engine.start()
+        assert first.done() and engine.started and len(warm_ups) == 1
+        await engine.stop()
+        starting = asyncio.create_task(engine.start())
+        await asyncio.sleep(0.05)
+        await engine.stop()
+        await starting
+        return engine.started, engine._pool
+
+    assert asyncio.run(main()) == (False, None) and len(warm_ups) == 2

@@ -42,6 +42,7 @@ class EngineLoop:
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop the engine serves on (set by start)
         self._wakeup: asyncio.Event | None = None
+        self._starting: asyncio.Future | None = None  # set while start() prepares (compiles, warms up)
         self._stopping = False
         self.steps = 0
         self.last_batch_size = 0
@@ -49,20 +50,32 @@ class EngineLoop:
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        """Prepare (compile, warm up) on the worker thread, then run the schedule. A second call while the
+        first prepares waits for it; `stop` meanwhile waits for it, then stops."""
+        if self._starting is not None:
+            await asyncio.shield(self._starting)
+            return
         if self._task is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{self.name}")
-        if torch.device(self.config.device).type == "cpu":
-            # torch's thread count is per OS thread: set it where the steps run (see cpu_runtime)
-            self._pool.submit(init_engine_thread, self.config.threads).result()
-        await asyncio.get_running_loop().run_in_executor(self._pool, self._prepare)
-        self._wakeup = asyncio.Event()
-        self._stopping = False
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"engine-{self.name}")
+        self._starting = self._loop.create_future()
+        try:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{self.name}")
+            if torch.device(self.config.device).type == "cpu":
+                # torch's thread count is per OS thread: set it where the steps run (see cpu_runtime)
+                self._pool.submit(init_engine_thread, self.config.threads).result()
+            await self._loop.run_in_executor(self._pool, self._prepare)
+            self._wakeup = asyncio.Event()
+            self._stopping = False
+            self._task = self._loop.create_task(self._run(), name=f"engine-{self.name}")
+        finally:
+            self._starting.set_result(None)
+            self._starting = None
 
     async def stop(self) -> None:
         """Finish the step in flight, then fail everything pending with EngineStopped."""
+        if self._starting is not None:
+            await asyncio.shield(self._starting)
         if self._task is None:
             return
         self._stopping = True
