@@ -341,11 +341,24 @@ def test_translate_with_the_shipped_model_one_line_per_text(capsys, restore_torc
 def test_translate_reads_stdin_and_refuses_nothing_or_a_missing_model(capsys, restore_torch, monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "stdin", io.StringIO("The meeting is on Tuesday.\n\n   \nPrices rose in May.\n"))
     assert main(["translate", "--beam", "1", "--to", "zh"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2 and all(CJK.search(line) for line in lines)  # blank lines skipped
+    lines = capsys.readouterr().out.split("\n")
+    # one output line per input line: blank lines stay blank
+    assert len(lines) == 5 and lines[1:3] == ["", ""] and lines[4] == ""
+    assert CJK.search(lines[0]) and CJK.search(lines[3])
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n"))
     assert main(["translate"]) == 2
     assert "no text given" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", None)  # closed
+    assert main(["translate"]) == 2
+    assert "no text given" in capsys.readouterr().err
+    latin1 = io.TextIOWrapper(io.BytesIO("café au lait\n".encode("latin-1")), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdin", latin1)
+    assert main(["translate"]) == 2
+    assert "stdin is not UTF-8 text" in capsys.readouterr().err
+    assert main(["translate", "caf\udce9"]) == 2  # an argument's bytes that were not UTF-8
+    assert "text[0] is not UTF-8 text" in capsys.readouterr().err
+    assert main(["translate", "--no-repeat-ngram", "20", "hello"]) == 2
+    assert "--no-repeat-ngram takes 0..16" in capsys.readouterr().err
     assert main(["translate", "--model", str(tmp_path / "none"), "hello"]) == 2
     assert "attnserve translate:" in capsys.readouterr().err
     assert main(["translate", "hello", "   "]) == 2  # as /v1/translate: 400 naming the empty text

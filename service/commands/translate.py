@@ -11,7 +11,8 @@ from service.commands import CommandError
 
 
 def add_arguments(p):
-    p.add_argument("text", nargs="*", help="texts to translate (default: one per line on stdin)")
+    p.add_argument("text", nargs="*", help="texts to translate (default: one per line on stdin; blank lines stay "
+                   "blank, so output lines match input lines)")
     p.add_argument("--to", choices=["en", "zh"], help="target language (default: the other one, detected)")
     p.add_argument("--beam", type=int, default=DEFAULT_BEAM_SIZE, help="beam size (1 = greedy)")
     p.add_argument("--no-repeat-ngram", type=int, default=DEFAULT_NO_REPEAT_NGRAM,
@@ -25,18 +26,39 @@ def run(args) -> int:
     from service.engine.types import RequestRejected
     from service.models import ModelUnavailable
 
-    texts = args.text or [line.strip() for line in sys.stdin if line.strip()]
+    if not 0 <= args.no_repeat_ngram <= 16:  # as /v1/translate and `eval translate`
+        raise CommandError(f"--no-repeat-ngram takes 0..16 (0: off), got {args.no_repeat_ngram}")
+    if args.text:
+        lines = args.text
+        empty = [i for i, t in enumerate(lines) if not t.strip()]
+        if empty:  # as /v1/translate answers: 400 naming the text
+            raise CommandError(f"text[{empty[0]}] is empty")
+    else:
+        lines = _stdin_lines()
+    for i, t in enumerate(lines):
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that were not UTF-8 (kept as lone surrogates)
+            raise CommandError(f"text[{i}] is not UTF-8 text") from None
+    texts = [t.strip() for t in lines if t.strip()]
     if not texts:
         raise CommandError("no text given")
-    empty = [i for i, t in enumerate(texts) if not t.strip()]
-    if empty:  # as /v1/translate answers: 400 naming the text
-        raise CommandError(f"text[{empty[0]}] is empty")
     try:
         translator = local.load_translator(local.translator_spec(args.model, config=args.config))
         result = local.translate(translator, texts, target_lang=args.to, beam_size=args.beam,
                                  no_repeat_ngram=args.no_repeat_ngram)
     except (ModelUnavailable, RequestRejected, OSError, ValueError) as e:
         raise CommandError(str(e)) from e
-    for out in result.translations:
-        print(out)
+    outputs = iter(result.translations)
+    for t in lines:
+        print(next(outputs) if t.strip() else "")
     return 0
+
+
+def _stdin_lines() -> list[str]:
+    if sys.stdin is None:
+        raise CommandError("no text given")
+    try:
+        return [line.rstrip("\r\n") for line in sys.stdin]
+    except UnicodeDecodeError as e:
+        raise CommandError(f"stdin is not UTF-8 text ({e.reason} at byte {e.start})") from None
