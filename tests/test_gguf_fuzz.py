@@ -145,3 +145,16 @@ def test_the_logits_check_detects_a_loadable_corruption(good, tmp_path, mutation
     path = tmp_path / "m.gguf"
     path.write_bytes(data if mutation == "unchanged" else _change_a_weight(data, reader))
     assert outcome(path, logits) == expected
+
+
+def test_a_big_endian_file_is_rejected_not_loaded_with_garbled_weights(good, tmp_path):
+    """A big-endian GGUF has big-endian tensor bytes too, which the dequantizers would read as little-endian:
+    refused, naming the file and the conversion."""
+    import struct
+
+    data, _, _ = good
+    version = struct.unpack_from("<I", data, 4)[0]
+    path = tmp_path / "big.gguf"
+    path.write_bytes(data[:4] + struct.pack(">I", version) + data[8:])
+    with pytest.raises(GGUFImportError, match="big-endian"):
+        gguf_to_decoder(path)

@@ -59,7 +59,7 @@ class _HeaderWalk:
     file, growing a list until memory runs out."""
 
     def __init__(self, buf, path: Path):
-        self.buf, self.path, self.pos, self.order = buf, path, 0, "<"
+        self.buf, self.path, self.pos = buf, path, 0
 
     def fail(self, what: str):
         raise GGUFImportError(f"{self.path}: truncated or corrupt GGUF header ({what} at byte {self.pos})")
@@ -71,7 +71,7 @@ class _HeaderWalk:
         return self.pos - n
 
     def uint(self, size: int, what: str) -> int:
-        return struct.unpack_from(self.order + {4: "I", 8: "Q"}[size], self.buf, self.take(size, what))[0]
+        return struct.unpack_from("<" + {4: "I", 8: "Q"}[size], self.buf, self.take(size, what))[0]
 
     def text(self, what: str) -> str:
         n = self.uint(8, f"{what} length")
@@ -105,9 +105,8 @@ class _HeaderWalk:
             self.fail("magic is not GGUF")
         self.pos = 4
         version = self.uint(4, "version")
-        if version & 0xFFFF == 0:  # written on a big-endian machine; gguf-py reads those too
-            self.order = ">"
-            version = struct.unpack_from(">I", self.buf, 4)[0]
+        if version & 0xFFFF == 0:  # the tensors' bytes would be big-endian too, which the dequantizers do not read
+            self.fail("the file is big-endian; convert it to little-endian (gguf-py's gguf_convert_endian) first")
         if version not in (2, 3):
             self.fail(f"GGUF version {version} is not supported")
         n_tensors, n_kv = self.uint(8, "tensor count"), self.uint(8, "metadata count")
