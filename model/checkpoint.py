@@ -93,7 +93,7 @@ def read_config(directory: str | Path) -> tuple[str, DecoderConfig | Seq2SeqConf
         raise CheckpointError(f"{path}: unknown architecture {arch!r}; expected one of {sorted(ARCHITECTURES)}")
     try:
         cfg = ARCHITECTURES[arch].from_dict(meta.get("config", {}))
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, ZeroDivisionError) as e:  # ZeroDivisionError: a size of 0 divides
         raise CheckpointError(f"{path}: bad config: {e}") from None
     return arch, cfg, meta
 
@@ -121,6 +121,15 @@ def load_state(model: nn.Module, weights: str | Path) -> None:
         if tuple(t.shape) != tuple(expected[name].shape):
             raise CheckpointError(f"{weights}: tensor {name} has shape {tuple(t.shape)}, "
                                   f"config expects {tuple(expected[name].shape)}")
+    # names the config ties share one parameter: two different tensors for it mean the config is wrong
+    shared: dict[int, list[str]] = {}
+    for name, t in expected.items():
+        shared.setdefault(t.data_ptr(), []).append(name)
+    for names in shared.values():
+        given = [n for n in names if n in state]
+        if any(not torch.equal(state[given[0]], state[n]) for n in given[1:]):
+            raise CheckpointError(f"{weights}: the config ties {' and '.join(given)}, but the file holds different "
+                                  "tensors for them (untied weights: set the config's tie option to false)")
     model.load_state_dict(state, strict=False)
 
 

@@ -106,3 +106,30 @@ def test_corrupt_config_json_is_rejected(good, tmp_path):
         _write(d2, weights, bad)
         with pytest.raises(CheckpointError):
             load_checkpoint(d2)
+
+
+def test_a_zero_size_in_the_config_is_a_checkpoint_error(good, tmp_path):
+    d, weights, config, _ = good
+    meta = json.loads(config)
+    meta["config"]["n_heads"] = 0
+    _write(tmp_path / "z", weights, json.dumps(meta).encode())
+    with pytest.raises(CheckpointError, match="bad config"):
+        load_checkpoint(tmp_path / "z")
+
+
+def test_untied_weights_under_a_tying_config_are_refused(tmp_path):
+    """A file with its own lm_head.weight under a config that ties it to the embedding: loading both into the
+    one shared parameter would silently replace the embedding with the head."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    d = save_checkpoint(DecoderLM(TINY_LLAMA), tmp_path / "m")
+    state = load_file(str(d / "model.safetensors"))
+    emb = next(n for n in state if "emb" in n)
+    state["lm_head.weight"] = torch.randn_like(state[emb])
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="ties"):
+        load_checkpoint(d)
+    state["lm_head.weight"] = state[emb].clone()  # the same values: a file that stored the tie twice
+    save_file(state, str(d / "model.safetensors"))
+    load_checkpoint(d)
