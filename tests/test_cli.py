@@ -643,6 +643,9 @@ def test_deploy_to_a_cluster_up_cluster_then_down(tmp_path):
 
     gcs, dash, client, http = (free_port() for _ in range(4))
     config = _tiny_serve_config(tmp_path, http)
+    served = yaml.safe_load(config.read_text())
+    served["applications"][0]["route_prefix"] = "/api"  # deploy waits for, and reports, the app's own route
+    config.write_text(yaml.safe_dump(served))
     env = {"RAY_AUTH_TOKEN": secrets.token_hex(32), "ATTNSERVE_HOME": str(tmp_path / "home")}
     cli = [sys.executable, "-m", "service.cli"]
 
@@ -657,8 +660,9 @@ def test_deploy_to_a_cluster_up_cluster_then_down(tmp_path):
         assert f"attnserve deploy --address 127.0.0.1:{gcs}" in out
         rc, out = run("deploy", "--config", str(config), "--address", f"127.0.0.1:{gcs}", "--timeout", "240")
         assert rc == 0, out[-3000:]
-        assert f"deployed; API at http://127.0.0.1:{http}/v1" in out
-        r = httpx.post(f"http://127.0.0.1:{http}/v1/generate", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
+        assert f"deployed; API at http://127.0.0.1:{http}/api/v1" in out
+        r = httpx.post(f"http://127.0.0.1:{http}/api/v1/generate", json={"prompt": "hello", "max_tokens": 4},
+                       timeout=60)
         assert r.status_code == 200 and 1 <= r.json()["usage"]["completion_tokens"] <= 4, r.text
     finally:
         rc, out = run("cluster", "down", f"--port={gcs}", timeout=120)

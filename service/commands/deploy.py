@@ -38,7 +38,7 @@ def run(args) -> int:
     token_auth_if_available()  # before anything imports ray, which reads RAY_AUTH_MODE once
     try:
         config = ray_local.read_config(args.config)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # OSError: missing, unreadable, a directory
         raise CommandError(str(e)) from e
     if not _reachable(args.address, min(args.timeout, 10.0)):
         raise CommandError(f"no Ray cluster answers at {args.address} (`attnserve cluster up` starts one)", 1)
@@ -54,7 +54,7 @@ def run(args) -> int:
     except (RuntimeError, TimeoutError, ray.exceptions.RayError) as e:  # e.g. Serve's proxy died starting
         raise CommandError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", 1) from e
     h = config["http_options"]
-    base = ray_local.http_base(h["host"], h["port"])
+    base = ray_local.http_base(h["host"], h["port"]) + ray_local.attnserve_route(config)
     # the replicas load their models behind /readyz: report the phases until one is ready
     if not watch_startup(base, threading.Event(), t0, timeout_s=max(args.timeout - (time.monotonic() - t0), 1)):
         raise CommandError(f"{base}/readyz not ready after {args.timeout:.0f} s (`serve status` for details)", 1)

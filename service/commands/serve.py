@@ -37,7 +37,7 @@ def run(args) -> int:
 
     try:
         config = ray_local.read_config(args.config, args.host, args.port)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # OSError: missing, unreadable, a directory
         raise CommandError(str(e)) from e
     http = config["http_options"]
     try:
