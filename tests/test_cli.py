@@ -738,3 +738,34 @@ def test_serve_refuses_a_port_in_use_before_starting_ray(capsys, monkeypatch):
         port = s.getsockname()[1]
         assert main(["serve", "--port", str(port)]) == 2
     assert f"127.0.0.1:{port} is already in use" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_generate_streams_is_an_interrupt_and_stops_the_engine():
+    """Ctrl-C lands while the stream's next event is awaited: the command sees KeyboardInterrupt (exit 130,
+    no traceback), not "aclose(): asynchronous generator is already running", and the engine is stopped."""
+    import os
+    import signal
+    import threading
+
+    from engine_util import CharTokenizer, tiny_llama
+
+    from service.commands.generate import stream_engine
+    from service.engine.config import EngineConfig
+    from service.engine.generation import GenerationEngine
+    from service.engine.types import SamplingParams
+
+    tok = CharTokenizer()
+    engine = GenerationEngine(tiny_llama(), tok, EngineConfig(max_slots=1, max_seq_len=128, mode="serial"),
+                              eos_ids={tok.eos_id})
+    decode = engine.runner.decode
+    engine.runner.decode = lambda *a: (time.sleep(0.05), decode(*a))[1]  # 100 tokens: ~5 s to interrupt
+    deltas = stream_engine(engine, [5, 6, 7], SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True))
+    next(deltas)
+    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in deltas:
+            pass
+    timer.join()
+    deltas.close()
+    assert not engine.started

@@ -47,7 +47,7 @@ def stream_engine(engine, prompt_ids: list[int], params, stats: dict | None = No
 
     stats = stats if stats is not None else {}
     loop = asyncio.new_event_loop()
-    events = None
+    events = reading = None
     try:
         loop.run_until_complete(engine.start())
 
@@ -61,9 +61,13 @@ def stream_engine(engine, prompt_ids: list[int], params, stats: dict | None = No
         t0 = time.perf_counter()
         ids: list[int] = []
         stats.update(prefill_s=0.0, decode_s=0.0, tokens=0, ids=ids)
+        async def next_event():
+            return await anext(events)
+
         while True:
+            reading = loop.create_task(next_event())  # a task, so Ctrl-C mid-read can cancel it below
             try:
-                ev = loop.run_until_complete(anext(events))
+                ev = loop.run_until_complete(reading)
             except StopAsyncIteration:
                 break
             now = time.perf_counter()
@@ -79,10 +83,15 @@ def stream_engine(engine, prompt_ids: list[int], params, stats: dict | None = No
                 stats["tokens"] = ev.usage.completion_tokens  # a stop token counts, as in the API's usage
                 break
     finally:
-        if events is not None:
-            loop.run_until_complete(events.aclose())
-        loop.run_until_complete(engine.stop())
-        loop.close()
+        try:
+            if reading is not None and not reading.done():  # interrupted mid-read: the stream is still running
+                reading.cancel()
+                loop.run_until_complete(asyncio.gather(reading, return_exceptions=True))
+            if events is not None:
+                loop.run_until_complete(events.aclose())
+        finally:
+            loop.run_until_complete(engine.stop())
+            loop.close()
 
 
 def stream(model, tokenizer, prompt_ids: list[int], params, stop_ids: set[int], stats: dict | None = None,
