@@ -243,6 +243,13 @@ def test_generate_seeded_sampling_repeats_and_bad_requests_are_refused(standin, 
     assert "context holds 128" in err and "use --max-tokens <=" in err
     assert main([*GENERATE, "--config", "/nonexistent/serve.yaml", "abc"]) == 2  # no traceback
     assert "attnserve generate:" in capsys.readouterr().err
+    # as /v1/generate: without --max-tokens, 128 or what the context leaves; top_k -1 is off; temperature <= 2
+    assert main([*GENERATE, "--top-k", "-1", "a" * 100]) == 0
+    assert "28 new tokens" in capsys.readouterr().err
+    assert main([*GENERATE, "--temperature", "2.5", "abc"]) == 2
+    assert "--temperature must be in [0, 2]" in capsys.readouterr().err
+    assert main([*GENERATE, "caf\udce9"]) == 2
+    assert "not UTF-8" in capsys.readouterr().err
 
 
 def test_generate_runs_the_served_generator(standin, capsys, monkeypatch):

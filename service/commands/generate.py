@@ -23,10 +23,11 @@ def add_arguments(p):
     p.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     p.add_argument("--system", help="system message (with --chat)")
-    p.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--max-tokens", type=int, help="new tokens at most (default: 128, or what the context has "
+                   "left, as /v1/generate)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), at most 2")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this times the top one's probability")
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
@@ -111,15 +112,24 @@ def stream(model, tokenizer, prompt_ids: list[int], params, stop_ids: set[int], 
 def run(args) -> int:
     from model.quantize import quantization_of
     from service import local
+    from service.api.native import DEFAULT_MAX_TOKENS
     from service.engine.cpu_runtime import single_threaded_caller
     from service.engine.types import EngineError, SamplingParams
     from service.models import ModelUnavailable, load_generator
 
     if args.system is not None and not args.chat:
         raise CommandError("--system needs --chat (a system message goes into the chat template)")
-    if args.max_tokens < 1:
+    if args.max_tokens is not None and args.max_tokens < 1:
         raise CommandError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not 0.0 <= args.temperature <= 2.0:  # /v1/generate's bounds
+        raise CommandError(f"--temperature must be in [0, 2], got {args.temperature}")
+    if args.top_k < -1:
+        raise CommandError(f"--top-k must be >= -1 (0 or -1: off), got {args.top_k}")
+    try:
+        prompt = args.prompt if args.prompt is not None else sys.stdin.read() if sys.stdin is not None else ""
+        prompt.encode("utf-8")  # bytes that were not UTF-8 come as lone surrogates
+    except UnicodeError:
+        raise CommandError("the prompt is not UTF-8 text") from None
     if not prompt.strip():
         raise CommandError("empty prompt")
     # load on this thread single-threaded: the engine's own thread runs the steps (service/engine/cpu_runtime.py)
@@ -137,9 +147,6 @@ def run(args) -> int:
     print(f"[loaded {generator.name} {label} in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     if engine.config.compile:
         print("[compiling the step (once per host) or loading it from $ATTNSERVE_HOME/compile]", file=sys.stderr)
-    params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                            seed=args.seed)
     stats: dict = {}
     try:
         if args.chat:
@@ -147,6 +154,12 @@ def run(args) -> int:
             ids = generator.encode_chat([*messages, {"role": "user", "content": prompt}])
         else:
             ids = generator.encode_prompt(prompt)
+        room = engine.max_context - len(ids)  # as /v1/generate: 128 new tokens, fewer when the context ends sooner
+        max_tokens = args.max_tokens if args.max_tokens is not None else max(1, min(DEFAULT_MAX_TOKENS, room))
+        params = SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=args.temperature, top_k=max(args.top_k, 0), top_p=args.top_p, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty, seed=args.seed)
         for delta in stream_engine(engine, ids, params, stats):
             sys.stdout.write(delta)
             sys.stdout.flush()
