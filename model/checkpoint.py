@@ -71,7 +71,12 @@ def save_checkpoint(model: nn.Module, directory: str | Path, *, tokenizer=None,
         _save_tensors(state, tmp / WEIGHTS_FILE)
         if tokenizer is not None:
             tokenizer.save(tmp)
+        written = {f.name for f in tmp.iterdir()}
         for f in sorted(tmp.iterdir(), key=lambda f: f.name == CONFIG_FILE):
+            if f.name == CONFIG_FILE and tokenizer is not None:
+                # a tokenizer of the other kind left by an earlier save would be the one load_tokenizer finds
+                for name in {"tokenizer.model", "tokenizer.json"} - written:
+                    (d / name).unlink(missing_ok=True)
             os.replace(f, d / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -74,3 +74,19 @@ def test_wrong_shape_and_unknown_architecture_and_missing_file(tmp_path):
     (d / "config.json").unlink()
     with pytest.raises(CheckpointError, match="config.json"):
         load_checkpoint(d)
+
+
+def test_a_save_with_another_kind_of_tokenizer_replaces_the_old_one(sp, tmp_path):
+    """A folder that held a SentencePiece checkpoint, saved over with a BPE tokenizer: load_tokenizer (which
+    prefers tokenizer.model) must find the new tokenizer, not the stale one."""
+    from model.bpe_tokenizer import BPETokenizer
+
+    d = save_checkpoint(DecoderLM(TINY_LLAMA), tmp_path / "m", tokenizer=sp)
+    assert isinstance(load_tokenizer(d), SentencePieceTokenizer)
+    tokens = [chr(b) for b in range(32, 127)]
+    bpe = BPETokenizer.from_gguf_metadata({"model": "gpt2", "tokens": tokens, "merges": [],
+                                           "token_type": [1] * len(tokens)}, chat_template=None)
+    save_checkpoint(DecoderLM(TINY_LLAMA), d, tokenizer=bpe)
+    assert isinstance(load_tokenizer(d), BPETokenizer) and not (d / "tokenizer.model").exists()
+    save_checkpoint(DecoderLM(TINY_LLAMA), d)  # weights only: the tokenizer stays
+    assert isinstance(load_tokenizer(d), BPETokenizer)
