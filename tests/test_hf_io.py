@@ -95,3 +95,19 @@ def test_unsupported_layouts_are_named(tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(HFFormatError, match="model.layers.1.mlp.up_proj.weight"):
         import_hf(tmp_path)
+
+
+def test_tensors_the_config_has_no_place_for_are_refused(tmp_path):
+    """A config with fewer layers than the weights (or any stray tensor) does not describe the file: refused,
+    not loaded with the extra layers dropped; buffers exporters store (causal masks, RoPE frequencies) pass."""
+    from safetensors.torch import load_file, save_file
+
+    export_hf(DecoderLM(TINY_LLAMA), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    import_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] - 1}))
+    with pytest.raises(HFFormatError, match="no place for"):
+        import_hf(tmp_path)

@@ -146,9 +146,12 @@ def from_hf_state(hf: dict[str, torch.Tensor], cfg: DecoderConfig, where: str = 
     # accept checkpoints saved without the base-model prefix (old GPT-2 files, bare LlamaModel)
     hf = {(k if k.startswith(prefix) or k == "lm_head.weight" else prefix + k): v for k, v in hf.items()}
 
+    used: set[str] = set()
+
     def take(name):
         if name not in hf:
             raise HFFormatError(f"{where}: tensor {name!r} missing")
+        used.add(name)
         return hf[name]
 
     sd: dict[str, torch.Tensor] = {}
@@ -180,6 +183,14 @@ def from_hf_state(hf: dict[str, torch.Tensor], cfg: DecoderConfig, where: str = 
                                  ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
                 sd[p + ours + ".weight"] = take(h + theirs + ".weight").t().contiguous()
                 sd[p + ours + ".bias"] = take(h + theirs + ".bias")
+    if cfg.tie_embeddings and "lm_head.weight" in hf:  # a tied head stored anyway: it must be the embedding
+        if not torch.equal(hf["lm_head.weight"], sd["embed.weight"]):
+            raise HFFormatError(f"{where}: the config ties the embeddings, but lm_head.weight differs from them")
+        used.add("lm_head.weight")
+    # buffers some exporters store (GPT-2's causal masks, RoPE's inverse frequencies) carry no weights
+    unused = sorted(n for n in set(hf) - used if not n.endswith((".attn.bias", ".attn.masked_bias", ".inv_freq")))
+    if unused:  # e.g. more layers than num_hidden_layers: a config that does not describe the weights
+        raise HFFormatError(f"{where}: {len(unused)} tensors the config has no place for, e.g. {unused[:3]}")
     return sd
 
 
