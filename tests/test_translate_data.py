@@ -309,3 +309,13 @@ def test_length_model_fit():
     assert lm.c == pytest.approx(278 / 105)
     assert lm.delta(10, round(10 * lm.c)) == pytest.approx(0, abs=0.2)
     assert lm.cost(10, 100) > lm.cost(10, 30)
+
+
+def test_a_torn_split_file_is_named_not_unpacked_wrongly(tmp_path):
+    from model.training.translate_data import read_split
+
+    (tmp_path / "dev.tsv").write_text("Hello.\t你好。\nCut he", encoding="utf-8")  # a write cut short
+    with pytest.raises(ValueError, match=r"dev.tsv:2: expected English<TAB>Chinese"):
+        read_split("dev", tmp_path)
+    (tmp_path / "dev.tsv").write_text("Hello.\t你好。\n", encoding="utf-8")
+    assert read_split("dev", tmp_path) == [("Hello.", "你好。")]

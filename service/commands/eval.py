@@ -60,7 +60,7 @@ def run(args) -> int:
     try:
         evaluate(checkpoint, out, translate=translate, beams=beams, limit=args.limit, split=args.split,
                  data_dir=Path(args.data) if args.data else None)
-    except FileNotFoundError as e:  # the prepared data
+    except (FileNotFoundError, ValueError) as e:  # the prepared data: missing or torn; a bad checkpoint
         raise CommandError(str(e)) from e
     except EngineError as e:  # a decoding option the engine refuses
         raise CommandError(str(e)) from None
