@@ -261,6 +261,10 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as e:
                 write_line(f"attnserve loadtest: {e}", file=sys.stderr)
                 return 1
+            except subprocess.TimeoutExpired as e:  # Locust outlived its run by minutes: it was killed
+                write_line(f"attnserve loadtest: Locust did not finish within {e.timeout:.0f} s of a "
+                           f"{duration_s:.0f} s run (see {sub / 'locust.log'})", file=sys.stderr)
+                return 1
             bar.update(1)
     print(format_table(rows))
     if args.mode == "sweep":
