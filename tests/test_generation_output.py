@@ -57,8 +57,21 @@ def test_a_request_has_one_time_to_first_token_whatever_its_choices():
 
     sink, seqs = Sink(), group(3)
     out = OutputProcessor(eos_ids={0}, sink=sink, name="m")
+    latencies = []
+    sink.on_token_latency = lambda model, itl_s: latencies.append(itl_s)
     for s in seqs:
-        s.t_admit, s.t_last = 0.0, 0.0
+        s.t_admit = 0.0
         s.detok = types.SimpleNamespace(push=lambda tok: "x", flush=lambda: "")
         out.token(s, 9, now=1.0)
-    assert sink.first_tokens == 1
+    assert sink.first_tokens == 1 and latencies == []  # a fork's first token is no inter-token gap
+    out.token(seqs[1], 9, now=1.5)
+    assert latencies == [0.5]
+
+
+def test_a_failure_after_other_choices_finished_counts_all_their_tokens():
+    sink, (a, b) = Sink(), group(2)
+    out = OutputProcessor(eos_ids={0}, sink=sink, name="m")
+    a.output, b.output = [5, 6], [7]
+    assert out.finish(a, "stop") is False
+    assert out.fail(b, RequestRejected("output cannot follow the schema")) is True
+    assert sink.finished == ["error"] and sink.tokens == [(2, 3)]

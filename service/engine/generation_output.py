@@ -26,8 +26,9 @@ class OutputProcessor:
         """Worker thread: append a sampled token and stage its event, or the choice's end in `seq.done`.
         `complete`: the token completed the request's grammar, so nothing but end-of-sequence could follow."""
         seq.output.append(tok)
-        if len(seq.output) == 1 and seq.index == 0:  # a request's first token: its choices share the prompt
-            self.sink.on_first_token(self.name, seq.t_admit - seq.t_submit, now - seq.t_submit)
+        if len(seq.output) == 1:
+            if seq.index == 0:  # a request's first token, once: its choices share the prompt
+                self.sink.on_first_token(self.name, seq.t_admit - seq.t_submit, now - seq.t_submit)
         else:
             self.sink.on_token_latency(self.name, now - seq.t_last)
         seq.t_last = now
@@ -68,7 +69,8 @@ class OutputProcessor:
         seq.finish_reason = "error"
         if first:
             seq.queue.put_nowait(error)
-            self.sink.on_finish(self.name, "error", len(seq.prompt), len(seq.output), time.monotonic() - seq.t_submit)
+            self.sink.on_finish(self.name, "error", len(seq.prompt), sum(len(s.output) for s in seq.group),
+                                time.monotonic() - seq.t_submit)
         return first
 
     def finish(self, seq: Sequence, reason: str, text: str = "", token_ids: list[int] | None = None,
