@@ -33,7 +33,9 @@ _LINK = (r"(?:https?://|www\.)" + _URL_PART + r"*?(?=[.,:;!?)\]'\"]*(?:\s|$|[^\x
          r"|(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+")
 _LINKS = re.compile(_LINK, re.IGNORECASE)
 # A call with ASCII inside is code, not a name with a note in brackets.
-_PROTECTED = re.compile(_LINK + r"|(?<![A-Za-z0-9_.])[A-Za-z_][A-Za-z0-9_.]*\([ -'*-~]*\)", re.IGNORECASE)
+# a call starts after no name character, or after a "." that follows none ("f(x).g()", "df[0].sum()")
+_PROTECTED = re.compile(_LINK + r"|(?:(?<![A-Za-z0-9_.])|(?<=[^A-Za-z0-9_.]\.))[A-Za-z_][A-Za-z0-9_.]*\([ -'*-~]*\)",
+                        re.IGNORECASE)
 
 
 def without_protected(text: str) -> str:

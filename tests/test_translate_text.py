@@ -122,6 +122,9 @@ def test_links_and_code_calls_start_where_their_run_of_characters_starts():
         "write to", "first.last+tag@mail.example.org", "now"]
     assert without_protected("see obj.attr.method(x, y) and f(z).") == "see   and  ."
     assert without_protected("a.b.c.d") == "a.b.c.d" and split_links("x" * 50) == ["x" * 50]
+    # chained calls: a call may start after a "." that follows a bracket or a quote
+    assert without_protected("调用foo(x).bar()") == "调用 . "
+    assert without_protected("df[0].sum()") == "df[0]. " and without_protected("$('#id').hide()") == "$('#id'). "
 
 
 @pytest.mark.parametrize("parts, lang, text", [
