@@ -663,3 +663,28 @@ def test_start_and_stop_while_starting_wait_for_the_start():
         return engine.started, engine._pool
 
     assert asyncio.run(main()) == (False, None) and len(warm_ups) == 2
+
+
+def test_a_start_waiting_for_a_start_that_failed_fails_too():
+    import time
+
+    from service.engine.types import EngineStopped
+
+    engine = make_engine()
+
+    def broken():
+        time.sleep(0.2)
+        raise OSError("no space left for the compiled step")
+
+    engine._prepare = broken
+
+    async def main():
+        first = asyncio.create_task(engine.start())
+        await asyncio.sleep(0.05)
+        with pytest.raises(EngineStopped, match="did not start"):
+            await engine.start()
+        with pytest.raises(OSError):
+            await first
+        return engine.started, engine._pool
+
+    assert asyncio.run(main()) == (False, None)

@@ -54,6 +54,8 @@ class EngineLoop:
         first prepares waits for it; `stop` meanwhile waits for it, then stops."""
         if self._starting is not None:
             await asyncio.shield(self._starting)
+            if self._task is None:
+                raise EngineStopped(f"engine {self.name} did not start")
             return
         if self._task is not None:
             return
@@ -68,6 +70,11 @@ class EngineLoop:
             self._wakeup = asyncio.Event()
             self._stopping = False
             self._task = self._loop.create_task(self._run(), name=f"engine-{self.name}")
+        except BaseException:
+            if self._pool is not None:  # a start that failed leaves no worker thread behind
+                self._pool.shutdown(wait=False)
+                self._pool = None
+            raise
         finally:
             self._starting.set_result(None)
             self._starting = None
@@ -131,7 +138,8 @@ class EngineLoop:
                 # without this the task would end and every request, current or later, would wait forever
                 log.exception("engine %s failed between steps", self.name)
                 self._fail_all(EngineError(f"engine {self.name} error: {type(e).__name__}: {e}"))
-                await asyncio.sleep(0.01)  # a fault that repeats must not spin the event loop
+                # a fault that repeats must not spin the event loop (nor fill the log while idle)
+                await asyncio.sleep(0.01 if self.scheduler.has_work else 1.0)
 
     async def _idle(self) -> None:
         self.busy.set(False)
