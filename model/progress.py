@@ -136,11 +136,6 @@ class PlainProgress:
         if now - self.last_print_t >= self.interval_s:
             self._print(now)
 
-    def write(self, s: str, file=None, end: str = "\n") -> None:
-        out = file if file is not None else sys.stdout
-        out.write(s + end)
-        out.flush()
-
     def close(self) -> None:
         """The final line, unless the last periodic line already showed where it ended."""
         if not self.closed:

@@ -18,7 +18,7 @@ _CJK_CHARS = r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\u3040-\u30ff\uac00-\ud7af
 _CJK = re.compile(f"[{_CJK_CHARS}]")
 FULLWIDTH_MARKS = "，。：；？！“”‘’（）、《》〈〉「」『』【】〔〕…—"
 _ZH_CONTEXT = re.compile(f"[{_CJK_CHARS}{re.escape(FULLWIDTH_MARKS)}]")
-_TO_FULL = {",": "，", ".": "。", ":": "：", ";": "；", "?": "？", "!": "！"}
+ASCII_TO_FULL = {",": "，", ".": "。", ":": "：", ";": "；", "?": "？", "!": "！"}
 _TO_ASCII = {"，": ",", "。": ".", "：": ":", "；": ";", "？": "?", "！": "!", "（": "(", "）": ")",
              "“": '"', "”": '"', "‘": "'", "’": "'", "、": ",", "……": "...", "…": "...",
              "「": '"', "」": '"', "『": "'", "』": "'", "《": '"', "》": '"', "【": "[", "】": "]",
@@ -178,7 +178,7 @@ def _chinese_pass(text: str, bracket_context) -> str:
 
     # , . : ; ? !
     for i, c in enumerate(chars):
-        if c not in _TO_FULL or protected[i]:
+        if c not in ASCII_TO_FULL or protected[i]:
             continue
         prev, nxt = chars[i - 1] if i else "", chars[i + 1] if i + 1 < n else ""
         if prev.isdigit() and nxt.isdigit():
@@ -194,7 +194,7 @@ def _chinese_pass(text: str, bracket_context) -> str:
             if not _is_zh(left) and (_ABBREV.search(before.rstrip()) or _LIST_NUMBER.fullmatch(before)):
                 continue  # Mr. / Inc. / J. K. before a name; "1." numbering an item
         if _is_zh(left) or _is_zh(right) or (right is None and c in ".?!" and left is not None):
-            chars[i] = _TO_FULL[c]
+            chars[i] = ASCII_TO_FULL[c]
 
     out = "".join(chars)
     return re.sub(rf"\s*([{re.escape(FULLWIDTH_MARKS)}])\s*", r"\1", out)

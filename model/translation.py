@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from model.punctuation import is_link, normalise_input, postprocess, split_links, without_protected
+from model.punctuation import ASCII_TO_FULL, is_link, normalise_input, postprocess, split_links, without_protected
 
 LANGS = ("en", "zh")
 TAGS = {"en": "<2en>", "zh": "<2zh>"}
@@ -85,7 +85,6 @@ def split_long(sentence: str, fits) -> list[str]:
 
 
 _ASCII_ALNUM = re.compile(r"[A-Za-z0-9]")
-_MARKS_FULL = {",": "，", ".": "。", ":": "：", ";": "；", "?": "？", "!": "！"}
 
 
 def join_sentences(parts: list[str], lang: str) -> str:
@@ -97,7 +96,7 @@ def join_sentences(parts: list[str], lang: str) -> str:
     last = ""
     for p in (p for p in parts if p):
         if lang == "zh":
-            p = _MARKS_FULL.get(p, p)
+            p = ASCII_TO_FULL.get(p, p)
             apart = (is_link(last) and _ASCII_ALNUM.match(p[0])) or (is_link(p) and _ASCII_ALNUM.match(out[-1:]))
             out += (" " if out and apart else "") + p
         else:

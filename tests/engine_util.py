@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import string
+from collections.abc import Iterator
 
 import torch
 
@@ -76,3 +77,19 @@ def run_engine(engine, coro_fn):
         finally:
             await engine.stop()
     return asyncio.run(main())
+
+
+def stream_model(model, tokenizer, prompt_ids: list[int], params, stop_ids: set[int], stats: dict | None = None,
+                 threads: int | None = None) -> Iterator[str]:
+    """`attnserve generate`'s streaming (`stream_engine`) over a one-slot serial engine for `model` as it is
+    (its dtype, eager)."""
+    from service.commands.generate import stream_engine
+    from service.engine.config import DTYPES, EngineConfig
+    from service.engine.generation import GenerationEngine
+
+    dtype = next(name for name, dt in DTYPES.items() if dt == model.embed.weight.dtype)
+    max_len = min(len(prompt_ids) + params.max_new_tokens, model.cfg.max_seq_len)
+    cfg = EngineConfig(max_slots=1, max_seq_len=max(max_len, 1), max_waiting=1, mode="serial", dtype=dtype,
+                       threads=threads)
+    yield from stream_engine(GenerationEngine(model, tokenizer, cfg, eos_ids=stop_ids, name="cli"), prompt_ids,
+                             params, stats)

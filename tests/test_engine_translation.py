@@ -291,10 +291,10 @@ def test_urls_and_addresses_pass_through_as_they_are():
 def test_a_failed_step_fails_its_requests_with_an_engine_error_counted_once():
     """As in the generation engine: the step's requests get an EngineError naming the engine (the HTTP layer's
     500 carries it), each counted once as an error, and the engine serves the next request."""
-    from service.engine.stats import NullSink
+    from service.engine.stats import MetricsSink
     from service.engine.types import EngineError
 
-    class Sink(NullSink):
+    class Sink(MetricsSink):
         reasons: list[str] = []
 
         def on_finish(self, model, finish_reason, prompt_tokens, generation_tokens, e2e_s):

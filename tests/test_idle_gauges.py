@@ -12,12 +12,12 @@ from service.config import GENERATOR_ID
 from service.engine import loop as engine_loop
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
-from service.engine.stats import NullSink
+from service.engine.stats import MetricsSink
 
 from engine_util import CharTokenizer, tiny_llama  # isort: skip
 
 
-class Recording(NullSink):
+class Recording(MetricsSink):
     def __init__(self):
         self.steps = []
 

@@ -5,10 +5,10 @@ import asyncio
 
 import pytest
 import torch
+from engine_util import stream_model
 
 from model.config import TINY_LLAMA
 from model.decoder import DecoderLM
-from service.commands.generate import stream
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
 from service.engine.types import GenerateRequest, RequestRejected, SamplingParams
@@ -40,7 +40,8 @@ def _full_greedy(model, prompt, n):
 def test_greedy_stream_equals_recompute_without_cache(tiny):
     stats: dict = {}
     prompt = [5, 9, 2, 40, 7]
-    text = "".join(stream(tiny, ByteTok(), prompt, SamplingParams(max_new_tokens=20, temperature=0), set(), stats))
+    params = SamplingParams(max_new_tokens=20, temperature=0)
+    text = "".join(stream_model(tiny, ByteTok(), prompt, params, set(), stats))
     assert stats["ids"] == _full_greedy(tiny, prompt, 20)
     assert text == ByteTok().decode(stats["ids"])
 
@@ -50,12 +51,12 @@ def test_seeded_sampling_reproducible_and_stops_at_stop_id(tiny):
     runs = []
     for _ in range(2):
         stats: dict = {}
-        list(stream(tiny, ByteTok(), [1, 2, 3], p, set(), stats))
+        list(stream_model(tiny, ByteTok(), [1, 2, 3], p, set(), stats))
         runs.append(stats["ids"])
     assert runs[0] == runs[1]
     stop = runs[0][3]
     stats = {}
-    text = "".join(stream(tiny, ByteTok(), [1, 2, 3], p, {stop}, stats))
+    text = "".join(stream_model(tiny, ByteTok(), [1, 2, 3], p, {stop}, stats))
     first = runs[0].index(stop)
     assert stats["ids"] == runs[0][:first]  # ends at the stop token, which is neither an output id nor printed
     assert text == ByteTok().decode(runs[0][:first])
@@ -63,7 +64,7 @@ def test_seeded_sampling_reproducible_and_stops_at_stop_id(tiny):
 
 def test_too_long_request_is_refused_naming_the_field(tiny):
     with pytest.raises(RequestRejected, match="--max-tokens"):
-        list(stream(tiny, ByteTok(), [1] * 100, SamplingParams(max_new_tokens=50), set()))
+        list(stream_model(tiny, ByteTok(), [1] * 100, SamplingParams(max_new_tokens=50), set()))
 
 
 async def _served(model, prompts, params):
@@ -87,5 +88,5 @@ async def _served(model, prompts, params):
                                     SamplingParams(max_new_tokens=16, temperature=1.2, top_p=0.9, seed=3)])
 def test_serial_stream_and_the_continuous_engine_give_the_same_text(tiny, params):
     prompts = [[5, 9, 2, 40, 7], [1, 2, 3], [60, 61, 62, 63, 64, 65, 66]]
-    cli = ["".join(stream(tiny, ByteTok(), p, params, set())) for p in prompts]
+    cli = ["".join(stream_model(tiny, ByteTok(), p, params, set())) for p in prompts]
     assert asyncio.run(_served(tiny, prompts, params)) == cli

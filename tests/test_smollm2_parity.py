@@ -8,11 +8,11 @@ import accelerate  # noqa: F401  (transformers 5.x needs it to load a GGUF)
 import pytest
 import torch
 import transformers
+from engine_util import stream_model
 
 from model.chat import render_chat
 from model.importers.hf import export_hf, import_hf
 from model.importers.smollm2 import ensure_smollm2, gguf_path
-from service.commands.generate import stream
 from service.engine.types import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def test_greedy_continuations_identical(pair):
     for p in (PROMPTS[1], PROMPTS[4]):  # code, and the chat prompt (2 x 64 steps per model: CI time)
         ids = tok.encode(_prompt(tok, p))
         stats: dict = {}
-        text = "".join(stream(ours, tok, ids, params, set(), stats))
+        text = "".join(stream_model(ours, tok, ids, params, set(), stats))
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()
         assert stats["ids"] == ref, p
@@ -107,7 +107,7 @@ def test_chat_answers_paris(pair):
     ours, tok, _, _ = pair
     prompt = render_chat(tok.chat_template, CONVERSATIONS[0])
     params = SamplingParams(max_new_tokens=24, temperature=0.0)
-    text = "".join(stream(ours, tok, tok.encode(prompt), params, tok.stop_ids()))
+    text = "".join(stream_model(ours, tok, tok.encode(prompt), params, tok.stop_ids()))
     assert "Paris" in text
 
 

@@ -40,7 +40,6 @@ class GGUFModel:
     state_dict: dict[str, torch.Tensor]  # our parameter names, fp32
     tokenizer: dict = field(default_factory=dict)  # tokens, token_type, merges, model, pre, special ids
     chat_template: str | None = None
-    name: str = ""
 
 
 # GGUF metadata value types (gguf.GGUFValueType) and the bytes a scalar of each takes
@@ -175,16 +174,9 @@ def _open(path: Path):
     return reader
 
 
-def _meta(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
 def read_metadata(reader) -> dict:
     """All scalar/array metadata as Python values."""
-    return {k: _meta(reader, k) for k in reader.fields}
+    return {k: f.contents() for k, f in reader.fields.items()}
 
 
 # the keys we read, by the kind of value they must hold; llama.cpp refuses a key of another type too
@@ -197,7 +189,7 @@ _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_t
 def check_metadata_types(reader, path: Path) -> None:
     """A flipped type tag makes a float decode as an integer of the same width (or the reverse): a
     plausible-looking, wrong value. Refuse any key we use whose type is not the kind it must be."""
-    arch = _meta(reader, "general.architecture")
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
     wanted = {**{f"{arch}.{k}": ("an integer", _INT_TYPES) for k in _INT_KEYS},
               **{f"{arch}.{k}": ("a float", _FLOAT_TYPES) for k in _FLOAT_KEYS},
               **{f"tokenizer.ggml.{k}": ("an integer", _INT_TYPES) for k in _TOKEN_ID_KEYS}}
@@ -328,13 +320,26 @@ def load_gguf(path: str | Path, show_progress: bool = False) -> GGUFModel:
     """Read and dequantize a GGUF file into our config + state dict (+ tokenizer metadata).
     Any malformed content (truncated, corrupt metadata, inconsistent shapes) raises GGUFImportError.
     `show_progress`: a bar (or plain lines) over the tensors, for a conversion a user waits on."""
+    import dataclasses
+
     path = Path(path)
     try:
-        return _load_gguf(path, show_progress)
+        reader = _open(path)
+        check_metadata_types(reader, path)
+        meta = read_metadata(reader)
+        cfg = config_from_metadata(meta, path)
+        g = _tensors(reader, path, show_progress)
+        if "output.weight" in g:
+            cfg = dataclasses.replace(cfg, tie_embeddings=False)
+        sd = state_from_gguf_tensors(g, cfg, path)
+        for name, shape in _expected_shapes(cfg).items():
+            if name in sd and tuple(sd[name].shape) != shape:
+                raise GGUFImportError(f"{path}: {name} has shape {tuple(sd[name].shape)}, metadata implies {shape}")
     except GGUFImportError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError, ZeroDivisionError, OverflowError) as e:
         raise GGUFImportError(f"{path}: malformed GGUF ({type(e).__name__}: {e})") from None
+    return GGUFModel(cfg, sd, tokenizer_metadata(meta), meta.get("tokenizer.chat_template"))
 
 
 def _expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
@@ -343,24 +348,6 @@ def _expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
 
     with torch.device("meta"):
         return {k: tuple(v.shape) for k, v in DecoderLM(cfg).state_dict().items()}
-
-
-def _load_gguf(path: Path, show_progress: bool = False) -> GGUFModel:
-    import dataclasses
-
-    reader = _open(path)
-    check_metadata_types(reader, path)
-    meta = read_metadata(reader)
-    cfg = config_from_metadata(meta, path)
-    g = _tensors(reader, path, show_progress)
-    if "output.weight" in g:
-        cfg = dataclasses.replace(cfg, tie_embeddings=False)
-    sd = state_from_gguf_tensors(g, cfg, path)
-    for name, shape in _expected_shapes(cfg).items():
-        if name in sd and tuple(sd[name].shape) != shape:
-            raise GGUFImportError(f"{path}: {name} has shape {tuple(sd[name].shape)}, metadata implies {shape}")
-    return GGUFModel(cfg, sd, tokenizer_metadata(meta), meta.get("tokenizer.chat_template"),
-                     meta.get("general.name") or path.stem)
 
 
 def gguf_to_decoder(path: str | Path, show_progress: bool = False):

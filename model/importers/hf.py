@@ -99,90 +99,68 @@ def _first(x):
 
 # --- tensor names ------------------------------------------------------------------------------
 
-def to_hf_state(model) -> dict[str, torch.Tensor]:
-    """Our state dict -> Hugging Face names (split fused matrices, transpose GPT-2 Conv1D weights)."""
-    cfg: DecoderConfig = model.cfg
-    sd = model.state_dict()
-    out: dict[str, torch.Tensor] = {}
+def _name_map(cfg: DecoderConfig) -> list[tuple[str, list[str], list[int] | None, bool]]:
+    """(our tensor, the Hugging Face tensors it concatenates on dim 0, their row counts, stored transposed)
+    for every parameter of the model; one table for both directions."""
     q_dim, kv_dim = cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head
+    rows: list[tuple[str, list[str], list[int] | None, bool]] = []
     if hf_family(cfg) == "llama":
-        out["model.embed_tokens.weight"] = sd["embed.weight"]
-        out["model.norm.weight"] = sd["norm.weight"]
+        rows += [("embed.weight", ["model.embed_tokens.weight"], None, False),
+                 ("norm.weight", ["model.norm.weight"], None, False)]
         if not cfg.tie_embeddings:
-            out["lm_head.weight"] = sd["lm_head.weight"]
+            rows.append(("lm_head.weight", ["lm_head.weight"], None, False))
         for i in range(cfg.n_layers):
             p, h = f"blocks.{i}.", f"model.layers.{i}."
-            out[h + "input_layernorm.weight"] = sd[p + "attn_norm.weight"]
-            out[h + "post_attention_layernorm.weight"] = sd[p + "mlp_norm.weight"]
-            for suffix in ("weight", "bias") if cfg.attn_bias else ("weight",):
-                q, k, v = sd[p + f"attn.qkv_proj.{suffix}"].split([q_dim, kv_dim, kv_dim], 0)
-                out[h + f"self_attn.q_proj.{suffix}"], out[h + f"self_attn.k_proj.{suffix}"] = q, k
-                out[h + f"self_attn.v_proj.{suffix}"] = v
-                out[h + f"self_attn.o_proj.{suffix}"] = sd[p + f"attn.o_proj.{suffix}"]
-            for suffix in ("weight", "bias") if cfg.mlp_bias else ("weight",):
-                g, u = sd[p + f"mlp.gate_up.{suffix}"].split(cfg.d_ff, 0)
-                out[h + f"mlp.gate_proj.{suffix}"], out[h + f"mlp.up_proj.{suffix}"] = g, u
-                out[h + f"mlp.down_proj.{suffix}"] = sd[p + f"mlp.down.{suffix}"]
-    else:
-        out["transformer.wte.weight"] = sd["embed.weight"]
-        out["transformer.wpe.weight"] = sd["pos_embed.weight"]
-        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = sd["norm.weight"], sd["norm.bias"]
-        for i in range(cfg.n_layers):
-            p, h = f"blocks.{i}.", f"transformer.h.{i}."
-            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-                for s in ("weight", "bias"):
-                    out[f"{h}{theirs}.{s}"] = sd[f"{p}{ours}.{s}"]
-            for ours, theirs in (("attn.qkv_proj", "attn.c_attn"), ("attn.o_proj", "attn.c_proj"),
-                                 ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-                out[h + theirs + ".weight"] = sd[p + ours + ".weight"].t()  # Conv1D: (in, out)
-                out[h + theirs + ".bias"] = sd[p + ours + ".bias"]
+            rows += [(p + "attn_norm.weight", [h + "input_layernorm.weight"], None, False),
+                     (p + "mlp_norm.weight", [h + "post_attention_layernorm.weight"], None, False)]
+            for s in ("weight", "bias") if cfg.attn_bias else ("weight",):
+                rows += [(p + f"attn.qkv_proj.{s}", [h + f"self_attn.{n}_proj.{s}" for n in "qkv"],
+                          [q_dim, kv_dim, kv_dim], False),
+                         (p + f"attn.o_proj.{s}", [h + f"self_attn.o_proj.{s}"], None, False)]
+            for s in ("weight", "bias") if cfg.mlp_bias else ("weight",):
+                rows += [(p + f"mlp.gate_up.{s}", [h + f"mlp.gate_proj.{s}", h + f"mlp.up_proj.{s}"],
+                          [cfg.d_ff, cfg.d_ff], False),
+                         (p + f"mlp.down.{s}", [h + f"mlp.down_proj.{s}"], None, False)]
+        return rows
+    rows += [("embed.weight", ["transformer.wte.weight"], None, False),
+             ("pos_embed.weight", ["transformer.wpe.weight"], None, False),
+             ("norm.weight", ["transformer.ln_f.weight"], None, False),
+             ("norm.bias", ["transformer.ln_f.bias"], None, False)]
+    for i in range(cfg.n_layers):
+        p, h = f"blocks.{i}.", f"transformer.h.{i}."
+        rows += [(f"{p}{ours}.{s}", [f"{h}{theirs}.{s}"], None, False)
+                 for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")) for s in ("weight", "bias")]
+        for ours, theirs in (("attn.qkv_proj", "attn.c_attn"), ("attn.o_proj", "attn.c_proj"),
+                             ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
+            rows += [(p + ours + ".weight", [h + theirs + ".weight"], None, True),  # Conv1D: (in, out)
+                     (p + ours + ".bias", [h + theirs + ".bias"], None, False)]
+    return rows
+
+
+def to_hf_state(model) -> dict[str, torch.Tensor]:
+    """Our state dict -> Hugging Face names (split fused matrices, transpose GPT-2 Conv1D weights)."""
+    sd, out = model.state_dict(), {}
+    for ours, theirs, rows, transposed in _name_map(model.cfg):
+        x = sd[ours].t() if transposed else sd[ours]
+        out.update(zip(theirs, x.split(rows, 0) if rows else [x], strict=True))
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def from_hf_state(hf: dict[str, torch.Tensor], cfg: DecoderConfig, where: str = "") -> dict[str, torch.Tensor]:
     """Hugging Face names -> our state dict; raises HFFormatError naming a missing tensor."""
-    family = hf_family(cfg)
-    prefix = "model." if family == "llama" else "transformer."
+    prefix = "model." if hf_family(cfg) == "llama" else "transformer."
     # accept checkpoints saved without the base-model prefix (old GPT-2 files, bare LlamaModel)
     hf = {(k if k.startswith(prefix) or k == "lm_head.weight" else prefix + k): v for k, v in hf.items()}
-
-    used: set[str] = set()
-
-    def take(name):
-        if name not in hf:
-            raise HFFormatError(f"{where}: tensor {name!r} missing")
-        used.add(name)
-        return hf[name]
-
+    table = _name_map(cfg)
+    missing = next((n for _, theirs, _, _ in table for n in theirs if n not in hf), None)
+    if missing is not None:
+        raise HFFormatError(f"{where}: tensor {missing!r} missing")
     sd: dict[str, torch.Tensor] = {}
-    if family == "llama":
-        sd["embed.weight"], sd["norm.weight"] = take("model.embed_tokens.weight"), take("model.norm.weight")
-        if not cfg.tie_embeddings:
-            sd["lm_head.weight"] = take("lm_head.weight")
-        for i in range(cfg.n_layers):
-            p, h = f"blocks.{i}.", f"model.layers.{i}."
-            sd[p + "attn_norm.weight"] = take(h + "input_layernorm.weight")
-            sd[p + "mlp_norm.weight"] = take(h + "post_attention_layernorm.weight")
-            for suffix in ("weight", "bias") if cfg.attn_bias else ("weight",):
-                sd[p + f"attn.qkv_proj.{suffix}"] = torch.cat(
-                    [take(h + f"self_attn.{n}_proj.{suffix}") for n in "qkv"], 0)
-                sd[p + f"attn.o_proj.{suffix}"] = take(h + f"self_attn.o_proj.{suffix}")
-            for suffix in ("weight", "bias") if cfg.mlp_bias else ("weight",):
-                sd[p + f"mlp.gate_up.{suffix}"] = torch.cat(
-                    [take(h + f"mlp.gate_proj.{suffix}"), take(h + f"mlp.up_proj.{suffix}")], 0)
-                sd[p + f"mlp.down.{suffix}"] = take(h + f"mlp.down_proj.{suffix}")
-    else:
-        sd["embed.weight"], sd["pos_embed.weight"] = take("transformer.wte.weight"), take("transformer.wpe.weight")
-        sd["norm.weight"], sd["norm.bias"] = take("transformer.ln_f.weight"), take("transformer.ln_f.bias")
-        for i in range(cfg.n_layers):
-            p, h = f"blocks.{i}.", f"transformer.h.{i}."
-            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-                for s in ("weight", "bias"):
-                    sd[f"{p}{ours}.{s}"] = take(f"{h}{theirs}.{s}")
-            for ours, theirs in (("attn.qkv_proj", "attn.c_attn"), ("attn.o_proj", "attn.c_proj"),
-                                 ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-                sd[p + ours + ".weight"] = take(h + theirs + ".weight").t().contiguous()
-                sd[p + ours + ".bias"] = take(h + theirs + ".bias")
+    used: set[str] = set()
+    for ours, theirs, _, transposed in table:
+        x = torch.cat([hf[n] for n in theirs], 0) if len(theirs) > 1 else hf[theirs[0]]
+        sd[ours] = x.t().contiguous() if transposed else x
+        used.update(theirs)
     if cfg.tie_embeddings and "lm_head.weight" in hf:  # a tied head stored anyway: it must be the embedding
         if not torch.equal(hf["lm_head.weight"], sd["embed.weight"]):
             raise HFFormatError(f"{where}: the config ties the embeddings, but lm_head.weight differs from them")

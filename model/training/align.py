@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from itertools import accumulate
 
 # prior of each bead kind (zh units, en units); 1-1 dominates, as in Gale & Church's table
 SENTENCE_PRIORS = {(1, 1): 0.89, (1, 0): 0.005, (0, 1): 0.005, (2, 1): 0.04, (1, 2): 0.04, (2, 2): 0.01,
@@ -106,11 +107,7 @@ def align(zh_lens: list[int], en_lens: list[int], lm: LengthModel, *,
     allow. band: only cells within this many sentences of the diagonal (long documents)."""
     costs = [(di, dj, -math.log(p)) for (di, dj), p in SENTENCE_PRIORS.items()]
     n, m = len(zh_lens), len(en_lens)
-    zc, ec = [0], [0]
-    for x in zh_lens:
-        zc.append(zc[-1] + x)
-    for x in en_lens:
-        ec.append(ec[-1] + x)
+    zc, ec = list(accumulate(zh_lens, initial=0)), list(accumulate(en_lens, initial=0))  # prefix sums
     zb, eb = breaks or (set(), set())
     c, s2, erfc, log, sqrt = lm.c, lm.s2, math.erfc, math.log, math.sqrt
     inf = float("inf")

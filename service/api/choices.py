@@ -13,7 +13,6 @@ from service.engine.types import GenerationEvent, TokenLogprob
 class Choice:
     index: int
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
@@ -22,7 +21,6 @@ class Choice:
 
     def add(self, ev: GenerationEvent) -> None:
         self.text += ev.text
-        self.token_ids += ev.token_ids
         self.logprobs += ev.logprobs or []
         if ev.prompt_logprobs is not None:
             self.prompt_logprobs = ev.prompt_logprobs

@@ -191,10 +191,8 @@ class GenerationEngine(EngineLoop):
                 if ev.finished:
                     return
         finally:
-            if any(s.finish_reason is None for s in seq.group):
-                for s in seq.group:
-                    s.cancelled = True
-                self._wake()
+            _abandon(seq.group)
+            self._wake()
 
     # --- schedule (event loop) -----------------------------------------------------------------
     def _finish(self, seq: Sequence, reason: str, text: str = "", token_ids: list[int] | None = None,
@@ -428,7 +426,8 @@ class GenerationEngine(EngineLoop):
 
 
 def _abandon(group: list[Sequence]) -> None:
-    """Cancel a request whose stream was dropped unread; the loop's next sweep frees its slots."""
+    """Cancel a request whose stream ended before it did (closed, or dropped unread); the loop's next sweep
+    frees its slots."""
     if any(s.finish_reason is None for s in group):
         for s in group:
             s.cancelled = True

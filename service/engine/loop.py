@@ -22,7 +22,7 @@ from service.engine.cpu_runtime import BusyBoard, init_engine_thread
 from service.engine.hooks import StepHooks
 from service.engine.scheduler import Scheduler
 from service.engine.slot_table import SlotTable
-from service.engine.stats import EngineStats, MetricsSink, NullSink
+from service.engine.stats import EngineStats, MetricsSink
 from service.engine.types import EngineError, EngineStopped
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class EngineLoop:
     def __init__(self, config: EngineConfig, name: str, sink: MetricsSink | None, runner: Any, noun: str):
         self.config = config
         self.name = name
-        self.sink: MetricsSink = sink or NullSink()
+        self.sink: MetricsSink = sink or MetricsSink()
         self.runner = runner
         self.scheduler: Scheduler = Scheduler(config, SlotTable(runner.cache), noun)
         self.hooks = StepHooks()

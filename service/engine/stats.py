@@ -3,35 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 
-class MetricsSink(Protocol):
-    """Receives engine events; implementations must be cheap (called on the engine's hot path)."""
+class MetricsSink:
+    """Receives engine events and drops them; a recorder overrides what it records. Called on the engine's
+    hot path: implementations must be cheap."""
 
-    def on_step(self, model: str, batch_size: int, kv_usage: float, running: int, waiting: int) -> None: ...
+    def on_step(self, model: str, batch_size: int, kv_usage: float, running: int, waiting: int) -> None:
+        pass
 
-    def on_first_token(self, model: str, queue_s: float, ttft_s: float) -> None: ...
+    def on_first_token(self, model: str, queue_s: float, ttft_s: float) -> None:
+        pass
 
-    def on_token_latency(self, model: str, itl_s: float) -> None: ...
+    def on_token_latency(self, model: str, itl_s: float) -> None:
+        pass
 
     def on_finish(self, model: str, finish_reason: str, prompt_tokens: int, generation_tokens: int,
-                  e2e_s: float) -> None: ...
-
-
-class NullSink:
-    """A sink that drops everything."""
-
-    def on_step(self, model, batch_size, kv_usage, running, waiting) -> None:
-        pass
-
-    def on_first_token(self, model, queue_s, ttft_s) -> None:
-        pass
-
-    def on_token_latency(self, model, itl_s) -> None:
-        pass
-
-    def on_finish(self, model, finish_reason, prompt_tokens, generation_tokens, e2e_s) -> None:
+                  e2e_s: float) -> None:
         pass
 
 

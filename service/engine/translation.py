@@ -154,11 +154,9 @@ class TranslationEngine(EngineLoop):
         sched = self.scheduler
         for sentence, why in sched.sweep(now):
             request = sentence.request
-            if why == "timeout" and not request.future.done():
+            if why == "timeout":
                 limit = request.batch.deadline_s or self.config.default_deadline_s
-                request.future.set_exception(TimeoutError(f"translation exceeded its deadline of {limit} s"))
-                self.sink.on_finish(self.name, "timeout", request.prompt_tokens, request.completion_tokens,
-                                    now - request.t_submit)
+                self._end(request, "timeout", error=TimeoutError(f"translation exceeded its deadline of {limit} s"))
         sched.admit()
         if not sched.running:
             return None
@@ -210,23 +208,28 @@ class TranslationEngine(EngineLoop):
             request.outputs[s.index] = tokens
             request.completion_tokens += len(tokens)
             request.left -= 1
-            if request.left == 0 and not request.future.done():
-                request.future.set_result(request.outputs)
-                self.requests_finished += 1
-                self.sink.on_finish(self.name, "stop", request.prompt_tokens, request.completion_tokens,
-                                    time.monotonic() - request.t_submit)
+            if request.left == 0:
+                self._end(request, "stop", result=request.outputs)
         self.scheduler.drop_released()
+
+    def _end(self, request: _Request, reason: str, result: list | None = None, error: Exception | None = None):
+        """Settle a request's future (once) and count it as finished for `reason`."""
+        if request.future.done():
+            return
+        if error is None:
+            request.future.set_result(result)
+            self.requests_finished += 1
+        else:
+            request.future.set_exception(error)
+        self.sink.on_finish(self.name, reason, request.prompt_tokens, request.completion_tokens,
+                            time.monotonic() - request.t_submit)
 
     def _fail_plan(self, step: _Step, error: Exception) -> None:
         """Fail every request the step touched (as the generation engine does: an EngineError, counted)."""
         failed = EngineError(f"engine {self.name} step failed: {type(error).__name__}: {error}")
         for s in step.sentences:
             self.scheduler.release(s)
-            request = s.request
-            if not request.future.done():
-                request.future.set_exception(failed)
-                self.sink.on_finish(self.name, "error", request.prompt_tokens, request.completion_tokens,
-                                    time.monotonic() - request.t_submit)
+            self._end(s.request, "error", error=failed)
         self.scheduler.drop_released()
 
     def _fail_all(self, error: Exception) -> None:

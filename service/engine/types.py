@@ -111,10 +111,6 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose K/V came from the cache, not prefill (prefix reuse)
 
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
 
 @dataclass
 class TokenLogprob:
