@@ -31,6 +31,17 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers():
+    """Commands under test (train, serve) and Ray take SIGINT/SIGTERM: give them back after each test, so
+    a later test's Ctrl-C is Python's KeyboardInterrupt again."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, h in handlers.items():
+        if h is not None:
+            signal.signal(s, h)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread for a module; module-scoped so reference and compared results come from the same
@@ -43,13 +54,10 @@ def one_torch_thread():
 
 @pytest.fixture
 def restore_torch():
-    """Commands under test (translate, train) set the torch thread count and signal handlers: put them back."""
+    """Commands under test (translate, train) set the torch thread count: put it back."""
     threads = torch.get_num_threads()
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     yield
     torch.set_num_threads(threads)
-    for s, h in handlers.items():
-        signal.signal(s, h)
 
 
 TINY_EN = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -81,3 +89,11 @@ def tiny_run(tmp_path):
 
 
 from serve_fixture import serve_url  # noqa: E402,F401  (the one shared Ray Serve instance, for `ray` tests)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, as `make test` runs): the tests that share the session's
+    Ray Serve instance or start Ray clusters run on one worker, one after another; the rest spread over both."""
+    for item in items:
+        if item.get_closest_marker("ray") or item.get_closest_marker("cluster"):
+            item.add_marker(pytest.mark.xdist_group("ray"))

@@ -780,6 +780,7 @@ def test_ctrl_c_while_generate_streams_is_an_interrupt_and_stops_the_engine():
     engine.runner.decode = lambda *a: (time.sleep(0.05), decode(*a))[1]  # 100 tokens: ~5 s to interrupt
     deltas = stream_engine(engine, [5, 6, 7], SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True))
     next(deltas)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C (conftest restores it)
     timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     with pytest.raises(KeyboardInterrupt):
