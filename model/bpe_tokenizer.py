@@ -58,16 +58,18 @@ class BPETokenizer:
         spelling = bytes_to_unicode()
         alphabet = set(spelling.values())
         tokens = list(tok["tokens"])
+        types = tok.get("token_type") or [1] * len(tokens)
         vocab = {}
-        for i, t in enumerate(tokens):  # a token outside the byte alphabet is respelled byte by byte
-            vocab[t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))] = i
+        for i, (t, ty) in enumerate(zip(tokens, types, strict=True)):
+            # a token outside the byte alphabet is respelled byte by byte; a control token keeps its text,
+            # the one it is matched by (DeepSeek's "<｜begin▁of▁sentence｜>" is not byte-level spelling)
+            vocab[t if ty == CONTROL or set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))] = i
         merges = [tuple(m.split(" ")) for m in tok["merges"]]
         tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tk.decoder = decoders.ByteLevel()
         tk.post_processor = processors.ByteLevel(trim_offsets=False)
-        types = tok.get("token_type") or [1] * len(tokens)
-        specials = [t for t, ty in zip(tokens, types, strict=True) if ty == CONTROL and set(t) <= alphabet]
+        specials = [t for t, ty in zip(tokens, types, strict=True) if ty == CONTROL]
         tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
 
         def name(key):

@@ -49,3 +49,18 @@ def test_a_grammar_over_it_spells_json_and_never_a_special_token(tok):
     table = tok.token_bytes()
     assert {table.index(b"hell"), table.index(b" wo"), table.index(b'"')} <= allowed
     assert not allowed & {0, 1, 2}  # inside a string: no special token, no end of sequence
+
+
+def test_a_control_token_spelled_outside_the_byte_alphabet_stays_one_special_token():
+    """DeepSeek-style GGUFs name control tokens in characters GPT-2's byte alphabet lacks
+    ("<｜begin▁of▁sentence｜>"): matched whole as special tokens, found as bos, decoded as written."""
+    bos = "<｜begin▁of▁sentence｜>"
+    chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = [bos, "<|im_end|>", *chars]
+    tok = BPETokenizer.from_gguf_metadata({"model": "gpt2", "tokens": tokens, "token_type": [3, 3] + [1] * len(chars),
+                                           "merges": [], "bos_token_id": 0, "eos_token_id": 1})
+    assert tok.vocab_size == len(tokens) and tok.bos_id == 0 and tok.eos_id == 1
+    ids = tok.encode(f"{bos}hi<|im_end|>")
+    assert ids[0] == 0 and ids[-1] == 1 and len(ids) == 4
+    assert tok.decode(ids) == f"{bos}hi<|im_end|>" and tok.token_bytes()[0] == bos.encode()
+    assert tok.special_ids == {0, 1}
