@@ -38,16 +38,24 @@ def cpu_has_native_bf16() -> bool:
 
     if not has_bf16_instructions(cpu_flags()):
         return False
-    from model.file_lock import file_lock
     from service.engine.compiled import use_persistent_cache
 
     path = use_persistent_cache() / "dtype-auto.txt"  # the folder is keyed by torch and the CPU flags
+    kept = measured_once(path, ("bfloat16", "float32"), lambda: "bfloat16" if prefers_bf16() else "float32")
+    return kept == "bfloat16"
+
+
+def measured_once(path: Path, answers, measure) -> str:
+    """`measure()`'s answer (one of `answers`), kept in `path` for every later start on this host: replicas
+    starting side by side measure on a busy CPU, and must not choose differently."""
+    from model.file_lock import file_lock
+
     with file_lock(path.with_suffix(".lock")):
         kept = path.read_text().strip() if path.is_file() else ""
-        if kept not in ("bfloat16", "float32"):
-            kept = "bfloat16" if prefers_bf16() else "float32"
+        if kept not in answers:
+            kept = measure()
             path.write_text(kept)
-    return kept == "bfloat16"
+    return kept
 
 
 def select_device(device: str, dtype: str, *, cuda_available: bool, ray_gpu_ids: list | None,
@@ -122,22 +130,14 @@ def resolve_quantization(mode: str, cfg: EngineConfig) -> str:
         return "none"
     if mode != "auto":
         return mode
-    from model.file_lock import file_lock
     from model.quantize import QUANTIZATIONS, choose_quantization
     from service.engine.aot_package import code_hash
     from service.engine.compiled import use_persistent_cache
 
-    # measured once per host and kernel code (the folder is keyed by torch and CPU flags): replicas
-    # starting side by side measure on a busy CPU, and must not pick different modes
+    # once per host (the folder is keyed by torch and CPU flags) and kernel code
     step = "compiled" if cfg.compile else "eager"
     path = use_persistent_cache() / f"quantization-auto-{cfg.dtype}-{step}-{code_hash()[:8]}.txt"
-    with file_lock(path.with_suffix(".lock")):
-        kept = path.read_text().strip() if path.is_file() else ""
-        if kept in QUANTIZATIONS:
-            return kept
-        mode = choose_quantization(cfg.torch_dtype, cfg.compile)
-        path.write_text(mode)
-    return mode
+    return measured_once(path, QUANTIZATIONS, lambda: choose_quantization(cfg.torch_dtype, cfg.compile))
 
 
 def quantize_generator(model, tok, mode: str, cfg: EngineConfig, log=print) -> str:
