@@ -222,6 +222,27 @@ def test_no_slot_leaks_with_random_cancellations():
     assert "ok" in out and "cancelled" in out
 
 
+def test_a_request_of_many_sentences_takes_turns_with_the_next_request():
+    """Waiting requests take turns for free slots, one sentence each: a one-sentence request that arrives
+    behind one of 20 sentences is done long before it, not after it."""
+    async def main(engine):
+        done_at = {}
+
+        async def timed(name, texts):
+            out = await translate(engine, TranslateRequest(texts, target_lang="zh", beam_size=1))
+            done_at[name] = engine.steps
+            return out
+
+        big = asyncio.create_task(timed("big", ["the cat sat on a mat"] * 20))
+        await asyncio.sleep(0)  # queued whole before the next one arrives
+        small = await timed("small", ["dogs ran far"])
+        assert not big.done()
+        assert len((await big).translations) == 20 and len(small.translations) == 1
+        return done_at
+    done_at = run(main, max_slots=2)
+    assert done_at["small"] * 4 < done_at["big"]  # first come first served: small would end with big
+
+
 def test_multi_sentence_text_is_split_and_reassembled_in_order():
     parts = ["the cat sat on a mat.", "Dogs ran far!", "Home and back again?"]
     expected = offline(parts, 4)

@@ -230,7 +230,7 @@ class GenerationEngine(EngineLoop):
                 decode.append(seq)
         decode.sort(key=lambda s: s.slot)
         self.last_batch_size = len(prefill) + len(decode)
-        self.sink.on_step(self.name, self.last_batch_size, self._kv_usage(), len(sched.running), len(sched.waiting))
+        self.sink.on_step(self.name, self.last_batch_size, self._kv_usage(), len(sched.running), sched.n_waiting)
         return _Step(prefill, decode, moves, reuse)
 
     def _reuse_prefixes(self, admitted: list[Sequence], moves: list[Move]) -> list[Move]:

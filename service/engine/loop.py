@@ -230,7 +230,7 @@ class EngineLoop:
         return self._kv_used() / total if total else 0.0
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+        return EngineStats(running=len(self.scheduler.running), waiting=self.scheduler.n_waiting,
                            slots_total=self.config.max_slots,
                            slots_used=self.scheduler.table.n_used, kv_usage_ratio=self._kv_usage(),
                            steps=self.steps, last_batch_size=self.last_batch_size,

@@ -1,18 +1,21 @@
 """The one scheduler of both engines: which work runs in the next step.
 
 Work comes in groups that are admitted together or not at all (a generation request's n choices; a
-sentence to translate, whose beam holds k slots). Between steps, on the event loop, `sweep` drops
-cancelled and timed-out work and frees its slots, `admit` moves waiting groups into free slots by the
-engine's mode, and `compact` packs the running work into the lowest slots (`SlotTable`). Modes:
-`continuous` admits whenever slots are free; `static` admits a new batch only when the last one is done
-and waits `static_batch_wait_s` for it to fill (Ray Serve's @serve.batch); `serial` runs one group at a
-time.
+sentence to translate, whose beam holds k slots). Waiting requests take turns, one group each: a
+translation of many sentences shares the slots with the requests after it instead of going first whole.
+Between steps, on the event loop, `sweep` drops cancelled and timed-out work and frees its slots, `admit`
+moves waiting groups into free slots by the engine's mode, and `compact` packs the running work into the
+lowest slots (`SlotTable`). Modes: `continuous` admits whenever slots are free; `static` admits a new
+batch only when the last one is done and waits `static_batch_wait_s` for it to fill (Ray Serve's
+@serve.batch); `serial` runs one group at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Iterator
+from itertools import zip_longest
 from typing import Generic, Literal, Protocol, TypeVar
 
 from service.engine.config import EngineConfig
@@ -39,12 +42,22 @@ class Scheduler(Generic[W]):
         self.config = config
         self.table = table
         self.noun = noun  # what a waiting group is, for the overload message ("requests", "sentences")
-        self.waiting: deque[list[W]] = deque()  # groups, admitted whole, first come first served
+        # per waiting request its groups in order (each admitted whole); the head request's turn is next
+        self.waiting: deque[deque[list[W]]] = deque()
         self.running: list[W] = []  # in admission order
 
     @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
+
+    @property
+    def n_waiting(self) -> int:
+        """Groups waiting for slots."""
+        return sum(len(q) for q in self.waiting)
+
+    def in_turn(self) -> Iterator[list[W]]:
+        """The waiting groups in the order `admit` takes them: requests in turn, one group each."""
+        return (g for turn in zip_longest(*self.waiting) for g in turn if g is not None)
 
     def check_room(self, needs: list[int]) -> None:
         """A new request's groups need `needs` slots each: EngineOverloaded (HTTP 429) unless the next `admit`
@@ -55,7 +68,7 @@ class Scheduler(Generic[W]):
         # what the next admit takes, by mode: static and serial admit only once the running batch is done
         cap = 0 if self.config.mode != "continuous" and self.running else 1 if self.config.mode == "serial" else None
         free, beyond = self.table.n_free, 0
-        for group in self.waiting:
+        for group in self.in_turn():
             need = sum(u.slots_needed for u in group)
             if beyond or cap == 0 or need > free:
                 beyond += 1
@@ -71,12 +84,13 @@ class Scheduler(Generic[W]):
     def add(self, groups: list[list[W]]) -> None:
         """Queue one request's groups, all or none (`check_room` first)."""
         self.check_room([sum(u.slots_needed for u in g) for g in groups])
-        self.waiting.extend(groups)
+        if groups:
+            self.waiting.append(deque(groups))
 
     async def wait_for_batch(self) -> None:
         """Static mode: give a new batch a moment to fill before it is admitted."""
         if (self.config.mode == "static" and not self.running
-                and 0 < len(self.waiting) < self.config.max_slots):
+                and 0 < self.n_waiting < self.config.max_slots):
             await asyncio.sleep(self.config.static_batch_wait_s)
 
     def sweep(self, now: float) -> list[tuple[W, Expiry]]:
@@ -92,26 +106,33 @@ class Scheduler(Generic[W]):
                 gone.append((unit, why))
         self.running = keep
         waiting = deque()
-        for group in self.waiting:
-            why = next((w for w in (u.expired(now) for u in group) if w is not None), None)
-            if why is None:
-                waiting.append(group)
-            else:
-                gone += [(u, why) for u in group]
+        for queue in self.waiting:
+            kept = deque()
+            for group in queue:
+                why = next((w for w in (u.expired(now) for u in group) if w is not None), None)
+                if why is None:
+                    kept.append(group)
+                else:
+                    gone += [(u, why) for u in group]
+            if kept:
+                waiting.append(kept)
         self.waiting = waiting
         return gone
 
     def admit(self) -> list[W]:
-        """Admit waiting groups in order while their slots fit (by mode) -> the admitted units."""
+        """Admit waiting groups in turn while the next one's slots fit (by mode) -> the admitted units."""
         mode = self.config.mode
         if mode != "continuous" and self.running:
             return []  # static / serial: a new batch only when the last one has finished
-        cap = 1 if mode == "serial" else len(self.waiting)
+        cap = 1 if mode == "serial" else self.n_waiting
         admitted: list[W] = []
-        while cap and self.waiting and sum(u.slots_needed for u in self.waiting[0]) <= self.table.n_free:
-            for unit in self.waiting.popleft():
+        while cap and self.waiting and sum(u.slots_needed for u in self.waiting[0][0]) <= self.table.n_free:
+            queue = self.waiting.popleft()
+            for unit in queue.popleft():
                 unit.slots = self.table.take(unit.slots_needed)
                 admitted.append(unit)
+            if queue:  # its next group waits behind the other requests' turns
+                self.waiting.append(queue)
             cap -= 1
         self.running += admitted
         return admitted
@@ -130,7 +151,7 @@ class Scheduler(Generic[W]):
 
     def clear(self) -> list[W]:
         """Release and return every unit, running and waiting (the engine is failing them all)."""
-        units = self.running + [u for g in self.waiting for u in g]
+        units = self.running + [u for q in self.waiting for g in q for u in g]
         for unit in self.running:
             self.release(unit)
         self.running, self.waiting = [], deque()

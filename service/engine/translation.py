@@ -161,7 +161,7 @@ class TranslationEngine(EngineLoop):
         if not sched.running:
             return None
         self.last_batch_size = sum(s.beam.k for s in sched.running)
-        self.sink.on_step(self.name, self.last_batch_size, self._kv_usage(), len(sched.running), len(sched.waiting))
+        self.sink.on_step(self.name, self.last_batch_size, self._kv_usage(), len(sched.running), sched.n_waiting)
         return _Step(list(sched.running), sched.compact())
 
     # --- one step (worker thread) ------------------------------------------------------------
