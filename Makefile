@@ -21,7 +21,7 @@ serve: install
 test: install
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null && $(PY) -c "import selenium" 2>/dev/null \
 		|| VENV=$(VENV) bash scripts/install_browser.sh
-	$(PY) -m pytest -q -ra -n 2 --dist loadgroup
+	$(PY) -m pytest -q -ra -n 2 --dist loadfile
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not ray and not cluster and not browser"

@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(cmd)
     args = cmd.parse_args(argv[1:])
     try:
-        return int(module.run(args) or 0)
+        rc = int(module.run(args) or 0)
+        sys.stdout.flush()  # a pipe that closed fails here, inside the handlers, not at exit
+        return rc
     except CommandError as e:
         print(f"attnserve {name}: {e}", file=sys.stderr, flush=True)
         return e.code

@@ -89,11 +89,3 @@ def tiny_run(tmp_path):
 
 
 from serve_fixture import serve_url  # noqa: E402,F401  (the one shared Ray Serve instance, for `ray` tests)
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, as `make test` runs): the tests that share the session's
-    Ray Serve instance or start Ray clusters run on one worker, one after another; the rest spread over both."""
-    for item in items:
-        if item.get_closest_marker("ray") or item.get_closest_marker("cluster"):
-            item.add_marker(pytest.mark.xdist_group("ray"))

@@ -376,8 +376,9 @@ def test_translate_reads_stdin_and_refuses_nothing_or_a_missing_model(capsys, re
 def test_translate_into_a_closed_pipe_exits_quietly(tmp_path):
     """`attnserve translate ... | head -0`: the reader is gone before the first line; the command stops
     with the shell's status for SIGPIPE and no traceback."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a shell's buffered stdout
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "translate", "--beam", "1", "Good morning."],
-                            cwd=paths.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            cwd=paths.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # before anything is written
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err

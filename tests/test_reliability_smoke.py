@@ -10,9 +10,11 @@ processes). Each test waits for its run and checks the result it reports, not on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -53,8 +55,16 @@ class Run:
         return json.loads(self.out.read_text())
 
     def stop(self) -> None:
+        """Ctrl-C first, so a run cleans up what it started in sessions of its own (bench_overhead's
+        `attnserve serve`), then SIGKILL to its process group (Ray's processes too)."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 9)  # its own session: Ray's processes too
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.log.close()
 
