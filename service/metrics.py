@@ -103,10 +103,16 @@ class PrometheusRecorder:
 _recorder: Recorder = PrometheusRecorder()
 
 
-def install(recorder: Recorder) -> None:
-    """Send every metric of this process to `recorder` from now on (a Ray replica installs RayRecorder)."""
+def install(recorder: Recorder) -> Recorder:
+    """Send every metric of this process to `recorder` from now on (a Ray replica installs RayRecorder);
+    returns the recorder it replaces."""
     global _recorder
-    _recorder = recorder
+    previous, _recorder = _recorder, recorder
+    return previous
+
+
+def installed() -> Recorder:
+    return _recorder
 
 
 class EngineMetrics:

@@ -1,5 +1,6 @@
 import hashlib
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -29,6 +30,17 @@ def _shipped_weights_untouched():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _metrics_recorder():
+    """A replica built in-process installs Ray's recorder for the whole process: put back the one a later
+    test's in-process app expects."""
+    from service import metrics
+
+    recorder = metrics.installed()
+    yield
+    metrics.install(recorder)
 
 
 @pytest.fixture(autouse=True)
@@ -86,6 +98,27 @@ def tiny_run(tmp_path):
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(cfg))
     return path, cfg, data, tmp_path / "run"
+
+
+# files with tests that start Ray (markers ray, cluster): read once, for the xdist scheduler below
+RAY_FILES = {f"tests/{p.name}" for p in ROOT.joinpath("tests").glob("test_*.py")
+             if re.search(r"pytest\.mark\.(ray|cluster)\b", p.read_text(encoding="utf-8"))}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs two xdist workers, a file's tests on one (`--dist loadfile`); the files that start Ray
+    form one unit on one worker, one after another: Ray instances booting side by side on two busy cores
+    missed Ray's 30 s node start-up limit. (xdist's `loadgroup` marks do nothing under pytest 9.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayFilesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ray" if path in RAY_FILES else path
+
+    return RayFilesTogether(config, log)
 
 
 from serve_fixture import serve_url  # noqa: E402,F401  (the one shared Ray Serve instance, for `ray` tests)
