@@ -246,3 +246,19 @@ def test_upsampling_repeats_a_sources_pairs_in_each_epoch_and_rejects_unknown_so
     train(path, run, data_dir=data, export_to=tmp_path / "export")
     start = [r for r in _log(run) if r.get("event") == "start"][0]
     assert start["examples"] == 2 * (n_train + 2 * 100)  # both directions of each copy
+
+
+def test_cooldown_decays_the_lr_linearly_to_zero_at_max_steps_and_needs_max_steps(tmp_path):
+    from model.training.train_translate import TrainConfig, lr_at, scheduled_lr
+
+    cfg = TrainConfig(warmup_steps=100, lr_factor=1.0, max_steps=1000, cooldown_steps=200)
+    assert scheduled_lr(700, cfg, 256) == lr_at(700, 256, 100, 1.0)  # before the cooldown: the schedule
+    assert scheduled_lr(901, cfg, 256) == pytest.approx(lr_at(901, 256, 100, 1.0) * 0.5)
+    assert scheduled_lr(1000, cfg, 256) == pytest.approx(lr_at(1000, 256, 100, 1.0) / 200)
+    assert scheduled_lr(1001, cfg, 256) == 0.0
+    # a warm start's ramp and the cooldown multiply
+    assert scheduled_lr(901, cfg, 256, warm_start_step=751) == pytest.approx(lr_at(901, 256, 100, 1.0) * 0.25)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"cooldown_steps": 10}))
+    with pytest.raises(ValueError, match="max_steps"):
+        TrainConfig.load(path)

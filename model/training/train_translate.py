@@ -58,6 +58,9 @@ class TrainConfig:
     avg_last: int = 5
     log_every: int = 20
     rewarm_steps: int = 300  # --init-from: fresh Adam moments, so ramp the lr back up over these steps
+    # the last steps before max_steps: the lr falls linearly to zero (the decay phase of a
+    # warmup-stable-decay schedule), which a run that has flattened at a slowly falling lr gains from
+    cooldown_steps: int = 0
     compile_loss: bool = True  # the loss over the vocabulary through inductor: one fused pass each way
     # > 1: batches of one padded length (a multiple of this) and a fixed row count per length, so a GPU
     # sees a few dozen tensor shapes instead of a new one per batch, each costly the first time (decisions.md)
@@ -65,7 +68,10 @@ class TrainConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> TrainConfig:
-        return from_dict(cls, json.loads(Path(path).read_text()), where=str(path))
+        cfg = from_dict(cls, json.loads(Path(path).read_text()), where=str(path))
+        if cfg.cooldown_steps and cfg.max_steps == NO_STEP_LIMIT:
+            raise ValueError(f"{path}: cooldown_steps counts back from max_steps: set max_steps too")
+        return cfg
 
 
 def token_loss(logits: torch.Tensor, tgt_out: torch.Tensor, pad_id: int, smoothing: float) -> torch.Tensor:
@@ -95,6 +101,17 @@ def compiled_loss(log):
 def lr_at(step: int, d_model: int, warmup: int, factor: float) -> float:
     step = max(step, 1)
     return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+
+
+def scheduled_lr(step: int, cfg: TrainConfig, d_model: int, warm_start_step: int | None = None) -> float:
+    """The inverse-square-root schedule, ramped up again after a warm start, decayed to zero over the
+    last `cooldown_steps` before `max_steps`."""
+    lr = lr_at(step, d_model, cfg.warmup_steps, cfg.lr_factor)
+    if warm_start_step is not None:  # fresh optimizer moments: ramp up to the schedule again
+        lr *= min(1.0, (step - warm_start_step) / max(1, cfg.rewarm_steps))
+    if cfg.cooldown_steps:
+        lr *= min(1.0, max(0, cfg.max_steps - step + 1) / cfg.cooldown_steps)
+    return lr
 
 
 def make_examples(pairs, tok, max_len: int) -> list[tuple[list[int], list[int]]]:
@@ -390,9 +407,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
             idx = batches[meta["batch_in_epoch"]]
             src, tgt_in, tgt_out = (t.to(dev) for t in collate(examples, idx, mcfg.pad_id, cfg.shape_multiple))
             step = meta["step"] + 1
-            lr = lr_at(step, mcfg.d_model, cfg.warmup_steps, cfg.lr_factor)
-            if "warm_start_step" in meta:  # fresh optimizer moments: ramp up to the schedule again
-                lr *= min(1.0, (step - meta["warm_start_step"]) / max(1, cfg.rewarm_steps))
+            lr = scheduled_lr(step, cfg, mcfg.d_model, meta.get("warm_start_step"))
             for g in opt.param_groups:
                 g["lr"] = lr
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16):
