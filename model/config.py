@@ -11,26 +11,30 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from model.strict_fields import check_choices, reject_unknown
+from model.strict_fields import check_choices, from_dict
 
 
-def _from_dict(cls, data: dict[str, Any]):
-    reject_unknown(data, (f.name for f in dataclasses.fields(cls)), cls.__name__)
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    for name, value in data.items():
-        d = defaults[name]
-        if isinstance(d, bool) and not isinstance(value, bool):
-            raise ValueError(f"{cls.__name__}.{name} must be a boolean, got {value!r}")
-        if isinstance(d, int) and not isinstance(d, bool) and (not isinstance(value, int) or isinstance(value, bool)
-                                                               or value < 0):
-            raise ValueError(f"{cls.__name__}.{name} must be a non-negative integer, got {value!r}")
-        if isinstance(d, float) and not isinstance(value, (int, float)):
-            raise ValueError(f"{cls.__name__}.{name} must be a number, got {value!r}")
-    return cls(**data)
+class _Config:
+    """What the model configs share: sizes and ids are never negative, `Literal` fields hold one of their
+    choices, and the JSON round trip refuses unknown keys and wrongly typed values."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, int) and not isinstance(v, bool) and v < 0:
+                raise ValueError(f"{type(self).__name__}.{f.name} must be non-negative, got {v}")
+        check_choices(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        return from_dict(cls, data)
 
 
 @dataclass(frozen=True)
-class DecoderConfig:
+class DecoderConfig(_Config):
     vocab_size: int = 50257
     d_model: int = 768
     n_layers: int = 12
@@ -53,12 +57,12 @@ class DecoderConfig:
     eos_id: int | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         kv = self.kv_heads
         if self.n_heads % kv:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={kv}")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
-        check_choices(self)
 
     @property
     def kv_heads(self) -> int:
@@ -68,16 +72,10 @@ class DecoderConfig:
     def dim_head(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DecoderConfig:
-        return _from_dict(cls, data)
 
 
 @dataclass(frozen=True)
-class Seq2SeqConfig:
+class Seq2SeqConfig(_Config):
     vocab_size: int = 16000
     d_model: int = 512
     n_encoder_layers: int = 6
@@ -96,20 +94,14 @@ class Seq2SeqConfig:
     eos_id: int = 2
 
     def __post_init__(self):
+        super().__post_init__()
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
-        check_choices(self)
 
     @property
     def dim_head(self) -> int:
         return self.d_model // self.n_heads
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Seq2SeqConfig:
-        return _from_dict(cls, data)
 
 
 # --- presets -----------------------------------------------------------------------------------

@@ -18,16 +18,10 @@ from service.engine.types import EngineOverloaded, TranslateRequest, Translation
 
 def serve_config(path: str | Path | None = None) -> ServiceConfig:
     """The application args of a Serve config file (default: deploy/serve_config.yaml)."""
-    import yaml
-
-    from service.ray_local import DEFAULT_CONFIG, attnserve_apps
+    from service.ray_local import DEFAULT_CONFIG, attnserve_apps, load_yaml
 
     path = path or DEFAULT_CONFIG
-    with open(path, encoding="utf-8") as f:
-        try:
-            doc = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path} is not valid YAML: {e}") from None
+    doc = load_yaml(path)
     app = attnserve_apps(doc if isinstance(doc, dict) else {}, path)[0]
     return ServiceConfig.from_dict(app.get("args") or {})
 

@@ -44,15 +44,21 @@ def loopback_env() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])
 
 
-def read_config(path: str | Path, host: str | None = None, port: int | None = None) -> dict:
-    """The Serve config (Ray's format) with http_options overridden by the command line."""
+def load_yaml(path: str | Path):
+    """A YAML file's document; a missing file or bad YAML raises an error that names the file."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"Serve config not found: {p}")
     try:
-        config = yaml.safe_load(p.read_text()) or {}
+        return yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise ValueError(f"{p} is not valid YAML: {e}") from None
+
+
+def read_config(path: str | Path, host: str | None = None, port: int | None = None) -> dict:
+    """The Serve config (Ray's format) with http_options overridden by the command line."""
+    p = Path(path)
+    config = load_yaml(p) or {}
     if not isinstance(config, dict) or not isinstance(config.get("http_options") or {}, dict):
         raise ValueError(f"{p}: a Serve config is a mapping (applications, http_options, ...), with "
                          f"http_options a mapping too")

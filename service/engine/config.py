@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -69,9 +68,6 @@ class EngineConfig:
         if self.kv_dtype == "auto":
             return self.torch_dtype
         return DTYPES[self.kv_dtype]
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:

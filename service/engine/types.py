@@ -78,30 +78,30 @@ class GenerateRequest:
     field_names: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass
-class SourceBatch:
-    """Model-ready input of the translation engine: one tagged source per sentence ([tag] + ids + [eos],
-    model/translation.py), decoded with the same settings (the frontend turns texts into this)."""
+@dataclass(kw_only=True)
+class TranslationSettings:
+    """How a translation is decoded: the request carries them, the engine's batch takes them as they are."""
 
-    sources: list[list[int]]
     beam_size: int = DEFAULT_BEAM_SIZE  # 1 = greedy
     length_penalty: float = DEFAULT_LENGTH_PENALTY
-    no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM
+    no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM  # > 0: no n-gram of this size twice in an output
     max_length: int | None = None  # target tokens per sentence; None = relative to the source
     request_id: str = ""
     deadline_s: float | None = None
 
 
 @dataclass
-class TranslateRequest:
+class SourceBatch(TranslationSettings):
+    """Model-ready input of the translation engine: one tagged source per sentence ([tag] + ids + [eos],
+    model/translation.py), decoded with the same settings (the frontend turns texts into this)."""
+
+    sources: list[list[int]]
+
+
+@dataclass
+class TranslateRequest(TranslationSettings):
     texts: list[str]
     target_lang: str | None = None  # "en" | "zh"; None = the other language, detected per text
-    beam_size: int = DEFAULT_BEAM_SIZE  # 1 = greedy
-    length_penalty: float = DEFAULT_LENGTH_PENALTY
-    no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM  # > 0: no n-gram of this size twice in an output
-    max_length: int | None = None  # target tokens per text; None = relative to the source
-    request_id: str = ""
-    deadline_s: float | None = None
     max_sentences: int | None = None  # sentences to translate the texts may hold; None = no bound
 
 

@@ -10,6 +10,8 @@ line punctuated for its language as one piece (model/punctuation.py), and the li
 
 from __future__ import annotations
 
+import dataclasses
+
 from model.translation import (
     TAGS,
     detect_lang,
@@ -21,7 +23,14 @@ from model.translation import (
     split_text,
 )
 from service.engine.translation import TranslationEngine
-from service.engine.types import RequestRejected, SourceBatch, TranslateRequest, TranslationResult, Usage
+from service.engine.types import (
+    RequestRejected,
+    SourceBatch,
+    TranslateRequest,
+    TranslationResult,
+    TranslationSettings,
+    Usage,
+)
 
 
 class TranslationFrontend:
@@ -87,10 +96,8 @@ class TranslationFrontend:
         if req.max_sentences is not None and len(sources) > req.max_sentences:
             raise RequestRejected(f"the texts hold {len(sources)} sentences to translate; the limit is "
                                   f"{req.max_sentences} per request", "text")
-        outputs = await self.engine.run(SourceBatch(
-            sources, beam_size=req.beam_size, length_penalty=req.length_penalty,
-            no_repeat_ngram=req.no_repeat_ngram, max_length=req.max_length, request_id=req.request_id,
-            deadline_s=req.deadline_s))
+        settings = {f.name: getattr(req, f.name) for f in dataclasses.fields(TranslationSettings)}
+        outputs = await self.engine.run(SourceBatch(sources, **settings))
         usage = Usage(prompt_tokens=sum(map(len, sources)), completion_tokens=sum(map(len, outputs)))
         texts = [join_text([[self.tokenizer.decode(outputs[x]) if isinstance(x, int) else x
                              for x in items] for items in plan], lang)
