@@ -262,3 +262,17 @@ def test_cooldown_decays_the_lr_linearly_to_zero_at_max_steps_and_needs_max_step
     path.write_text(json.dumps({"cooldown_steps": 10}))
     with pytest.raises(ValueError, match="max_steps"):
         TrainConfig.load(path)
+
+
+def test_a_finished_run_exports_into_its_run_folder_not_over_the_shipped_model(tiny_run, tmp_path, monkeypatch):
+    from model import paths
+
+    shipped = tmp_path / "shipped"
+    monkeypatch.setattr(paths, "SHIPPED_TRANSLATOR", shipped)  # where older code exported by default
+    path, cfg, data, run = tiny_run
+    cfg["max_steps"] = 20
+    path.write_text(json.dumps(cfg))
+    train(path, run, data_dir=data)
+    assert (run / "export" / "model.safetensors").is_file()
+    assert not shipped.exists()
+    assert [r for r in _log(run) if r.get("event") == "exported"][-1]["path"] == str(run / "export")

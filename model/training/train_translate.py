@@ -4,7 +4,7 @@ As in "Attention Is All You Need": Adam(0.9, 0.98, 1e-9), inverse-sqrt warm-up, 
 dropout, batches by token count. Resumable: model, optimizer, RNG and data position are saved (as
 safetensors + JSON, never pickle) every few minutes and on SIGTERM; `--resume` continues from there.
 Logs JSON lines (loss, tokens/s, lr, dev BLEU) to `<run>/train.log`. At the end the last snapshots
-are averaged and exported as a shipped checkpoint.
+are averaged and exported as a checkpoint folder (`<run>/export` unless `export_to` names another).
 """
 
 from __future__ import annotations
@@ -323,7 +323,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
         # a new run here would mix its snapshots (and maybe its vocabulary) with the old run's
         raise FileExistsError(f"{run} already holds a training run (state.json): pass --resume to continue it, "
                               "or --run-dir to start a new run elsewhere")
-    if export_only and not resuming:  # else an untrained model would be exported over the shipped one
+    if export_only and not resuming:  # else an untrained model would be exported
         raise FileNotFoundError(f"{run} holds no training run (state.json) to export")
     torch.set_num_threads(cfg.threads)
     if cfg.bf16 == "auto":
@@ -525,7 +525,8 @@ def checkpoint(run: Path, model, opt, meta: dict, cfg: TrainConfig) -> None:
 def export(run: Path, model, tok, cfg: TrainConfig, meta: dict, export_to, log) -> Path:
     model = model.cpu()
     used = average_snapshots(run, model, cfg.avg_last)
-    out = Path(export_to or paths.SHIPPED_TRANSLATOR)
+    # into the run folder unless told: shipping replaces the served model, a choice made on the dev splits
+    out = Path(export_to or run / "export")
     save_checkpoint(model, out, tokenizer=tok, dtype=torch.bfloat16,
                     extra={"training": {"steps": meta["step"], "epochs": meta["epoch"],
                                         "hours": round(meta["train_seconds"] / 3600, 3),

@@ -9,14 +9,14 @@ def add_arguments(p):
     p.add_argument("--run-dir", help="run folder (default $ATTNSERVE_HOME/runs/translate/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last state")
     p.add_argument("--export-only", action="store_true",
-                   help="average the last snapshots and export the shipped checkpoint, no training")
+                   help="average the last snapshots and export them, no training")
     p.add_argument("--threads", type=int, help="torch threads (overrides the config; 1 while the cores are shared)")
     p.add_argument("--init-from", metavar="DIR",
                    help="start a new run from a shipped checkpoint's weights and vocabulary (e.g. "
                         "weights/attnserve-zh-en), continuing its step count and lr schedule")
     p.add_argument("--device", default="cpu",
                    help="cpu or cuda[:N] (a resource setting: a run may resume on another device)")
-    p.add_argument("--export-to", help="export folder (default weights/attnserve-zh-en)")
+    p.add_argument("--export-to", help="export folder (default <run folder>/export; weights/attnserve-zh-en ships it)")
     p.add_argument("--avg-last", type=int, metavar="N",
                    help="export the average of the last N snapshots (default: the config's avg_last)")
 
