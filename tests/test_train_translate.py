@@ -262,6 +262,9 @@ def test_cooldown_decays_the_lr_linearly_to_zero_at_max_steps_and_needs_max_step
     path.write_text(json.dumps({"cooldown_steps": 10}))
     with pytest.raises(ValueError, match="max_steps"):
         TrainConfig.load(path)
+    path.write_text(json.dumps({"cooldown_steps": -10, "max_steps": 100}))  # a negative lr: gradient ascent
+    with pytest.raises(ValueError, match="cooldown_steps must be >= 0"):
+        TrainConfig.load(path)
 
 
 def test_a_finished_run_exports_into_its_run_folder_not_over_the_shipped_model(tiny_run, tmp_path, monkeypatch):

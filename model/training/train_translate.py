@@ -69,6 +69,8 @@ class TrainConfig:
     @classmethod
     def load(cls, path: str | Path) -> TrainConfig:
         cfg = from_dict(cls, json.loads(Path(path).read_text()), where=str(path))
+        if cfg.cooldown_steps < 0:
+            raise ValueError(f"{path}: cooldown_steps must be >= 0, got {cfg.cooldown_steps}")
         if cfg.cooldown_steps and cfg.max_steps == NO_STEP_LIMIT:
             raise ValueError(f"{path}: cooldown_steps counts back from max_steps: set max_steps too")
         return cfg
