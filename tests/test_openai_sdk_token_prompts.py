@@ -46,8 +46,10 @@ def test_lm_eval_scoring_request_matches_a_full_forward(client):
     want = sum(float(ref[i - 1, ids[i]]) for i in range(len(context), len(ids)))
     got = sum(lp.token_logprobs[len(context): len(ids)])
     assert abs(got - want) < TOL * len(continuation)
-    for tok_lp, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):  # lm-eval's is_greedy test
-        assert max(top.values()) >= tok_lp  # the top 1, and the chosen token when it is not that one
+    for i in range(1, len(ids)):  # what lm-eval's is_greedy test reads: the prompt token and the top 1
+        top = lp.top_logprobs[i]
+        assert top[TOK.decode([ids[i]])] == pytest.approx(lp.token_logprobs[i], abs=TOL)
+        assert max(top.values()) == pytest.approx(float(ref[i - 1].max()), abs=TOL)
 
 
 @pytest.mark.parametrize("prompt, words", [

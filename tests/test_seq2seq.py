@@ -76,7 +76,7 @@ def test_batched_beam_search_equals_one_at_a_time():
     m = _model()
     srcs = [torch.randint(3, 97, (n,)).tolist() for n in (5, 9, 2, 6)]
     batched = beam_search(m, srcs, beam_size=3, max_len_b=10, max_len_a=0)
-    for s, hb in zip(srcs, batched):
+    for s, hb in zip(srcs, batched, strict=True):
         alone = beam_search(m, [s], beam_size=3, max_len_b=10, max_len_a=0)[0]
         assert [h.tokens for h in hb] == [h.tokens for h in alone]
         for x, y in zip(hb, alone):

@@ -47,8 +47,10 @@ def test_checkpoint_round_trip(tmp_path, sp):
     for model in (DecoderLM(TINY_LLAMA).eval(), EncoderDecoder(TINY_SEQ2SEQ).eval()):
         d = save_checkpoint(model, tmp_path / type(model).__name__, tokenizer=sp)
         loaded = load_checkpoint(d)
-        for (n, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
-            assert torch.equal(a, b), n
+        want, got = model.state_dict(), loaded.state_dict()
+        assert want.keys() == got.keys()
+        for n, a in want.items():
+            assert torch.equal(a, got[n]), n
         assert load_tokenizer(d).encode(MIXED[1]) == sp.encode(MIXED[1])
 
 
