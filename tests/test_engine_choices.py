@@ -12,6 +12,7 @@ from engine_util import CharTokenizer, run_engine, tiny_llama
 
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
+from service.engine.hooks import StepHooks
 from service.engine.types import GenerateRequest, RequestRejected, SamplingParams
 
 torch.set_num_threads(1)
@@ -81,8 +82,25 @@ def test_choices_equal_single_requests_seeded_seed_plus_index_with_one_prefill()
     assert sum(not f.more for f in finals) == 1  # exactly one event ends the stream
 
 
+class AdmissionRecorder(StepHooks):
+    """Per request (its group of choices): the step it first ran in and how many choices held slots then."""
+
+    def __init__(self):
+        self.steps, self.first = 0, {}
+
+    def on_plan(self, plan) -> None:
+        for seq in [s for s, _ in plan.prefill] + plan.decode:
+            key = id(seq.group[0])
+            if key not in self.first:
+                self.first[key] = (self.steps, sum(bool(x.slots) for x in seq.group), len(seq.group))
+        self.steps += 1
+
+
 def test_choices_queue_for_all_their_slots_and_free_them():
+    rec = AdmissionRecorder()
+
     async def main(engine):
+        engine.hooks = rec
         a, b, c = await asyncio.gather(by_choice(engine, sampled(n=4, max_new_tokens=12)),
                                        by_choice(engine, sampled(n=4, max_new_tokens=5, seed=1)),
                                        by_choice(engine, sampled(n=1, max_new_tokens=7, seed=2)))
@@ -93,6 +111,9 @@ def test_choices_queue_for_all_their_slots_and_free_them():
     assert [len(x) for x in (a, b, c)] == [4, 4, 1]
     assert all(len(ch["ids"]) == 12 for ch in a.values()) and all(len(ch["ids"]) == 5 for ch in b.values())
     assert used == 0 and running == 0
+    assert sorted(n for _, _, n in rec.first.values()) == [1, 4, 4]
+    assert all(held == n for _, held, n in rec.first.values()), rec.first  # all of a request's choices at once
+    assert len({step for step, _, _ in rec.first.values()}) > 1, rec.first  # 9 choices, 6 slots: one waited
 
 
 def test_closing_the_stream_cancels_every_choice():
