@@ -1,6 +1,7 @@
 """A tiny end-to-end translator training run: loss drops, checkpoints resume exactly, export loads."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -279,3 +280,12 @@ def test_a_finished_run_exports_into_its_run_folder_not_over_the_shipped_model(t
     assert (run / "export" / "model.safetensors").is_file()
     assert not shipped.exists()
     assert [r for r in _log(run) if r.get("event") == "exported"][-1]["path"] == str(run / "export")
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (Path(__file__).parents[1] / "configs").glob("*.json")))
+def test_every_shipped_recipe_loads_with_its_model_config(recipe):
+    from model.config import Seq2SeqConfig
+    from model.training.train_translate import TrainConfig
+
+    cfg = TrainConfig.load(Path(__file__).parents[1] / "configs" / recipe)
+    assert Seq2SeqConfig.from_dict({**cfg.model, "vocab_size": cfg.vocab_size}).d_model > 0
