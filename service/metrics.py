@@ -103,12 +103,10 @@ class PrometheusRecorder:
 _recorder: Recorder = PrometheusRecorder()
 
 
-def install(recorder: Recorder) -> Recorder:
-    """Send every metric of this process to `recorder` from now on (a Ray replica installs RayRecorder);
-    returns the recorder it replaces."""
+def install(recorder: Recorder) -> None:
+    """Send every metric of this process to `recorder` from now on (a Ray replica installs RayRecorder)."""
     global _recorder
-    previous, _recorder = _recorder, recorder
-    return previous
+    _recorder = recorder
 
 
 def installed() -> Recorder:

@@ -45,7 +45,7 @@ def loopback_env() -> None:
 
 
 def load_yaml(path: str | Path):
-    """A YAML file's document; a missing file or bad YAML raises an error that names the file."""
+    """A Serve config file's YAML document; a missing file or bad YAML raises an error naming the file."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"Serve config not found: {p}")

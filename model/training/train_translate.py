@@ -66,14 +66,15 @@ class TrainConfig:
     # sees a few dozen tensor shapes instead of a new one per batch, each costly the first time (decisions.md)
     shape_multiple: int = 1
 
+    def __post_init__(self):
+        if self.cooldown_steps < 0:
+            raise ValueError(f"TrainConfig.cooldown_steps must be >= 0, got {self.cooldown_steps}")
+        if self.cooldown_steps and self.max_steps == NO_STEP_LIMIT:
+            raise ValueError("TrainConfig.cooldown_steps counts back from max_steps: set max_steps too")
+
     @classmethod
     def load(cls, path: str | Path) -> TrainConfig:
-        cfg = from_dict(cls, json.loads(Path(path).read_text()), where=str(path))
-        if cfg.cooldown_steps < 0:
-            raise ValueError(f"{path}: cooldown_steps must be >= 0, got {cfg.cooldown_steps}")
-        if cfg.cooldown_steps and cfg.max_steps == NO_STEP_LIMIT:
-            raise ValueError(f"{path}: cooldown_steps counts back from max_steps: set max_steps too")
-        return cfg
+        return from_dict(cls, json.loads(Path(path).read_text()), where=str(path))
 
 
 def token_loss(logits: torch.Tensor, tgt_out: torch.Tensor, pad_id: int, smoothing: float) -> torch.Tensor:
