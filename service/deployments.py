@@ -49,10 +49,15 @@ class AttnServe:
         from service.prebuild import start_translator_build
 
         child = None
+
+        def on_loaded(attr, backend):  # the translator's packages build while the generator loads and builds
+            nonlocal child
+            if attr == "translator":
+                child = start_translator_build(self.config, backend)
+
         try:
-            loaded = await asyncio.to_thread(load_backends, self.config, sink, startup=self.startup)
-            if loaded.translator is not None:  # its packages built beside the generator's (service/prebuild.py)
-                child = start_translator_build(self.config, loaded.translator)
+            loaded = await asyncio.to_thread(load_backends, self.config, sink, startup=self.startup,
+                                             on_loaded=on_loaded)
             if self.config.batching == "serve_batch" and loaded.generator is not None:
                 from service.serve_batching import ServeBatchGenerator
 

@@ -168,9 +168,12 @@ def load_translator(spec: ModelSpec, sink=None) -> TranslationFrontend:
     return TranslationFrontend(engine, load_tokenizer(d))
 
 
-def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Backends:
+def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None, on_loaded=None) -> Backends:
     """Every enabled model that loads; the others with the reason they did not. `startup`
-    (service/startup.py) hears each model's phase: loading, loaded (MB, MB/s), unavailable."""
+    (service/startup.py) hears each model's phase: loading, loaded (MB, MB/s), unavailable.
+    `on_loaded(attr, backend)` runs as each model loads. The translator loads first: its checkpoint is
+    local, so a caller can start building its compiled steps while the generator's weights are fetched
+    and converted (service/prebuild.py)."""
     import torch
 
     from model.checkpoint import CheckpointError
@@ -178,8 +181,9 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Bac
 
     single_threaded_caller()  # engines parallelise on their own threads (see cpu_runtime)
     backends = Backends()
-    for name, spec, loader, attr in ((GENERATOR_ID, cfg.generator, functools.partial(load_generator, log=log),
-                                      "generator"), (TRANSLATOR_ID, cfg.translator, load_translator, "translator")):
+    for name, spec, loader, attr in ((TRANSLATOR_ID, cfg.translator, load_translator, "translator"),
+                                     (GENERATOR_ID, cfg.generator, functools.partial(load_generator, log=log),
+                                      "generator")):
         if not spec.enabled:
             backends.unavailable[name] = "disabled in the service config"
             continue
@@ -197,6 +201,8 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Bac
                 startup.model(name, f"unavailable: {e}")
             continue
         setattr(backends, attr, backend)
+        if on_loaded is not None:
+            on_loaded(attr, backend)
         if startup is not None:
             seconds = max(time.perf_counter() - t0, 1e-6)
             model = backend.engine.model  # quantized linears keep their packed weights as buffers

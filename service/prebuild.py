@@ -3,11 +3,12 @@
 A replica starts its engines one after the other, and two engines' builds cannot share a process
 (torch.export's tracing is not thread-safe: docs/decisions.md). On a first start the translator's
 packages would wait for the generator's weights and packages while the second core idles. A child
-process, started once both models' weights are loaded and only where this host lacks the
-translator's packages, starts the translator's engine once, which builds them under `$ATTNSERVE_HOME`
-(service/engine/aot_package.py) keyed exactly as the replica keys them, and exits; the replica builds
-the generator's meanwhile and waits for the child before starting its own translator engine, which
-then loads them. The child's failure costs nothing but time: the replica then builds them itself.
+process, started as soon as the translator's weights are loaded (they load first) and only where this
+host lacks the translator's packages, starts the translator's engine once, which builds them under
+`$ATTNSERVE_HOME` (service/engine/aot_package.py) keyed exactly as the replica keys them, and exits;
+the replica fetches and loads the generator's weights and builds its packages meanwhile, and waits for
+the child before starting its own translator engine, which then loads them. The child's failure
+costs nothing but time: the replica then builds them itself.
 
 The generator's compiled prefill is not needed to serve, only faster: a replica that lacks it starts
 without it and, once ready, has a child build it the same way, then loads it.
