@@ -11,7 +11,9 @@ the child before starting its own translator engine, which then loads them. The 
 costs nothing but time: the replica then builds them itself.
 
 The generator's compiled prefill is not needed to serve, only faster: a replica that lacks it starts
-without it and, once ready, has a child build it the same way, then loads it.
+without it and, once ready, has a child build it the same way, at the lowest CPU priority (the
+replica is serving by then), then loads it. A child marks itself busy on the host's `BusyBoard`
+(service/engine/cpu_runtime.py) while it runs, so serving engines step on one thread meanwhile.
 
     python -m service.prebuild translator|generator '<ModelSpec as JSON>'
 """
@@ -70,12 +72,18 @@ def _child(kind: str, spec) -> subprocess.Popen:
 
 async def _build(kind: str, spec_json: str) -> None:
     from service.config import ModelSpec
+    from service.engine.cpu_runtime import BusyBoard
     from service.models import load_generator, load_translator
 
+    # on the host's busy board while building, so that a serving engine keeps to its own core
+    # instead of stepping on two threads that wait for the one this build holds
+    board = BusyBoard()
+    board.set(True)
     spec = ModelSpec.from_dict(json.loads(spec_json))
     engine = (load_translator(spec) if kind == "translator" else load_generator(spec, log=log.info)).engine
     await engine.start()
     await engine.stop()
+    board.set(False)
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -88,4 +96,6 @@ def _exit_with_parent(parent: int) -> None:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="prebuild: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    if sys.argv[1] == "generator":  # built after ready: the cores serve requests first
+        os.nice(19)
     asyncio.run(_build(*sys.argv[1:3]))

@@ -6,17 +6,23 @@ import subprocess
 import sys
 
 _REPLICA = """
-import asyncio, logging, sys
+import asyncio, logging, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 from service.config import ServiceConfig
+from service.engine.cpu_runtime import BusyBoard
 from service.models import load_translator
 from service.prebuild import start_translator_build
 cfg = ServiceConfig.from_dict({"translator": {"device": "cpu", "dtype": "float32",
                                               "engine": {"max_slots": 4, "max_seq_len": 32, "compile": True,
                                                          "threads": 1}}})
 frontend = load_translator(cfg.translator)
+board = BusyBoard()
 child = start_translator_build(cfg, frontend)
-print("child", child is not None and child.wait() == 0, flush=True)
+busy = False
+while child is not None and child.poll() is None:  # serving engines see the build as a busy neighbour
+    busy = busy or board.others_busy()
+    time.sleep(0.05)
+print("child", child is not None and child.returncode == 0, "busy", busy, "after", board.others_busy(), flush=True)
 print("again", start_translator_build(cfg, frontend) is None, flush=True)
 
 async def main():
@@ -32,11 +38,13 @@ def test_a_child_builds_the_translator_packages_and_the_replica_loads_them(tmp_p
     from tests.conftest import ROOT
 
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env.update(ATTNSERVE_HOME=str(tmp_path), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(ATTNSERVE_HOME=str(tmp_path), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               ATTNSERVE_BUSY_DIR=str(tmp_path / "busy"))
     r = subprocess.run([sys.executable, "-c", _REPLICA], env=env, capture_output=True, text=True, timeout=900,
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == ["child", "True", "again", "True", "started", "True"]
+    assert r.stdout.split() == ["child", "True", "busy", "True", "after", "False", "again", "True",
+                                "started", "True"]
     built = [line for line in r.stderr.splitlines() if ": built " in line]
     loaded = [line for line in r.stderr.splitlines() if ": loaded " in line]
     assert len(built) == 2 and all(line.startswith("prebuild: ") for line in built)  # by the child
