@@ -180,6 +180,11 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None, on_loa
     from service.engine.cpu_runtime import single_threaded_caller
 
     single_threaded_caller()  # engines parallelise on their own threads (see cpu_runtime)
+    if cfg.generator.enabled and cfg.generator.quantization == "auto":
+        try:  # measured once per host: before a build child started by `on_loaded` shares the cores
+            resolve_quantization("auto", engine_config(cfg.generator))
+        except (ModelUnavailable, ValueError):
+            pass  # reported as the generator loads
     backends = Backends()
     for name, spec, loader, attr in ((TRANSLATOR_ID, cfg.translator, load_translator, "translator"),
                                      (GENERATOR_ID, cfg.generator, functools.partial(load_generator, log=log),
