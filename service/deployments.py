@@ -96,6 +96,7 @@ class AttnServe:
         finally:
             if child is not None and child.poll() is None:
                 child.kill()
+                child.wait()  # reaped: a zombie would still count as busy on the host's board
         if self.startup.ready and self.backends.generator is not None:
             try:
                 await self._load_prefill(self.backends.generator)

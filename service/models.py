@@ -179,11 +179,15 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None, on_loa
     from model.checkpoint import CheckpointError
     from service.engine.cpu_runtime import single_threaded_caller
 
+    # what keeps one model from loading is reported and the other still served; a GPU too small for a
+    # model (two replicas may share one) is one of them
+    load_errors = (ModelUnavailable, CheckpointError, FileNotFoundError, OSError, ImportError, ValueError,
+                   torch.OutOfMemoryError)
     single_threaded_caller()  # engines parallelise on their own threads (see cpu_runtime)
     if cfg.generator.enabled and cfg.generator.quantization == "auto":
         try:  # measured once per host: before a build child started by `on_loaded` shares the cores
             resolve_quantization("auto", engine_config(cfg.generator))
-        except (ModelUnavailable, ValueError):
+        except load_errors:
             pass  # reported as the generator loads
     backends = Backends()
     for name, spec, loader, attr in ((TRANSLATOR_ID, cfg.translator, load_translator, "translator"),
@@ -197,20 +201,18 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None, on_loa
         t0 = time.perf_counter()
         try:
             backend = loader(spec, sink)
-        # a GPU too small for this model (two replicas may share one) leaves the other model served
-        except (ModelUnavailable, CheckpointError, FileNotFoundError, OSError, ImportError, ValueError,
-                torch.OutOfMemoryError) as e:
+        except load_errors as e:
             backends.unavailable[name] = str(e)
             log(f"attnserve: {name} not served: {e}")
             if startup is not None:
                 startup.model(name, f"unavailable: {e}")
             continue
         setattr(backends, attr, backend)
-        if on_loaded is not None:
-            on_loaded(attr, backend)
         if startup is not None:
             seconds = max(time.perf_counter() - t0, 1e-6)
             model = backend.engine.model  # quantized linears keep their packed weights as buffers
             mb = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / 2**20
             startup.model(name, f"weights loaded: {mb:.0f} MB in {seconds:.1f} s ({mb / seconds:.0f} MB/s)")
+        if on_loaded is not None:
+            on_loaded(attr, backend)
     return backends

@@ -234,3 +234,21 @@ def test_the_generators_auto_quantization_is_measured_before_any_model_loads(tmp
     b = load_backends(cfg, log=lambda *_: None, on_loaded=lambda attr, backend: events.append(attr))
     assert events == ["measured", "translator", "generator"]
     assert b.generator is not None and b.translator is not None
+
+
+def test_a_host_folder_that_cannot_be_written_costs_the_generator_only(tmp_path, monkeypatch):
+    from service import models
+    from tests.serve_fixture import tiny_checkpoints
+
+    def unwritable(mode, cfg):
+        raise OSError(30, "Read-only file system", "quantization-auto.txt")
+
+    monkeypatch.setattr(models, "resolve_quantization", unwritable)
+    gen, tr = tiny_checkpoints(tmp_path)
+    cfg = ServiceConfig.from_dict({"generator": {"checkpoint": str(gen), "device": "cpu", "dtype": "float32",
+                                                 "quantization": "auto", "engine": {"compile": False}},
+                                   "translator": {"checkpoint": str(tr), "device": "cpu", "dtype": "float32",
+                                                  "engine": {"compile": False}}})
+    b = load_backends(cfg, log=lambda *_: None)
+    assert b.translator is not None and b.generator is None
+    assert "Read-only" in b.unavailable[GENERATOR_ID]
