@@ -75,6 +75,10 @@ def test_eval_bleu_matches_sacrebleu(data, tmp_path, monkeypatch):
         # 10 "。" and the "，" of the last sentence against 10 ","
         assert r[f"en2zh_beam{beam}"]["fullwidth_punct_share"] == round(11 / 21, 4)
         assert "fullwidth_punct_share" not in r[f"zh2en_beam{beam}"]
+        # each fake English output is one word shorter than its reference: sacreBLEU's lengths
+        bleu = sacrebleu.corpus_bleu(en_hyps, [en_refs], tokenize="13a")
+        assert r[f"zh2en_beam{beam}"]["length_ratio"] == round(bleu.sys_len / bleu.ref_len, 3) < 1
+        assert r[f"zh2en_beam{beam}"]["brevity_penalty"] == round(bleu.bp, 3) < 1
     assert report["samples"]["en2zh"][0] == {"source": PAIRS[0][0], "reference": PAIRS[0][1], "output": zh_hyps[0]}
 
 
