@@ -60,7 +60,7 @@ def evaluate(checkpoint: str | Path, out: str | Path | None = None, *, translate
             bleu = sacrebleu.corpus_bleu(hyps, [refs], tokenize=tokenize)
             chrf = sacrebleu.corpus_chrf(hyps, [refs])
             key = f"{direction}_beam{beam}"
-            ratio = bleu.sys_len / max(bleu.ref_len, 1)
+            ratio = bleu.ratio  # hypothesis / reference length
             report["results"][key] = {"bleu": round(bleu.score, 2), "chrf": round(chrf.score, 2),
                                       "signature": str(bleu.format(signature=True).split(" = ")[0]),
                                       "brevity_penalty": round(bleu.bp, 3),
