@@ -28,6 +28,7 @@ from model.progress import progress, write_line
 from model.strict_fields import from_dict
 from model.tokenizer import SentencePieceTokenizer
 from model.training import translate_data
+from model.training.run_clock import RunClock
 from model.translation import LANGS, TAGS, encode_source, other
 
 NO_STEP_LIMIT = 10**9  # max_steps by default: the hour limit ends the run
@@ -385,7 +386,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
     model.train()
     last_ckpt = last_eval = time.time()
-    t_start, secs0 = time.time(), meta["train_seconds"]
+    clock = RunClock(meta["train_seconds"])
     win_tokens, win_t, win_loss, win_n = 0, time.time(), 0.0, 0
     bar = progress(desc="train", unit="step", initial=meta["step"], total=stop_step(meta, cfg))
     figures = {"loss": "-", "tok/s": "-"} | last_dev_bleu(run)  # the bar's postfix, from the first log line
@@ -426,15 +427,18 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
             win_loss += loss.item()
             win_n += 1
             bar.update(1)
+            stalled = clock.tick()
+            if stalled:
+                log(event="stalled", step=step, seconds=round(stalled), note="not counted as training time")
+            meta["train_seconds"] = clock.seconds
             if step % cfg.log_every == 0:
                 now = time.time()
                 log(step=step, epoch=meta["epoch"], loss=round(win_loss / win_n, 4), lr=round(lr, 6),
-                    tok_per_s=round(win_tokens / (now - win_t)), hours=round((secs0 + now - t_start) / 3600, 3))
+                    tok_per_s=round(win_tokens / (now - win_t)), hours=round(clock.seconds / 3600, 3))
                 bar.total = stop_step(meta, cfg, steps_per_s=win_n / (now - win_t))
                 figures.update({"loss": round(win_loss / win_n, 3), "tok/s": round(win_tokens / (now - win_t))})
                 bar.set_postfix(figures)
                 win_tokens, win_t, win_loss, win_n = 0, now, 0.0, 0
-            meta["train_seconds"] = secs0 + time.time() - t_start
             if time.time() - last_ckpt > cfg.ckpt_minutes * 60:
                 checkpoint(run, model, opt, meta, cfg)
                 last_ckpt = time.time()
