@@ -170,6 +170,18 @@ def test_listed_properties_close_an_object_unless_the_schema_opens_it():
     assert m.consume_tokens(TOK.encode('{"b":2}')) and m.is_accepting()
 
 
+def test_schemas_differing_only_in_property_order_are_two_grammars():
+    """The grammar writes properties in the schema's order: a cached grammar of one order must not serve
+    a schema of the other."""
+    g = Grammars(TOK, TOK.vocab_size, {TOK.eos_id})
+    props = {"a": {"enum": ["x"]}, "b": {"enum": ["y"]}}
+    a_first = {"type": "object", "properties": props, "required": ["a", "b"]}
+    b_first = {"type": "object", "properties": dict(reversed(props.items())), "required": ["a", "b"]}
+    for schema, text in ((a_first, '{"a":"x","b":"y"}'), (b_first, '{"b":"y","a":"x"}')):
+        m = g.compile(schema)
+        assert m.consume_tokens(TOK.encode(text)) and m.is_accepting(), text
+
+
 def test_closed_objects_walks_schemas_not_property_names():
     inner = {"type": "object", "properties": {"x": {"type": "string"}}}
     schema = {"type": "object", "properties": {"properties": inner, "items": {"type": "array", "items": inner}},

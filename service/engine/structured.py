@@ -61,8 +61,9 @@ def closed_objects(schema, in_all_of: bool = False):
 
 
 def schema_key(schema: dict) -> str:
-    """The cache key of a schema: its canonical JSON text."""
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """The cache key of a schema: its JSON text, keys in the client's order (the grammar writes an object's
+    properties in that order, so schemas that differ only in it are different grammars)."""
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 class GrammarError(Exception):
