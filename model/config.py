@@ -11,10 +11,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from model.strict_fields import check_choices, from_dict
+from model.strict_fields import FromDict, check_choices
 
 
-class _Config:
+class _Config(FromDict):
     """What the model configs share: sizes and ids are never negative, `Literal` fields hold one of their
     choices, and the JSON round trip refuses unknown keys and wrongly typed values."""
 
@@ -27,10 +27,6 @@ class _Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]):
-        return from_dict(cls, data)
 
 
 @dataclass(frozen=True)

@@ -73,15 +73,13 @@ def cpu_label() -> str:
                                                         if os.environ.get(ISA_ENV) else "")
 
 
-def has_amx_bf16(flags: frozenset[str] | None = None) -> bool:
+def has_amx_bf16(flags: frozenset[str]) -> bool:
     """True when the CPU has AMX tiles with bf16 (oneDNN then runs bf16 matmuls on AMX)."""
-    flags = cpu_flags() if flags is None else flags
     return "amx_bf16" in flags and "amx_tile" in flags
 
 
-def has_bf16_instructions(flags: frozenset[str] | None = None) -> bool:
+def has_bf16_instructions(flags: frozenset[str]) -> bool:
     """The CPU multiplies bf16 natively (AVX512-BF16 or AMX); without either, bf16 is emulated and slow."""
-    flags = cpu_flags() if flags is None else flags
     return has_amx_bf16(flags) or "avx512_bf16" in flags
 
 

@@ -55,11 +55,11 @@ class DecoderLM(nn.Module):
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 
-    def new_cache(self, n_slots: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
+    def new_cache(self, n_slots: int, max_len: int | None = None, dtype=None) -> KVCache:
         c = self.cfg
         p = self.embed.weight
         return KVCache(c.n_layers, n_slots, c.kv_heads, max_len or c.max_seq_len, c.dim_head,
-                       dtype=dtype or p.dtype, device=device or p.device)
+                       dtype=dtype or p.dtype, device=p.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | StepContext | None = None, slots: torch.Tensor | list[int] | None = None,

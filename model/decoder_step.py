@@ -1,11 +1,6 @@
-"""One decode step of the decoder-only LM as pure tensor functions, shaped for compilation.
-
-The counterpart of `model/seq2seq_step.py` for `DecoderLM` (same contract): one new token per row,
-rows reading K/V prefix *views* of the slot cache, no data-dependent Python, no mutation; the new K/V
-come back for the caller to store (`KVCache.write_step`). The step runs the model's own modules, with a
-`StepContext` in place of the cache, either whole (`decoder_step`) or in pieces (`blocks_step` over a run
-of consecutive layers, then `head_step`): identical layers can then share one compiled graph.
-"""
+"""One decode step of the decoder-only LM as pure tensor functions, shaped for compilation: the counterpart of
+`model/seq2seq_step.py` for `DecoderLM`, run whole (`decoder_step`) or in pieces (`blocks_step` over a run of
+consecutive layers, then `head_step`), so that identical layers can share one compiled graph."""
 
 from __future__ import annotations
 

@@ -24,7 +24,6 @@ NEG_INF = float("-inf")
 class Hypothesis:
     tokens: list[int]
     score: float  # length-penalised log-probability
-    logprob: float
 
 
 def length_penalty(length: int, alpha: float) -> float:
@@ -130,7 +129,7 @@ class BeamState:
             toks = self.seqs[parent]
             if tok == self.eos_id or self.step >= self.limit:
                 if len(self.finished) < self.k:
-                    self.finished.append(Hypothesis(toks, s / length_penalty(len(toks) + 1, self.alpha), s))
+                    self.finished.append(Hypothesis(toks, s / length_penalty(len(toks) + 1, self.alpha)))
                 continue
             new_seqs.append(toks + [tok])
             new_scores.append(s)
@@ -176,8 +175,8 @@ class BeamState:
     def hypotheses(self) -> list[Hypothesis]:
         """Finished hypotheses, best first (the best live one if none finished)."""
         if self.k == 1:
-            return [Hypothesis(self.seqs[0], 0.0, 0.0)]
-        hyps = self.finished or [Hypothesis(self.seqs[0], self.scores[0], self.scores[0])]
+            return [Hypothesis(self.seqs[0], 0.0)]
+        hyps = self.finished or [Hypothesis(self.seqs[0], self.scores[0])]
         return sorted(hyps, key=lambda h: h.score, reverse=True)
 
     def best(self) -> list[int]:

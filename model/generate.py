@@ -29,8 +29,7 @@ def pad_batch(seqs: list[list[int]], pad_id: int, device=None, width: int | None
 @torch.inference_mode()
 def beam_search(model: EncoderDecoder, sources: list[list[int]], *, beam_size: int = 4,
                 alpha: float = DEFAULT_LENGTH_PENALTY, max_len_a: float = 1.5, max_len_b: int = 10,
-                no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM,
-                n_best: int | None = None) -> list[list[Hypothesis]]:
+                no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM) -> list[list[Hypothesis]]:
     """Batched beam search (greedy when beam_size is 1): every source's hypotheses occupy `beam_size`
     cache slots, each source steps its own `BeamState`, and after each step the chosen parents' slots
     are copied into place (KVCache.copy_slots). Returns, per source, hypotheses best first."""
@@ -60,7 +59,7 @@ def beam_search(model: EncoderDecoder, sources: list[list[int]], *, beam_size: i
         if dst_slots and k > 1:  # within one source's beams: same cross K/V, positions 0..step written
             cache.copy_slots(src_slots, dst_slots, length=step + 1, cross=False)
         step += 1
-    return [beam.hypotheses()[:n_best or k] for beam in beams]
+    return [beam.hypotheses()[:k] for beam in beams]
 
 
 def greedy(model: EncoderDecoder, sources: list[list[int]], *, max_len_a: float = 1.5, max_len_b: int = 10,

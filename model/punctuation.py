@@ -169,8 +169,7 @@ def _chinese_pass(text: str, bracket_context) -> str:
 
     # single quotes used as quotation marks, paired in order (an apostrophe between Latin letters is none)
     singles = [i for i, c in enumerate(chars) if c == "'" and not protected[i]
-               and not (0 < i < n - 1 and chars[i - 1].isascii() and chars[i - 1].isalnum()
-                        and chars[i + 1].isascii() and chars[i + 1].isalnum())]
+               and not (0 < i < n - 1 and _latin(chars[i - 1]) and _latin(chars[i + 1]))]
     for a, b in zip(singles[::2], singles[1::2], strict=False):
         inner = "".join(chars[a + 1:b])
         if _CJK.search(inner) or _is_zh(_neighbour(chars, a, -1)) or _is_zh(_neighbour(chars, b, 1)):
@@ -183,7 +182,7 @@ def _chinese_pass(text: str, bracket_context) -> str:
         prev, nxt = chars[i - 1] if i else "", chars[i + 1] if i + 1 < n else ""
         if prev.isdigit() and nxt.isdigit():
             continue  # 3.5, 1,000, 12:30
-        if c == "." and prev.isascii() and prev.isalnum() and nxt.isascii() and nxt.isalnum():
+        if c == "." and _latin(prev) and _latin(nxt):
             continue  # v1.2, U.S, example.com
         left, right = _neighbour(chars, i, -1), _neighbour(chars, i, 1)
         if c == "." and right is not None:

@@ -92,15 +92,13 @@ class EncoderDecoder(nn.Module):
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.drop(self.embed(tokens) * self.scale + self.pe[positions].to(self.embed.weight.dtype))
 
-    def new_cache(self, n_slots: int, max_len: int | None = None, dtype=None, device=None,
-                  cross_len: int | None = None) -> KVCache:
+    def new_cache(self, n_slots: int, max_len: int | None = None, dtype=None, cross_len: int | None = None) -> KVCache:
         """`cross_len` >= max_src_len: source positions per slot (a compiled step wants one spare: a view
         that spans a whole dimension has other strides than a part of it)."""
         c = self.cfg
         p = self.embed.weight
         return KVCache(c.n_decoder_layers, n_slots, c.n_heads, max_len or c.max_tgt_len, c.dim_head,
-                       cross_len=max(cross_len or 0, c.max_src_len), dtype=dtype or p.dtype,
-                       device=device or p.device)
+                       cross_len=max(cross_len or 0, c.max_src_len), dtype=dtype or p.dtype, device=p.device)
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         """src (B, S) token ids, src_mask (B, S) True for real tokens -> memory (B, S, d)."""

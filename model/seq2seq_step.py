@@ -1,13 +1,6 @@
-"""One decoder step of the encoder-decoder as a pure tensor function, shaped for `torch.compile`.
-
-`EncoderDecoder.decode` over a `KVCache` is the general path: any slots, any number of new tokens, and
-it writes the new K/V into the cache before attending. Its Python (slot lists, `int(positions.max())`,
-in-place cache writes) breaks a compiled graph. `decode_step` runs the same `decode` for the common
-case — one new token per row, rows reading cache *views* — through a `StepContext`: no data-dependent
-Python and no mutation; each row attends over its cached prefix plus its own new key, and the new K/V
-come back for the caller to write (`KVCache.write_step`). Every size (rows, prefix length, source
-length) can stay symbolic, so one compiled graph serves every batch.
-"""
+"""One decoder step of the encoder-decoder as a pure tensor function, shaped for `torch.compile`:
+`EncoderDecoder.decode` over a `StepContext` (model/kv_cache.py has the contract; why not the `KVCache`
+path: docs/decisions.md, "torch.compile"), so one compiled graph serves every batch."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 
 def reject_unknown(data: Mapping[str, Any], known: Iterable[str], where: str) -> None:
@@ -36,6 +36,14 @@ def from_dict(cls, data: Mapping[str, Any] | None, *, where: str | None = None,
         if key in data and not isinstance(data[key], sub):
             data[key] = sub.from_dict(data[key])
     return cls(**data)
+
+
+class FromDict:
+    """`cls.from_dict(data)`: `from_dict` as a classmethod, for the config dataclasses."""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> Self:
+        return from_dict(cls, data)
 
 
 _SCALARS = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}

@@ -48,8 +48,7 @@ class SentencePieceTokenizer:
     @classmethod
     def train(cls, texts: Iterable[str], prefix: str | Path, vocab_size: int, *,
               model_type: str = "unigram", user_symbols: Iterable[str] = (),
-              character_coverage: float = 0.9995, num_threads: int | None = None,
-              input_sentence_size: int = 0) -> SentencePieceTokenizer:
+              num_threads: int | None = None, input_sentence_size: int = 0) -> SentencePieceTokenizer:
         """Train on an iterable of sentences; writes `<prefix>.model` and returns it loaded.
 
         Ids: pad=0, bos=1, eos=2, unk=3, then user symbols, then learned pieces.
@@ -58,7 +57,7 @@ class SentencePieceTokenizer:
 
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(texts), model_prefix=str(prefix), vocab_size=vocab_size,
-            model_type=model_type, character_coverage=character_coverage,
+            model_type=model_type, character_coverage=0.9995,
             pad_id=0, bos_id=1, eos_id=2, unk_id=3, user_defined_symbols=list(user_symbols),
             byte_fallback=True, normalization_rule_name="nmt_nfkc", hard_vocab_limit=False,
             num_threads=num_threads or os.cpu_count() or 1,

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from model.importers.smollm2 import MODEL_NAME as SMOLLM2_ID
 from model.paths import REPO_ROOT, SHIPPED_TRANSLATOR
-from model.strict_fields import check_choices, from_dict, reject_unknown
+from model.strict_fields import FromDict, check_choices, from_dict, reject_unknown
 
 GENERATOR_ID = SMOLLM2_ID
 TRANSLATOR_ID = SHIPPED_TRANSLATOR.name
@@ -21,7 +21,7 @@ DEFAULT_TRANSLATOR_DIR = str(SHIPPED_TRANSLATOR.relative_to(REPO_ROOT))  # as Se
 
 
 @dataclass
-class ApiLimits:
+class ApiLimits(FromDict):
     """Bounds on request bodies, enforced by the HTTP layer before anything reaches an engine."""
 
     max_body_bytes: int = 1_000_000  # 413 beyond this
@@ -41,10 +41,6 @@ class ApiLimits:
             if getattr(self, f.name) < 1:
                 raise ValueError(f"ApiLimits.{f.name} must be >= 1, got {getattr(self, f.name)}")
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> ApiLimits:
-        return from_dict(cls, data)
-
 
 def limits_from_user_config(user_config: dict | None, default: ApiLimits) -> ApiLimits:
     """The deployment's `user_config: {limits: {...}}` (live-reloadable API limits) over `default`: a limit
@@ -58,7 +54,7 @@ def limits_from_user_config(user_config: dict | None, default: ApiLimits) -> Api
 
 
 @dataclass
-class ModelSpec:
+class ModelSpec(FromDict):
     """One model: where its checkpoint is, and the engine that serves it.
 
     `checkpoint` None means the default source (SmolLM2 via `ensure_smollm2()` for the generator,
@@ -89,10 +85,6 @@ class ModelSpec:
         from service.engine.config import EngineConfig
 
         EngineConfig.from_dict(dict(self.engine))  # its keys and values, checked where the config is read
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> ModelSpec:
-        return from_dict(cls, data)
 
 
 @dataclass

@@ -1,10 +1,5 @@
-"""The Ray Serve application: one ingress deployment that owns the engines.
-
-HTTP -> Serve proxy -> `AttnServe` replica (FastAPI app + GenerationEngine + TranslationEngine).
-Keeping the engines inside the ingress makes a request one hop from the proxy (a separate model
-deployment would add a second actor call per request and per streamed chunk). Scale with
-`num_replicas`/`autoscaling_config`; place on GPUs with `ray_actor_options.num_gpus` (each replica
-then picks cuda + bfloat16, see service/models.py).
+"""The Ray Serve application: one ingress deployment that owns the engines (why, and how it scales:
+docs/architecture.md, "How a request flows", 2).
 
 This file is imported by import path (`service.deployments:build`); metrics live in
 `service.metrics`, never here (Ray pickles deployment modules by value).

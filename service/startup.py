@@ -1,10 +1,5 @@
-"""Start-up state of a replica: which phase it is in, how long it has taken, and each model's state.
-
-The replica's constructor returns at once and loads the models behind it (weights, then the engines'
-compile and warm-up), so Serve routes requests to it from the first second: `/healthz` answers 200,
-`/readyz` 503 with this state, and every model route a fast 503 with Retry-After instead of a request
-that waits minutes in a queue. `attnserve serve` polls `/readyz` and prints each phase.
-"""
+"""Start-up state of a replica: which phase it is in, how long it has taken, and each model's state, behind
+`/readyz` and the fast 503s of a replica still loading (docs/architecture.md, "Start-up")."""
 
 from __future__ import annotations
 

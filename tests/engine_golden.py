@@ -72,7 +72,7 @@ def generation_requests(tok: CharTokenizer) -> list[GenerateRequest]:
             p.json_schema, p.max_new_tokens = SCHEMA, 40
         elif kind == 9:
             p.logit_bias, p.ignore_eos = {tok.stoi["a"]: 3.0}, True
-        reqs.append(GenerateRequest(prompt_ids=prompt, params=p, n=n, request_id=str(i)))
+        reqs.append(GenerateRequest(prompt_ids=prompt, params=p, n=n))
     return reqs
 
 
@@ -124,7 +124,7 @@ def translation_requests() -> list[TranslateRequest]:
                                   for _ in range(rng.randint(1, 3))))
         reqs.append(TranslateRequest(texts=texts, target_lang=["zh", "zh", None][i % 3], beam_size=[1, 2, 4][i % 3],
                                      length_penalty=[0.6, 1.0][i % 2], no_repeat_ngram=[0, 3][i % 4 == 1],
-                                     max_length=12 if i % 5 == 0 else None, request_id=str(i)))
+                                     max_length=12 if i % 5 == 0 else None))
     return reqs
 
 

@@ -276,7 +276,7 @@ def test_aligner_on_a_constructed_paragraph_pair():
           "years it was always full. Then the station closed. Nobody came any more.")
     zh = ("史密斯先生于1990年移居美国。他在车站附近开了一家小餐馆。十年来，餐馆总是客满。"
           "后来车站关闭了。再也没有人来了。")
-    got = [(z, e, b.kind) for z, e, b in align.align_paragraph(zh, en, LM)]
+    got = [(z, e, b.kind) for z, e, b in align.align_document([zh], [en], LM, own_ratio=False)]
     assert got == [
         ("史密斯先生于1990年移居美国。", "Mr. Smith moved to the U.S. in 1990.", "1-1"),
         ("他在车站附近开了一家小餐馆。十年来，餐馆总是客满。",

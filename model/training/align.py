@@ -177,7 +177,3 @@ def align_document(zh_paragraphs: list[str], en_paragraphs: list[str], lm: Lengt
         beads = align(zl, el, lm, breaks=(zb, eb), band=band)
     return [("".join(zs[b.zh[0]:b.zh[1]]), " ".join(es[b.en[0]:b.en[1]]), b) for b in beads]
 
-
-def align_paragraph(zh: str, en: str, lm: LengthModel) -> list[tuple[str, str, Bead]]:
-    """A single paragraph pair, aligned sentence by sentence with lm as given."""
-    return align_document([zh], [en], lm, own_ratio=False)

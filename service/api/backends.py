@@ -38,8 +38,7 @@ class Backends:
     def _need(self, model, backend, default_id: str, what: str, request):
         name = backend.name if backend is not None else default_id
         if model is not None and model != name:
-            other = (self.translator, self.generator)
-            if model in self.ids() or model in self.unavailable or any(b and b.name == model for b in other):
+            if model in self.ids() or model in self.unavailable:
                 raise ApiError(400, f"model {model!r} does not serve {what}", "model")
             raise ApiError(404, f"model {model!r} not found; available: {self.ids()}", "model")
         if backend is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 
 from service.api.errors import ApiError
-from service.api.schemas import ChatMessage, Sampling
+from service.api.schemas import ChatMessage, PromptOrMessages, Sampling
 from service.config import ApiLimits
 from service.engine.types import GenerateRequest, SamplingParams
 from service.frontend.generator import GeneratorFrontend
@@ -28,6 +28,15 @@ def encode_messages(gen: GeneratorFrontend, messages: list[ChatMessage], limits:
     plain = [{"role": m.template_role, "content": m.text()} for m in messages]
     check_prompt("".join(m["content"] for m in plain), limits, "messages")
     return gen.encode_chat(plain, add_generation_prompt)
+
+
+def encode_input(gen: GeneratorFrontend, body: PromptOrMessages, limits: ApiLimits,
+                 add_generation_prompt: bool = True) -> tuple[list[int], str]:
+    """The ids of a body's `prompt` or chat `messages`, and the name of the one it sent."""
+    if body.prompt is None:
+        return encode_messages(gen, body.messages, limits, add_generation_prompt), "messages"
+    check_prompt(body.prompt, limits, "prompt")
+    return gen.encode_prompt(body.prompt), "prompt"
 
 
 def check_token_ids(gen: GeneratorFrontend, ids: list[int], param: str) -> list[int]:
@@ -70,9 +79,8 @@ def logit_bias_ids(gen: GeneratorFrontend, bias: dict[str, float] | None) -> dic
 
 def build_request(gen: GeneratorFrontend, body: Sampling, prompt_ids: list[int], *, prompt_param: str,
                   max_tokens: int | None, default_max_tokens: int, limits: ApiLimits,
-                  max_tokens_param: str = "max_tokens", request_id: str = "",
-                  n: int = 1, logprobs: int | None = None, prompt_logprobs: int | None = None,
-                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                  max_tokens_param: str = "max_tokens", n: int = 1, logprobs: int | None = None,
+                  prompt_logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                   logit_bias: dict[str, float] | None = None, json_schema: dict | None = None) -> GenerateRequest:
     """The engine request for a validated body; the engine's check of what fits (`submit`) names the field
     as the client named it (`prompt_param`, `max_tokens_param`)."""
@@ -88,7 +96,7 @@ def build_request(gen: GeneratorFrontend, body: Sampling, prompt_ids: list[int],
         frequency_penalty=frequency_penalty, logit_bias=bias, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, json_schema=json_schema)
     names = {"prompt_ids": prompt_param, "max_new_tokens": max_tokens_param, "json_schema": "response_format"}
-    return GenerateRequest(prompt_ids=prompt_ids, params=params, request_id=request_id, n=n, field_names=names)
+    return GenerateRequest(prompt_ids=prompt_ids, params=params, n=n, field_names=names)
 
 
 def usage_dict(usage) -> dict:

@@ -9,29 +9,22 @@ character decodes to U+FFFD, as in vLLM).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from service.engine.types import TokenLogprob
 
 
-class TokenTexts:
+def token_texts(decode: Callable[[list[int]], str]) -> Callable[[int], str]:
     """Token id -> its text, decoded once per request."""
-
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode, self.seen = decode, {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self.seen.get(token_id)
-        if text is None:
-            text = self.seen[token_id] = self.decode([token_id])
-        return text
+    return functools.cache(lambda token_id: decode([token_id]))
 
 
 class CompletionLogprobs:
     """Accumulates one choice's completions-shape logprobs; `text_offset` counts characters of the
     choice's text from its start (the echoed prompt included)."""
 
-    def __init__(self, texts: TokenTexts):
+    def __init__(self, texts: Callable[[int], str]):
         self.texts, self.offset = texts, 0
 
     def render(self, pairs: list[tuple[int, TokenLogprob | None]]) -> dict:
@@ -61,7 +54,7 @@ def output_pairs(entries: list[TokenLogprob]) -> list[tuple[int, TokenLogprob | 
     return [(e.token_id, e) for e in entries]
 
 
-def chat_content(texts: TokenTexts, entries: list[TokenLogprob]) -> list[dict]:
+def chat_content(texts: Callable[[int], str], entries: list[TokenLogprob]) -> list[dict]:
     def one(tid: int, lp: float) -> dict:
         text = texts(tid)
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}

@@ -8,7 +8,7 @@ from fastapi.responses import StreamingResponse
 
 from model.translation import other
 from service.api.errors import ApiError
-from service.api.generation import build_request, check_prompt, encode_messages, new_id, usage_dict
+from service.api.generation import build_request, encode_input, new_id, usage_dict
 from service.api.schemas import GenerateBody, TranslateBody
 from service.api.streaming import collect, sse_stream, unless_disconnected
 from service.engine.types import TranslateRequest
@@ -23,14 +23,10 @@ async def generate(body: GenerateBody, request: Request):
     """Generate text from a `prompt` or chat `messages`. With `stream: true`, server-sent events:
     `{"text", "token_ids"}` deltas, a final event with `finish_reason` and `usage`, then `[DONE]`."""
     gen, limits = request.app.state.backends.need_generator(body.model, request), request.app.state.limits
-    if body.prompt is not None:
-        check_prompt(body.prompt, limits, "prompt")
-        ids, param = gen.encode_prompt(body.prompt), "prompt"
-    else:
-        ids, param = encode_messages(gen, body.messages, limits), "messages"
+    ids, param = encode_input(gen, body, limits)
     rid = new_id("gen")
     req = build_request(gen, body, ids, prompt_param=param, max_tokens=body.max_tokens,
-                        default_max_tokens=DEFAULT_MAX_TOKENS, limits=limits, request_id=rid)
+                        default_max_tokens=DEFAULT_MAX_TOKENS, limits=limits)
     events = gen.submit(req)  # raises RequestRejected / EngineOverloaded before any work
 
     if body.stream:
@@ -77,8 +73,7 @@ async def translate(body: TranslateBody, request: Request):
         target = target or other(body.source_lang)
     req = TranslateRequest(texts=texts, target_lang=target, beam_size=body.beam_size,
                            length_penalty=body.length_penalty, max_length=body.max_length,
-                           no_repeat_ngram=body.no_repeat_ngram, max_sentences=limits.max_sentences,
-                           request_id=new_id("tr"))
+                           no_repeat_ngram=body.no_repeat_ngram, max_sentences=limits.max_sentences)
     try:
         result = await unless_disconnected(request, tr.translate(req))
     except TimeoutError as e:  # the engine's per-request deadline (EngineConfig.default_deadline_s)

@@ -20,7 +20,7 @@ from service.api.generation import (
     new_id,
     usage_dict,
 )
-from service.api.logprob_format import CompletionLogprobs, TokenTexts, chat_content, output_pairs, prompt_pairs
+from service.api.logprob_format import CompletionLogprobs, chat_content, output_pairs, prompt_pairs, token_texts
 from service.api.schemas import ChatCompletionBody, CompletionBody
 from service.api.streaming import collect, sse_stream, unless_disconnected
 from service.api.structured import response_schema
@@ -121,10 +121,9 @@ async def completions(body: CompletionBody, request: Request):
     schema = await response_schema(gen, body.response_format)
     req = build_request(gen, body, ids, prompt_param="prompt", max_tokens=body.max_tokens,
                         default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, limits=limits,
-                        request_id=rid, **_penalties(body), n=best_of, logprobs=track,
-                        prompt_logprobs=score_prompt, json_schema=schema)
+                        **_penalties(body), n=best_of, logprobs=track, prompt_logprobs=score_prompt, json_schema=schema)
     events = gen.submit(req)
-    texts = TokenTexts(gen.decode)
+    texts = token_texts(gen.decode)
     echo = prompt if body.echo else ""
     if body.stream:
         offsets: dict[int, CompletionLogprobs] = {}
@@ -175,10 +174,9 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
     schema = await response_schema(gen, body.response_format)
     req = build_request(gen, body, ids, prompt_param="messages", max_tokens=max_tokens,
                         default_max_tokens=CHAT_DEFAULT_MAX_TOKENS, limits=limits, max_tokens_param=param,
-                        request_id=rid, **_penalties(body), n=body.n, logprobs=track,
-                        json_schema=schema)
+                        **_penalties(body), n=body.n, logprobs=track, json_schema=schema)
     events = gen.submit(req)
-    texts = TokenTexts(gen.decode)
+    texts = token_texts(gen.decode)
     if body.stream:
         started: set[int] = set()
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from service.api.errors import ApiError, error_response
-from service.api.generation import check_prompt, encode_messages
+from service.api.generation import encode_input
 from service.api.schemas import DetokenizeBody, TokenizeBody
 
 router = APIRouter(tags=["vllm"])
@@ -26,11 +26,7 @@ def _version() -> str:
 async def tokenize(body: TokenizeBody, request: Request):
     """`{prompt}` or `{messages, add_generation_prompt}` -> `{count, max_model_len, tokens, token_strs}`."""
     gen, limits = request.app.state.backends.need_generator(body.model, request), request.app.state.limits
-    if body.prompt is not None:
-        check_prompt(body.prompt, limits, "prompt")
-        ids = gen.encode_prompt(body.prompt)
-    else:
-        ids = encode_messages(gen, body.messages, limits, body.add_generation_prompt)
+    ids, _ = encode_input(gen, body, limits, body.add_generation_prompt)
     strs = [gen.decode([i]) for i in ids] if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": gen.max_context, "tokens": ids, "token_strs": strs}
 

@@ -242,6 +242,17 @@ class _Head(torch.nn.Module):
         self.norm, self.lm_head = model.norm, model.lm_head
 
 
+def _through_runs(blocks, run_weights, x, positions, k, v, rope: tuple):
+    """x through every run of layers (the shared `blocks` package called with each run's weights) over its
+    cached prefix k, v -> x, and every layer's new K/V: (NL, rows, Hkv, [T,] D) x 2."""
+    new_k, new_v = [], []
+    for lo, hi, w in run_weights:
+        x, nk, nv = blocks(x, positions, k[lo:hi], v[lo:hi], *rope, *w)  # nk, nv (G, rows, Hkv, [T,] D)
+        new_k.append(nk)
+        new_v.append(nv)
+    return x, torch.cat(new_k), torch.cat(new_v)
+
+
 class CompiledDecoder:
     """Compiled decode step of a decoder-only LM over its slot cache. The rows are slots [0, n); slots
     that do not decode this step (a prompt still prefilling) run as pad rows whose K/V are not stored.
@@ -333,14 +344,9 @@ class CompiledDecoder:
 
         def step(tokens, positions, k, v):  # (R,), (R,), (NL, R, Hkv, L, D) x 2
             x, rope = m.embed_tokens(tokens[:, None], positions[:, None])  # (R, 1, d)
-            rope = rope or ()
-            new_k, new_v = [], []
-            for lo, hi, w in run_weights:
-                x, nk, nv = blocks(x, positions, k[lo:hi], v[lo:hi], *rope, *w)  # nk, nv (G, R, Hkv, D)
-                new_k.append(nk)
-                new_v.append(nv)
+            x, new_k, new_v = _through_runs(blocks, run_weights, x, positions, k, v, rope or ())
             (logits,) = head(x[:, 0], *head_weights)  # (R, V)
-            return logits, torch.cat(new_k), torch.cat(new_v)
+            return logits, new_k, new_v
 
         return step
 
@@ -403,13 +409,8 @@ class CompiledDecoder:
         positions = torch.arange(start, start + width, device=self.dev)[None]  # (1, W)
         ids = torch.tensor([tokens + [0] * (width - n)], device=self.dev)  # (1, W)
         x, rope = self.model.embed_tokens(ids, positions)  # (1, W, d)
-        rope = rope or ()
         length = prefix_length([start], self.cache.max_len - 1)
         k, v = self.cache.k[:, slot:slot + 1, :, :length], self.cache.v[:, slot:slot + 1, :, :length]
-        new_k, new_v = [], []
-        for lo, hi, w in run_weights:
-            x, nk, nv = blocks(x, positions, k[lo:hi], v[lo:hi], *rope, *w)  # nk, nv (G, 1, Hkv, W, D)
-            new_k.append(nk)
-            new_v.append(nv)
-        self.cache.write_chunk(slot, start, torch.cat(new_k)[..., :n, :], torch.cat(new_v)[..., :n, :])
+        x, new_k, new_v = _through_runs(blocks, run_weights, x, positions, k, v, rope or ())
+        self.cache.write_chunk(slot, start, new_k[..., :n, :], new_v[..., :n, :])
         return head(x[:, n - 1])[0]  # (V,)

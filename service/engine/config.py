@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
-from model.strict_fields import check_choices, from_dict
+from model.strict_fields import FromDict, check_choices
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(FromDict):
     max_slots: int = 16  # KV cache slots = max concurrent sequences (beam hypotheses count one each)
     max_seq_len: int = 2048  # per-slot cache length (prompt + output), <= the model's max
     max_waiting: int = 256  # groups waiting beyond the free slots at which new requests get EngineOverloaded (429)
@@ -68,7 +68,3 @@ class EngineConfig:
         if self.kv_dtype == "auto":
             return self.torch_dtype
         return DTYPES[self.kv_dtype]
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
-        return from_dict(cls, data)

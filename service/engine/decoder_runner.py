@@ -71,10 +71,8 @@ class DecoderRunner:
             # pad positions go past the chunk (clamped to the last cache row, never a real one)
             positions[i] = (ar + start).clamp_(max=top)
         slots = [slot for slot, _, _ in chunks]
-        if not last_only:
-            return self.model(tokens.to(dev), positions.to(dev), self.cache, slots)  # (P, W, V)
-        last = torch.tensor([len(t) - 1 for _, t, _ in chunks], device=dev)
-        return self.model(tokens.to(dev), positions.to(dev), self.cache, slots, output_index=last)  # (P, V)
+        last = torch.tensor([len(t) - 1 for _, t, _ in chunks], device=dev) if last_only else None
+        return self.model(tokens.to(dev), positions.to(dev), self.cache, slots, output_index=last)  # (P, [W,] V)
 
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token per row (`slots` ascending), its K/V written -> logits (len(slots), V)."""

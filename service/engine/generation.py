@@ -90,9 +90,7 @@ class GenerationEngine(EngineLoop):
         """Longest prompt + output a request may have."""
         return self.config.max_seq_len
 
-    @property
-    def max_positions(self) -> int:
-        return self.config.max_seq_len
+    max_positions = max_context  # a slot's positions: the context
 
     @property
     def max_choices(self) -> int:

@@ -70,7 +70,6 @@ class SamplingParams:
 class GenerateRequest:
     prompt_ids: list[int]  # already tokenized (chat template applied by the caller)
     params: SamplingParams = field(default_factory=SamplingParams)
-    request_id: str = ""
     deadline_s: float | None = None  # per-request time limit; ends with finish_reason "timeout"
     n: int = 1  # choices: one prefill, its K/V copied to n slots; choice i samples with seed + i
     # the client's names of fields whose names differ from ours ("prompt_ids" -> "messages",
@@ -86,7 +85,6 @@ class TranslationSettings:
     length_penalty: float = DEFAULT_LENGTH_PENALTY
     no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM  # > 0: no n-gram of this size twice in an output
     max_length: int | None = None  # target tokens per sentence; None = relative to the source
-    request_id: str = ""
     deadline_s: float | None = None
 
 

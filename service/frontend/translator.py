@@ -1,12 +1,5 @@
-"""The translator's request boundary: texts in, translations out, for `/v1/translate`, `attnserve
-translate` and `attnserve eval translate` alike.
-
-On the way in each text's language is detected, the text split into lines and sentences and each sentence
-tagged with its target language (model/translation.py); the engine gets model-ready sources. Sentences with
-nothing to translate (no letters, or already in the target language) pass through; a sentence too long for
-the model is cut at clauses. On the way out each sentence is detokenised, a line's sentences joined and the
-line punctuated for its language as one piece (model/punctuation.py), and the lines joined as they came.
-"""
+"""The translator's request boundary: texts in, translations out, for `/v1/translate`, `attnserve translate`
+and `attnserve eval translate` alike (the steps: docs/architecture.md, "How a request flows", 4)."""
 
 from __future__ import annotations
 
