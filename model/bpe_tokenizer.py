@@ -106,9 +106,11 @@ class BPETokenizer:
     # --- the Tokenizer protocol -----------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        """Special tokens written in the text (e.g. `<|im_start|>` from a chat template) stay whole."""
+        """Special tokens written in the text (e.g. `<|im_start|>` from a chat template) stay whole. With
+        `add_bos_token`, BOS goes first unless the text begins with it (a chat template's `{{ bos_token }}`):
+        one BOS, as HF's apply_chat_template gives."""
         ids = self.tk.encode(text, add_special_tokens=False).ids
-        if self.config.get("add_bos_token") and self.bos_id is not None:
+        if self.config.get("add_bos_token") and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id, *ids]
         return ids
 

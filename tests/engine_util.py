@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
+from model.bpe_tokenizer import BPETokenizer
 from model.config import TINY_LLAMA, TINY_SEQ2SEQ
 from model.decoder import DecoderLM
 from model.seq2seq import EncoderDecoder
@@ -61,6 +62,20 @@ def tiny_llama(seed: int = 0, vocab_size: int = TINY_LLAMA.vocab_size) -> Decode
     """vocab_size 100 with CharTokenizer(100) has every printable character ('}', '~' and ' ' too)."""
     torch.manual_seed(seed)
     return sharpen(DecoderLM(dataclasses.replace(TINY_LLAMA, vocab_size=vocab_size)), 20.0)
+
+
+BPE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+BPE_MERGES = ["h e", "l l", "he ll", "Ġ w", "Ġw o", "ä ½"]  # the last: the first two bytes of "你"
+
+
+def tiny_bpe() -> BPETokenizer:
+    """A byte-level BPE tokenizer (SmolLM2's kind): 3 special tokens, the 256 bytes, 6 merges."""
+    from tokenizers import pre_tokenizers
+
+    tokens = BPE_SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()) + [m.replace(" ", "") for m in BPE_MERGES]
+    meta = {"model": "gpt2", "tokens": tokens, "token_type": [3] * len(BPE_SPECIALS) + [1] * (len(tokens) - 3),
+            "merges": BPE_MERGES, "bos_token_id": 1, "eos_token_id": 2}
+    return BPETokenizer.from_gguf_metadata(meta)
 
 
 def tiny_seq2seq(seed: int = 0) -> EncoderDecoder:

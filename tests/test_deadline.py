@@ -11,8 +11,12 @@ import time
 
 import torch
 from api_util import backends, metric, run, sse_events, translator
+from engine_util import CharTokenizer, run_engine, tiny_llama
 
 from service.config import ModelSpec
+from service.engine.config import EngineConfig
+from service.engine.generation import GenerationEngine
+from service.engine.types import GenerateRequest, SamplingParams
 from service.models import engine_config
 
 torch.set_num_threads(1)
@@ -59,6 +63,26 @@ def test_generation_past_its_deadline_times_out_and_frees_its_slot():
         r = await c.post("/v1/generate", json={"prompt": "short", "max_tokens": 1})  # the engine still serves
         assert r.status_code == 200 and r.json()["finish_reason"] in ("length", "stop")
     run(main, b)
+
+
+def test_a_generation_cut_by_its_deadline_keeps_the_text_it_held_back():
+    """Every character is a stop string's prefix, so each is held back until the next token: the timeout
+    still returns the last one, the text being exactly the decoded token ids."""
+    tok = CharTokenizer(100)
+    engine = GenerationEngine(tiny_llama(vocab_size=tok.vocab_size), tok, EngineConfig(max_slots=2, max_seq_len=128),
+                              eos_ids={tok.eos_id})
+    _slow(engine.model, "forward")
+    stops = [c + "\u20ac" for c in tok.itos[5:]]  # never completed: the euro sign is not in the vocabulary
+
+    async def main(e):
+        req = GenerateRequest(prompt_ids=tok.encode("hello"), deadline_s=DEADLINE_S, params=SamplingParams(
+            max_new_tokens=100, ignore_eos=True, temperature=0.0, stop=stops))
+        return [ev async for ev in e.submit(req)]
+
+    events = run_engine(engine, main)
+    ids = [t for ev in events for t in ev.token_ids]
+    assert events[-1].finish_reason == "timeout" and ids
+    assert "".join(ev.text for ev in events) == tok.decode(ids)
 
 
 def test_echoed_logprobs_of_a_prompt_cut_by_its_deadline_are_absent_not_a_500():

@@ -4,23 +4,18 @@ against), on a tiny byte-level vocabulary; and llguidance's view of it built by 
 from __future__ import annotations
 
 import pytest
+from engine_util import BPE_SPECIALS, tiny_bpe
 from tokenizers import pre_tokenizers
 
 from model.bpe_tokenizer import BPETokenizer
 from service.engine.structured import Grammars
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = ["h e", "l l", "he ll", "Ġ w", "Ġw o", "ä ½"]
 TEXTS = ["hello world", "  two  spaces", "你好 😀 café", "<|im_start|>user\nhi<|im_end|>", "{\"a\": [1, 2]}"]
 
 
 @pytest.fixture(scope="module")
 def tok() -> BPETokenizer:
-    chars = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokens = SPECIALS + chars + [m.replace(" ", "") for m in MERGES]
-    meta = {"model": "gpt2", "tokens": tokens, "token_type": [3, 3, 3] + [1] * (len(tokens) - 3),
-            "merges": MERGES, "bos_token_id": 1, "eos_token_id": 2}
-    return BPETokenizer.from_gguf_metadata(meta)
+    return tiny_bpe()
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -32,7 +27,7 @@ def test_bytes_of_the_ids_spell_the_text(tok, text):
 def test_every_byte_once_merges_and_specials(tok):
     table = tok.token_bytes()
     assert len(table) == tok.vocab_size
-    assert table[:3] == [s.encode() for s in SPECIALS] and tok.special_ids == {0, 1, 2}
+    assert table[:3] == [s.encode() for s in BPE_SPECIALS] and tok.special_ids == {0, 1, 2}
     assert sorted(table[3:259]) == [bytes([b]) for b in range(256)]
     assert table[259:] == [b"he", b"ll", b"hell", b" w", b" wo", "你".encode()[:2]]  # a partial character too
 
@@ -64,3 +59,17 @@ def test_a_control_token_spelled_outside_the_byte_alphabet_stays_one_special_tok
     assert ids[0] == 0 and ids[-1] == 1 and len(ids) == 4
     assert tok.decode(ids) == f"{bos}hi<|im_end|>" and tok.token_bytes()[0] == bos.encode()
     assert tok.special_ids == {0, 1}
+
+
+def test_add_bos_token_gives_one_bos_when_the_chat_template_writes_it_too():
+    """Llama/Mistral tokenizers set add_bos_token and their chat templates begin with {{ bos_token }}: the
+    prompt holds one BOS, as HF's apply_chat_template gives it; a plain prompt gets its BOS."""
+    from service.frontend.generator import GeneratorFrontend
+
+    tok = tiny_bpe()
+    tok.config.update(add_bos_token=True, bos_token="<|im_start|>")
+    template = "{{ bos_token }}{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}"
+    ids = GeneratorFrontend(engine=None, tokenizer=tok, chat_template=template).encode_chat(
+        [{"role": "user", "content": "hello"}])
+    assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
+    assert tok.encode("hello")[0] == tok.bos_id

@@ -4,43 +4,60 @@ Completions: `{tokens, token_logprobs, top_logprobs, text_offset}` (parallel lis
 token has no logprob: None), `top_logprobs` maps token text to logprob and includes the chosen token,
 as vLLM returns it. Chat: `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
 A token's text is the tokenizer's decoding of that one token (a byte-level token holding part of a UTF-8
-character decodes to U+FFFD, as in vLLM).
+character decodes to U+FFFD, as in vLLM); its `bytes` are the token's own, so a client can join a split
+character, as OpenAI documents them; `text_offset` is where the token starts in the returned text.
 """
 
 from __future__ import annotations
 
+import codecs
 import functools
 from collections.abc import Callable
 
 from service.engine.types import TokenLogprob
 
 
-def token_texts(decode: Callable[[list[int]], str]) -> Callable[[int], str]:
-    """Token id -> its text, decoded once per request."""
-    return functools.cache(lambda token_id: decode([token_id]))
+class TokenTexts:
+    """One request's view of token ids: each one's text (decoded once), its bytes, and which ids the
+    generated text leaves out."""
+
+    def __init__(self, decode: Callable[[list[int]], str], vocab_bytes: list[bytes] | None = None,
+                 hidden: set[int] = frozenset()):
+        self.text = functools.cache(lambda token_id: decode([token_id]))
+        self.vocab_bytes, self.hidden = vocab_bytes, hidden
+
+    def bytes(self, token_id: int) -> bytes:
+        """The token's own bytes; a special token's are those of its text as listed (the name)."""
+        if self.vocab_bytes is not None and 0 <= token_id < len(self.vocab_bytes) and token_id not in self.hidden:
+            return self.vocab_bytes[token_id]
+        return self.text(token_id).encode("utf-8")
 
 
 class CompletionLogprobs:
     """Accumulates one choice's completions-shape logprobs; `text_offset` counts characters of the
-    choice's text from its start (the echoed prompt included)."""
+    choice's text from its start (the echoed prompt included): the characters its tokens' bytes have
+    completed so far, so the pieces of a split character do not count one U+FFFD each."""
 
-    def __init__(self, texts: Callable[[int], str]):
+    def __init__(self, texts: TokenTexts):
         self.texts, self.offset = texts, 0
+        self.chars = codecs.getincrementaldecoder("utf-8")("replace")
 
-    def render(self, pairs: list[tuple[int, TokenLogprob | None]]) -> dict:
-        """pairs: (token id, its logprob entry or None) -> the lists for these tokens."""
+    def render(self, prompt: list[tuple[int, TokenLogprob | None]], output: list[TokenLogprob]) -> dict:
+        """The lists for the echoed prompt's (token id, logprob entry or None) pairs, then generated tokens."""
         out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tid, entry in pairs:
-            text = self.texts(tid)
+        hidden = self.texts.hidden
+        for tid, entry, generated in [*((t, e, False) for t, e in prompt), *((e.token_id, e, True) for e in output)]:
+            text = self.texts.text(tid)
             out["tokens"].append(text)
             out["text_offset"].append(self.offset)
-            self.offset += len(text)
+            if not (generated and tid in hidden):  # an echoed prompt keeps its special tokens as written
+                self.offset += len(self.chars.decode(self.texts.bytes(tid)))
             if entry is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
                 continue
             out["token_logprobs"].append(entry.logprob)
-            top = {self.texts(t): lp for t, lp in entry.top}
+            top = {self.texts.text(t): lp for t, lp in entry.top}
             top.setdefault(text, entry.logprob)
             out["top_logprobs"].append(top)
         return out
@@ -50,13 +67,8 @@ def prompt_pairs(prompt_ids: list[int], entries: list[TokenLogprob | None]) -> l
     return list(zip(prompt_ids, entries, strict=True))
 
 
-def output_pairs(entries: list[TokenLogprob]) -> list[tuple[int, TokenLogprob | None]]:
-    return [(e.token_id, e) for e in entries]
-
-
-def chat_content(texts: Callable[[int], str], entries: list[TokenLogprob]) -> list[dict]:
+def chat_content(texts: TokenTexts, entries: list[TokenLogprob]) -> list[dict]:
     def one(tid: int, lp: float) -> dict:
-        text = texts(tid)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"token": texts.text(tid), "logprob": lp, "bytes": list(texts.bytes(tid))}
 
     return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]

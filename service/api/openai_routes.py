@@ -20,7 +20,7 @@ from service.api.generation import (
     new_id,
     usage_dict,
 )
-from service.api.logprob_format import CompletionLogprobs, chat_content, output_pairs, prompt_pairs, token_texts
+from service.api.logprob_format import CompletionLogprobs, TokenTexts, chat_content, prompt_pairs
 from service.api.schemas import ChatCompletionBody, CompletionBody
 from service.api.streaming import collect, sse_stream, unless_disconnected
 from service.api.structured import response_schema
@@ -123,25 +123,23 @@ async def completions(body: CompletionBody, request: Request):
                         default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, limits=limits,
                         **_penalties(body), n=best_of, logprobs=track, prompt_logprobs=score_prompt, json_schema=schema)
     events = gen.submit(req)
-    texts = token_texts(gen.decode)
+    texts = TokenTexts(gen.decode, gen.vocab_bytes, gen.hidden_ids)
     echo = prompt if body.echo else ""
     if body.stream:
         offsets: dict[int, CompletionLogprobs] = {}
 
         def chunk(ev) -> list[dict]:
-            text, pairs = ev.text, []
+            text, echoed, generated = ev.text, [], (ev.logprobs or []) if want_lp else []
             first = ev.index not in offsets
             state = offsets.setdefault(ev.index, CompletionLogprobs(texts))
             if first:
                 text = echo + text
                 if want_lp and body.echo and ev.prompt_logprobs is not None:
-                    pairs += prompt_pairs(ids, ev.prompt_logprobs)
-            if want_lp:
-                pairs += output_pairs(ev.logprobs or [])
-            if not text and not pairs and ev.finish_reason is None:
+                    echoed = prompt_pairs(ids, ev.prompt_logprobs)
+            if not text and not echoed and not generated and ev.finish_reason is None:
                 return []
-            return [{"index": ev.index, "text": text, "logprobs": state.render(pairs) if pairs else None,
-                     "finish_reason": ev.finish_reason}]
+            lp = state.render(echoed, generated) if echoed or generated else None
+            return [{"index": ev.index, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}]
 
         return _stream(events, rid, gen.name, body, chunk, "text_completion")
     choices, usage = gather(await unless_disconnected(request, collect(events)))
@@ -153,7 +151,7 @@ async def completions(body: CompletionBody, request: Request):
         if want_lp:
             # a choice that ended (timeout, cancel) before its prompt was scored has no prompt logprobs
             echoed = prompt_pairs(ids, c.prompt_logprobs) if body.echo and c.prompt_logprobs is not None else []
-            lp = CompletionLogprobs(texts).render(echoed + output_pairs(c.logprobs))
+            lp = CompletionLogprobs(texts).render(echoed, c.logprobs)
         out.append({"index": c.index, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason})
     return _envelope(rid, "text_completion", gen.name, out, usage=usage_dict(usage))
 
@@ -176,7 +174,7 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
                         default_max_tokens=CHAT_DEFAULT_MAX_TOKENS, limits=limits, max_tokens_param=param,
                         **_penalties(body), n=body.n, logprobs=track, json_schema=schema)
     events = gen.submit(req)
-    texts = token_texts(gen.decode)
+    texts = TokenTexts(gen.decode, gen.vocab_bytes, gen.hidden_ids)
     if body.stream:
         started: set[int] = set()
 

@@ -74,6 +74,8 @@ class GenerationEngine(EngineLoop):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
+        # left out of the text (token_ids keep them), as vLLM's skip_special_tokens does by default
+        self.hidden_ids = self.eos_ids | set(getattr(tokenizer, "special_ids", ()))
         self.vocab_size = model.cfg.vocab_size
         self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_ids)
         self.output = OutputProcessor(self.eos_ids, self.sink, name)
@@ -163,7 +165,7 @@ class GenerationEngine(EngineLoop):
         matchers = [self.grammars.compile(p.json_schema) if p.json_schema is not None else None
                     for _ in range(req.n)]
         group = [Sequence(prompt=prompt, params=p, queue=queue,
-                          detok=IncrementalDetokenizer(self.tokenizer, skip_ids=self.eos_ids),
+                          detok=IncrementalDetokenizer(self.tokenizer, skip_ids=self.hidden_ids),
                           stopper=StopMatcher(p.stop), generator=make_generator(None if p.seed is None else p.seed + i),
                           deadline=deadline, t_submit=now, index=i,
                           pending_fork=i > 0, prompt_lp=[None] if p.prompt_logprobs is not None else None,
@@ -205,7 +207,9 @@ class GenerationEngine(EngineLoop):
         now = time.monotonic()
         sched = self.scheduler
         for seq, why in sched.sweep(now):
-            self._finish(seq, why)
+            # a choice past its deadline keeps the text it held back (a stop string's prefix, part of a
+            # character); a cancelled one has nobody to read it
+            self._finish(seq, why, self.output.tail(seq)[0] if why == "timeout" else "")
         admitted = sched.admit()
         for seq in admitted:
             seq.t_admit = now

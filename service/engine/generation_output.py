@@ -37,7 +37,7 @@ class OutputProcessor:
             seq.cum_logprob += lp.logprob
             lps = [lp]
         if tok in self.eos_ids and not seq.params.ignore_eos:
-            text, _ = self._tail(seq)
+            text, _ = self.tail(seq)
             # no text, so no id in token_ids; its logprob is reported (scorers count one entry per sampled token)
             seq.done = ("stop", text, [], lps)
             return
@@ -45,13 +45,13 @@ class OutputProcessor:
         if hit:
             seq.done = ("stop", text, [tok], lps)
         elif complete or len(seq.output) >= seq.params.max_new_tokens:
-            tail, hit = self._tail(seq)
+            tail, hit = self.tail(seq)
             seq.done = ("stop" if hit or complete else "length", text + tail, [tok], lps)
         else:
             seq.outbox.append(GenerationEvent(text=text, token_ids=[tok], index=seq.index, logprobs=lps))
 
     @staticmethod
-    def _tail(seq: Sequence) -> tuple[str, bool]:
+    def tail(seq: Sequence) -> tuple[str, bool]:
         """Text still buffered at the end of a stream (detokenizer, then stop-string hold-back)."""
         return seq.stopper.finish(seq.detok.flush())
 

@@ -4,6 +4,7 @@ text back (detokenising is its output processing, service/engine/generation_outp
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 
 from service.config import GENERATOR_ID
@@ -30,6 +31,17 @@ class GeneratorFrontend:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
+
+    @functools.cached_property
+    def vocab_bytes(self) -> list[bytes] | None:
+        """Each token id's bytes in decoded text (a byte-level token may hold part of a character), where
+        the tokenizer can tell them (`token_bytes`), else None."""
+        return self.tokenizer.token_bytes() if hasattr(self.tokenizer, "token_bytes") else None
+
+    @property
+    def hidden_ids(self) -> set[int]:
+        """Ids the engine leaves out of generated text (end of sequence, special tokens)."""
+        return self.engine.hidden_ids
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
