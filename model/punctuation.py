@@ -184,6 +184,8 @@ def _chinese_pass(text: str, bracket_context) -> str:
             continue  # 3.5, 1,000, 12:30
         if c == "." and _latin(prev) and _latin(nxt):
             continue  # v1.2, U.S, example.com
+        if (not prev or prev.isspace()) and (_latin(nxt) or c == "." and nxt == "/"):
+            continue  # a mark that begins a token: .NET, .5, ./configure, :hover, !important, ?id=3
         left, right = _neighbour(chars, i, -1), _neighbour(chars, i, 1)
         if c == "." and right is not None:
             before = "".join(chars[:i])

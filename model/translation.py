@@ -69,7 +69,7 @@ _CLAUSE_END = re.compile(r"[，、；：]\s*|[,;:]\s+|\s+[-–—]+\s+")  # not 
 def pieces(sentence: str, fits) -> list[str]:
     """What the model translates one by one: the sentence cut around URLs and e-mail addresses (they pass through
     as they are: `needs_translation` is False for them), and any piece too long cut at clauses."""
-    return [q for p in split_links(sentence) for q in split_long(p, fits)]
+    return [q for p in split_links(sentence) for q in ([p] if is_link(p) else split_long(p, fits))]
 
 
 def split_long(sentence: str, fits) -> list[str]:
@@ -85,6 +85,8 @@ def split_long(sentence: str, fits) -> list[str]:
 
 
 _ASCII_ALNUM = re.compile(r"[A-Za-z0-9]")
+_NO_SPACE_BEFORE = ",.;:!?)]}”’）】》」』，。；：！？"  # English: closing marks hug the piece before them
+_NO_SPACE_AFTER = "([{“‘（【《「『"  # and opening marks the piece after them
 
 
 def join_sentences(parts: list[str], lang: str) -> str:
@@ -100,7 +102,7 @@ def join_sentences(parts: list[str], lang: str) -> str:
             apart = (is_link(last) and _ASCII_ALNUM.match(p[0])) or (is_link(p) and _ASCII_ALNUM.match(out[-1:]))
             out += (" " if out and apart else "") + p
         else:
-            out += (" " if out and p[0] not in ",.;:!?)]}" else "") + p
+            out += (" " if out and p[0] not in _NO_SPACE_BEFORE and out[-1] not in _NO_SPACE_AFTER else "") + p
         last = p
     return out
 
@@ -120,10 +122,13 @@ def join_text(lines: list[list[str]], lang: str) -> str:
     return "\n".join(postprocess(join_sentences(parts, lang), lang) for parts in lines)
 
 
-def needs_translation(sentence: str, target_lang: str) -> bool:
-    """False for a sentence without letters (numbers, marks, emoji) or already in the target language: it
-    passes through (with the target's punctuation) instead of being rewritten by the model."""
-    return any(c.isalpha() for c in without_protected(sentence)) and detect_lang(sentence) != target_lang
+def needs_translation(sentence: str, target_lang: str, source_lang: str | None = None) -> bool:
+    """False for a sentence without letters (numbers, marks, emoji) or already in the target language (as
+    detected, unless the caller names the source language): it passes through (with the target's
+    punctuation) instead of being rewritten by the model."""
+    if not any(c.isalpha() for c in without_protected(sentence)):
+        return False
+    return source_lang != target_lang if source_lang is not None else detect_lang(sentence) != target_lang
 
 
 def other(lang: str) -> str:

@@ -28,6 +28,13 @@ ZH_CASES = [
     ("请访问 https://example.com/a,b.html,谢谢!", "请访问 https://example.com/a,b.html，谢谢！"),  # URL kept
     ("邮件 a.b@c.com,谢谢", "邮件 a.b@c.com，谢谢"),
     ("他说 Hello, world 然后走了", "他说 Hello, world 然后走了"),  # a Latin phrase keeps its comma
+    # a mark that begins a token is part of it
+    ("我们使用 .NET Core 开发", "我们使用 .NET Core 开发"),
+    ("比率为 .5", "比率为 .5"),
+    ("编辑 .gitignore 文件", "编辑 .gitignore 文件"),
+    ("运行 ./configure 脚本", "运行 ./configure 脚本"),
+    ("使用 :hover 伪类", "使用 :hover 伪类"),
+    ("加上 !important", "加上 !important"),
     ("Mr. 史密斯来了.", "Mr. 史密斯来了。"),  # abbreviation before a name
     ("会议在10 a.m.开始.", "会议在10 a.m.开始。"),  # a.m. / p.m. keep their points
     ("他的 U.S. 公司", "他的 U.S. 公司"),

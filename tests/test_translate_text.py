@@ -110,6 +110,9 @@ def test_urls_and_addresses_are_pieces_of_their_own():
     assert pieces(f"See {wiki} for details.", lambda s: True) == ["See", wiki, "for details."]
     assert pieces(f"详见{wiki}。", lambda s: True) == ["详见", wiki, "。"]
     assert pieces("(see https://a.com/x) now", lambda s: True) == ["(see", "https://a.com/x", ") now"]
+    # a link too long for the model is still one piece, passed through whole
+    url = "https://example.com/download?" + "&".join(f"k{i}=" + "AB12" * 20 for i in range(8))
+    assert pieces(f"请从这里下载：{url} 谢谢。", lambda s: len(s) <= 40) == ["请从这里下载：", url, "谢谢。"]
 
 
 
@@ -134,6 +137,9 @@ def test_links_and_code_calls_start_where_their_run_of_characters_starts():
     (["访问", "https://a.com", ",", "https://b.com", "."], "zh", "访问https://a.com，https://b.com。"),
     (["下载", "https://example.com", "2次。"], "zh", "下载https://example.com 2次。"),  # the URL keeps its end
     (["第一句。", "第二句。"], "zh", "第一句。第二句。"),
+    # opening marks hug what follows, closing ones what precedes (full-width before postprocessing)
+    (["For details, see (", "https://example.com/docs", "）。"], "en", "For details, see (https://example.com/docs）。"),
+    (["Mail: “", "a.b@example.com", "”."], "en", "Mail: “a.b@example.com”."),
 ])
 def test_pieces_join_without_gluing_or_stray_spaces(parts, lang, text):
     assert join_sentences(parts, lang) == text

@@ -6,7 +6,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from model.translation import other
 from service.api.errors import ApiError
 from service.api.generation import build_request, encode_input, new_id, usage_dict
 from service.api.schemas import GenerateBody, TranslateBody
@@ -66,18 +65,13 @@ async def translate(body: TranslateBody, request: Request):
         if value is not None and value > min(limit, engine_limit):
             raise ApiError(400, f"{field} must be <= {min(limit, engine_limit)} (ApiLimits.{limit_name} {limit}; "
                                 f"the translator has {engine_limit} {what}), got {value}", field)
-    target = body.target_lang
-    if body.source_lang is not None:
-        if target == body.source_lang:
-            raise ApiError(400, "target_lang must differ from source_lang", "target_lang")
-        target = target or other(body.source_lang)
-    req = TranslateRequest(texts=texts, target_lang=target, beam_size=body.beam_size,
+    req = TranslateRequest(texts=texts, target_lang=body.target_lang, source_lang=body.source_lang,
+                           beam_size=body.beam_size,
                            length_penalty=body.length_penalty, max_length=body.max_length,
                            no_repeat_ngram=body.no_repeat_ngram, max_sentences=limits.max_sentences)
     try:
         result = await unless_disconnected(request, tr.translate(req))
     except TimeoutError as e:  # the engine's per-request deadline (EngineConfig.default_deadline_s)
         raise ApiError(504, str(e) or "translation exceeded its deadline", None) from None
-    sources = [body.source_lang] * len(texts) if body.source_lang else result.source_langs
-    return {"model": tr.name, "translations": result.translations, "source_langs": sources,
+    return {"model": tr.name, "translations": result.translations, "source_langs": result.source_langs,
             "target_langs": result.target_langs, "usage": usage_dict(result.usage)}

@@ -100,6 +100,8 @@ class SourceBatch(TranslationSettings):
 class TranslateRequest(TranslationSettings):
     texts: list[str]
     target_lang: str | None = None  # "en" | "zh"; None = the other language, detected per text
+    # "en" | "zh": every sentence with letters is translated from it; None = detected per text and sentence
+    source_lang: str | None = None
     max_sentences: int | None = None  # sentences to translate the texts may hold; None = no bound
 
 

@@ -55,15 +55,18 @@ class TranslationFrontend:
         request's slots."""
         if not req.texts:
             raise RequestRejected("texts is empty", "text")
-        if req.target_lang is not None and req.target_lang not in TAGS:
-            raise RequestRejected(f"target_lang must be one of {sorted(TAGS)}, got {req.target_lang!r}", "target_lang")
+        for name in ("source_lang", "target_lang"):
+            if getattr(req, name) not in (None, *TAGS):
+                raise RequestRejected(f"{name} must be one of {sorted(TAGS)}, got {getattr(req, name)!r}", name)
+        if req.source_lang is not None and req.source_lang == req.target_lang:
+            raise RequestRejected("target_lang must differ from source_lang", "target_lang")
         max_src = self.engine.max_source_len
         sources: list[list[int]] = []
         # per text, per line, per sentence: its index in `sources`, or the text it passes through as
         plans: list[list[list[int | str]]] = []
         source_langs, target_langs = [], []
         for i, text in enumerate(req.texts):
-            src_lang = detect_lang(text)
+            src_lang = req.source_lang or detect_lang(text)
             tgt = req.target_lang or other(src_lang)
             source_langs.append(src_lang)
             target_langs.append(tgt)
@@ -75,7 +78,7 @@ class TranslationFrontend:
             for line in split_text(text):
                 items: list[int | str] = []
                 for sentence in (p for s in line for p in pieces(s, fits)):
-                    if not needs_translation(sentence, tgt):
+                    if not needs_translation(sentence, tgt, req.source_lang):
                         items.append(sentence)
                         continue
                     src = encode_source(self.tokenizer, sentence, tgt)
