@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from api_util import TOK, backends, metric, run, sse_events
+from api_util import TOK, backends, metric, run, sse_events, translator
 
 from service.config import GENERATOR_ID, TRANSLATOR_ID
 from service.engine.types import GenerateRequest, SamplingParams
@@ -171,6 +171,34 @@ def test_translator_missing_is_503_with_reason():
         assert "no translator checkpoint" in r.json()["error"]["message"]
         assert TRANSLATOR_ID not in [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
     run(main, backends(with_translator=False))
+
+
+def test_an_idle_engine_takes_a_translation_larger_than_its_slots_even_without_a_queue():
+    """5 sentences, 4 slots, max_waiting 0: run in turns, not a 429 that every retry would get too."""
+    b = backends(with_translator=False)
+    b.translator = translator(max_slots=4, max_waiting=0)
+    b.unavailable.clear()
+
+    async def main(c):
+        text = "Hello there. How are you? Fine thanks. Good day. See you soon."
+        r = await c.post("/v1/translate", json={"text": text, "beam_size": 1, "max_length": 4})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > 0
+    run(main, b)
+
+
+def test_a_given_source_lang_is_translated_from_not_detected_again():
+    """Detected, this sentence is Chinese (7 CJK characters, 3 Latin words) and would pass through as
+    already in the target language; the client said it is English."""
+    async def main(c):
+        text = "I visited 故宫博物院 in 北京."
+        r = await c.post("/v1/translate", json={"text": text, "source_lang": "en", "max_length": 4})
+        out = r.json()
+        assert r.status_code == 200 and out["source_langs"] == ["en"] and out["target_langs"] == ["zh"]
+        assert out["usage"]["prompt_tokens"] > 0
+        r = await c.post("/v1/translate", json={"text": text, "target_lang": "zh", "max_length": 4})
+        assert r.json()["source_langs"] == ["zh"] and r.json()["usage"]["prompt_tokens"] == 0  # detected
+    run(main, backends(with_translator=True))
 
 
 def test_overload_is_429_with_retry_after():

@@ -76,6 +76,16 @@ def test_keys_required_except_open_paths():
     run(main, backends(), api_keys=KEYS)
 
 
+def test_a_key_with_non_ascii_characters_matches_as_clients_send_it():
+    async def main(c):
+        for raw in ("Bearer clé".encode(), "Bearer clé".encode("latin-1")):  # UTF-8 (curl, httpx), Latin-1
+            r = await c.get("/v1/models", headers=[(b"authorization", raw)])
+            assert r.status_code == 200, raw
+        r = await c.get("/v1/models", headers=[(b"authorization", b"Bearer cle")])
+        assert r.status_code == 401
+    run(main, backends(), api_keys=["sekret", "clé"])
+
+
 def test_off_without_keys_and_configured_from_env(monkeypatch, tmp_path):
     monkeypatch.delenv("ATTNSERVE_API_KEYS", raising=False)
     monkeypatch.delenv("ATTNSERVE_API_KEYS_FILE", raising=False)

@@ -102,6 +102,9 @@ def test_kv_cache_dtype_defaults_to_the_weights_dtype_and_can_be_wider():
         EngineConfig(kv_dtype="int8")
     with pytest.raises(ValueError, match="prefill_max_padding"):
         EngineConfig(prefill_max_padding=-0.1)
+    for bad in (0, -1, float("nan")):  # every request would time out
+        with pytest.raises(ValueError, match="default_deadline_s"):
+            EngineConfig(default_deadline_s=bad)
 
 
 def test_config_rejects_unknown_and_bad_fields():

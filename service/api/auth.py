@@ -64,7 +64,11 @@ class KeySet:
 def _bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
     for name, value in headers:
         if name.lower() == b"authorization":
-            scheme, _, token = value.decode("latin-1").strip().partition(" ")
+            try:  # a key with non-ASCII characters, as clients send it (UTF-8), else byte for byte
+                text = value.decode("utf-8")
+            except UnicodeDecodeError:
+                text = value.decode("latin-1")
+            scheme, _, token = text.strip().partition(" ")
             return token.strip() if scheme.lower() == "bearer" and token.strip() else ""
     return None
 

@@ -53,6 +53,8 @@ class EngineConfig(FromDict):
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.prefill_max_padding < 0:
             raise ValueError(f"EngineConfig.prefill_max_padding must be >= 0, got {self.prefill_max_padding}")
+        if self.default_deadline_s is not None and not self.default_deadline_s > 0:  # NaN too
+            raise ValueError(f"EngineConfig.default_deadline_s must be > 0 or None, got {self.default_deadline_s}")
         if self.max_waiting < 0:
             raise ValueError(f"EngineConfig.max_waiting must be >= 0, got {self.max_waiting}")
         for name in ("threads", "prefill_threads", "decode_threads"):
