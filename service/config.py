@@ -8,6 +8,7 @@ Unknown keys are rejected with a message naming them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -110,6 +111,8 @@ class ServiceConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> ServiceConfig:
+        if data is not None and not isinstance(data, Mapping):
+            raise ValueError(f"the application's args must be a mapping of settings, got {type(data).__name__}")
         data = dict(data or {})
         if isinstance(data.get("translator"), dict) and "checkpoint" not in data["translator"]:
             data["translator"] = {"checkpoint": DEFAULT_TRANSLATOR_DIR, **data["translator"]}

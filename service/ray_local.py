@@ -83,8 +83,10 @@ ATTNSERVE_APP = "service.deployments:build"
 
 def attnserve_apps(config: dict, where: str | Path = "the Serve config") -> list[dict]:
     """The config's attnserve applications (ValueError if there is none: nothing would serve the API)."""
-    apps = [a for a in config.get("applications") or []
-            if isinstance(a, dict) and a.get("import_path") == ATTNSERVE_APP]
+    listed = config.get("applications") or []
+    if not isinstance(listed, list):
+        raise ValueError(f"{where}: applications must be a list, got {type(listed).__name__}")
+    apps = [a for a in listed if isinstance(a, dict) and a.get("import_path") == ATTNSERVE_APP]
     if not apps:
         raise ValueError(f"{where}: no application imports {ATTNSERVE_APP}, so nothing would serve the API")
     return apps

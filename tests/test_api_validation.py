@@ -62,6 +62,8 @@ CASES = [
     ("/v1/translate", {"text": "hi", "beam_size": 0}, 400, "beam_size"),
     ("/v1/translate", {"text": "hi", "max_length": 33}, 400, "max_length"),
     ("/v1/translate", {"text": "hi", "source_lang": "fr"}, 400, "source_lang"),
+    ("/v1/translate", {"text": "hi", "options[beam]": 2}, 400, "options[beam]"),  # an unknown key, as sent
+    ("/v1/completions", {"prompt": "hi", "stop[]": "x"}, 400, "stop[]"),
     ("/v1/translate", {"text": "hi", "target_lang": "de"}, 400, "target_lang"),
     ("/v1/translate", {"text": "hi", "source_lang": "en", "target_lang": "en"}, 400, "target_lang"),
     ("/v1/translate", {"text": "hi", "length_penalty": 3}, 400, "length_penalty"),

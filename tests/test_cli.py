@@ -346,10 +346,11 @@ def test_translate_with_the_shipped_model_one_line_per_text(capsys, restore_torc
 
 @needs_shipped
 def test_translate_reads_stdin_and_refuses_nothing_or_a_missing_model(capsys, restore_torch, monkeypatch, tmp_path):
-    monkeypatch.setattr(sys, "stdin", io.StringIO("The meeting is on Tuesday.\n\n   \nPrices rose in May.\n"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("The meeting is on Tuesday.\n\n   \nPrices rose in May.\u2028"
+                                                  "Sales fell.\n"))
     assert main(["translate", "--beam", "1", "--to", "zh"]) == 0
     lines = capsys.readouterr().out.split("\n")
-    # one output line per input line: blank lines stay blank
+    # one output line per input line (a Unicode line separator inside one is not a new line): blank stay blank
     assert len(lines) == 5 and lines[1:3] == ["", ""] and lines[4] == ""
     assert CJK.search(lines[0]) and CJK.search(lines[3])
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n"))
@@ -790,3 +791,16 @@ def test_ctrl_c_while_generate_streams_is_an_interrupt_and_stops_the_engine():
     timer.join()
     deltas.close()
     assert not engine.started
+
+
+@pytest.mark.parametrize("doc, words", [
+    ("applications: 5\n", "applications must be a list"),
+    ("applications:\n- import_path: service.deployments:build\n  args: [1, 2]\n", "args must be a mapping"),
+    ("applications:\n- import_path: service.deployments:build\n  args: abc\n", "args must be a mapping"),
+])
+def test_a_malformed_serve_config_is_exit_2_naming_the_problem(doc, words, tmp_path, capsys):
+    bad = tmp_path / "serve.yaml"
+    bad.write_text(doc)
+    for command in (["translate", "--config", str(bad), "hello"], ["generate", "--config", str(bad), "hello"]):
+        assert main(command) == 2, command
+        assert words in capsys.readouterr().err

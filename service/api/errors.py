@@ -70,10 +70,12 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def _field(loc: tuple) -> str:
-    # pydantic tags errors inside a union with the member type (`function-after[...]`, `list[str]`): drop those
-    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and "[" in p)]
-    return ".".join(parts) if parts else "body"
+def _field(loc: tuple, error_type: str = "") -> str:
+    # pydantic tags errors inside a union with the member type (`function-after[...]`, `list[str]`): drop those;
+    # the last part of an unknown field's location is the client's key, whatever it holds
+    last = [str(loc[-1])] if error_type == "extra_forbidden" and len(loc) > 1 else []
+    parts = [str(p) for p in loc[:len(loc) - len(last)] if p != "body" and not (isinstance(p, str) and "[" in p)]
+    return ".".join(parts + last) if parts + last else "body"
 
 
 def install(app: FastAPI) -> None:
@@ -98,7 +100,7 @@ def install(app: FastAPI) -> None:
         # <type>" error; a more specific one (a bound, a bad value) names the real problem
         specific = [er for er in errors if not str(er.get("type", "")).endswith("_type")]
         first = (specific or errors or [{"loc": ("body",), "msg": "invalid request"}])[0]
-        field = _field(tuple(first.get("loc", ())))
+        field = _field(tuple(first.get("loc", ())), str(first.get("type", "")))
         msg = f"{field}: {first.get('msg', 'invalid value')}"
         if first.get("type") == "json_invalid":
             field = "body"

@@ -28,6 +28,7 @@ def run(args) -> int:
 
     if not 0 <= args.no_repeat_ngram <= 16:  # as /v1/translate and `eval translate`
         raise CommandError(f"--no-repeat-ngram takes 0..16 (0: off), got {args.no_repeat_ngram}")
+    from_stdin = not args.text
     if args.text:
         lines = args.text
         empty = [i for i, t in enumerate(lines) if not t.strip()]
@@ -40,7 +41,7 @@ def run(args) -> int:
             t.encode("utf-8")
         except UnicodeEncodeError:  # bytes that were not UTF-8 (kept as lone surrogates)
             raise CommandError(f"text[{i}] is not UTF-8 text") from None
-    texts = [t.strip() for t in lines if t.strip()]
+    texts = [t for t in lines if t.strip()]  # as given: /v1/translate keeps a text's blank lines too
     if not texts:
         raise CommandError("no text given")
     try:
@@ -51,7 +52,9 @@ def run(args) -> int:
         raise CommandError(str(e)) from e
     outputs = iter(result.translations)
     for t in lines:
-        print(next(outputs) if t.strip() else "")
+        out = next(outputs) if t.strip() else ""
+        # a stdin line holding a Unicode line break (U+2028, U+0085) is translated line by line, printed as one
+        print(out.replace("\n", " ") if from_stdin else out)
     return 0
 
 
