@@ -65,8 +65,10 @@ class Scheduler(Generic[W]):
         together at an idle engine wait only for its next plan and are not refused. A request is queued
         whole, so the queue may pass the bound by one request (a translation of many sentences, bounded by
         the API's text limits): a request is never refused for its size alone while fewer groups wait."""
-        if not self.running and not any(self.waiting):  # idle: even with max_waiting 0, a request larger
-            return  # than the slots runs in turns (refused, its retries would be refused forever)
+        # idle: even with max_waiting 0, a request of more groups than slots runs in turns (refused, its retries
+        # would be refused forever); a group that can never fit still is
+        if not self.running and not any(self.waiting) and all(n <= self.config.max_slots for n in needs):
+            return
         # what the next admit takes, by mode: static and serial admit only once the running batch is done
         cap = 0 if self.config.mode != "continuous" and self.running else 1 if self.config.mode == "serial" else None
         free, beyond = self.table.n_free, 0
