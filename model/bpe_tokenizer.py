@@ -12,6 +12,7 @@ tokens, so digits come out one per token, as in the original tokenizer.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -123,9 +124,11 @@ class BPETokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self.tk.id_to_token(int(i))
 
+    @functools.cache  # noqa: B019 - one table per tokenizer, read by the grammars and the logprobs alike
     def token_bytes(self) -> list[bytes]:
         """Every id's bytes as they appear in decoded text, for grammar libraries that match output
-        bytes against the vocabulary (special tokens: their name's UTF-8; `special_ids` tells them apart)."""
+        bytes against the vocabulary (special tokens: their name's UTF-8; `special_ids` tells them apart).
+        Built once; callers do not modify it."""
         byte_of = {c: b for b, c in bytes_to_unicode().items()}
         out = []
         for i in range(self.vocab_size):
