@@ -201,6 +201,34 @@ def test_busy_board_drops_the_entries_of_processes_that_died(tmp_path):
     assert list(tmp_path.iterdir()) == []  # an engine's entry goes with it
 
 
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs /proc")
+def test_busy_board_does_not_count_a_stopped_process(tmp_path):
+    import signal
+    import time
+
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a busy training job
+    try:
+        (tmp_path / f"{job.pid}-1f").touch()
+        board = cpu_runtime.BusyBoard(tmp_path)
+        assert board.others_busy()
+        job.send_signal(signal.SIGSTOP)  # paused: it takes no core
+        for _ in range(100):
+            if cpu_runtime.process_stopped(job.pid):
+                break
+            time.sleep(0.02)
+        assert not board.others_busy()
+        assert (tmp_path / f"{job.pid}-1f").exists()  # still its entry: it counts again once resumed
+        job.send_signal(signal.SIGCONT)
+        for _ in range(100):
+            if not cpu_runtime.process_stopped(job.pid):
+                break
+            time.sleep(0.02)
+        assert board.others_busy()
+    finally:
+        job.kill()
+        job.wait()
+
 def test_torch_threads_sets_the_count_for_the_body_and_restores_it():
     def body():
         torch.set_num_threads(1)

@@ -380,12 +380,17 @@ def test_package_folder_keeps_the_newest_few_per_step(tmp_path):
             f.write_bytes(b"x")
             os.utime(f, (1000 + i, 1000 + i))
     (tmp_path / "translator-encode-many-0000.123.tmp.pt2").write_bytes(b"x")  # another process's build
-    prune(tmp_path, "translator-encode-many")
+    prune(tmp_path, "translator-encode-many", keep_bytes=0)
     left = sorted(p.name for p in tmp_path.iterdir())
     assert [n for n in left if n.startswith("translator-encode-many-") and "tmp" not in n] == [
         f"translator-encode-many-{i:04d}.pt2" for i in range(3, KEEP + 3)]
     assert sum(n.startswith("translator-encode-one-") for n in left) == KEEP + 3
     assert "translator-encode-many-0000.123.tmp.pt2" in left
+    # small packages (a quantized decoder's) stay beyond KEEP while the step's total fits the byte budget:
+    # a benchmark of other settings does not evict what the service loads
+    prune(tmp_path, "translator-encode-one", keep_bytes=KEEP + 1)
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("translator-encode-one-"))
+    assert left == [f"translator-encode-one-{i:04d}.pt2" for i in range(2, KEEP + 3)]
 
 
 def test_frozen_package_prepacks_float_linears(tmp_path):

@@ -35,7 +35,8 @@ from model.quantize import handles_as_inputs
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
-KEEP = 3  # packages kept per step
+KEEP = 3  # packages kept per step at least
+KEEP_BYTES = 64 * 2**20  # and more, the newest first, while a step's packages stay within this
 
 
 class _Step(torch.nn.Module):
@@ -192,11 +193,25 @@ def _build(path: Path, name: str, fn: Callable, model: torch.nn.Module, args: Se
     return _runner(path)
 
 
-def prune(directory: Path, name: str, keep: int = KEEP) -> None:
-    """Keep the `keep` most recently built or loaded packages of a step (other weights, code or settings): the
-    folder stays bounded, and evaluating other checkpoints does not evict the one a service loads."""
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except FileNotFoundError:  # pruned by another process meanwhile
+        return None
+
+
+def prune(directory: Path, name: str, keep: int = KEEP, keep_bytes: int = KEEP_BYTES) -> None:
+    """Keep the `keep` most recently built or loaded packages of a step (other weights, code or settings), and
+    newer ones beyond those while they fit in `keep_bytes`: the folder stays bounded, and evaluating other
+    checkpoints or benchmarking other engine settings does not evict the packages a service loads."""
     built = [p for p in directory.glob(f"{name}-*.pt2") if not p.name.endswith(".tmp.pt2")]  # not others' builds
-    old = sorted(built, key=lambda p: p.stat().st_mtime, reverse=True)[keep:]
+    newest = sorted(((st.st_mtime, st.st_size, p) for p in built if (st := _stat(p)) is not None),
+                    key=lambda t: t[0], reverse=True)
+    total, old = 0, []
+    for i, (_, size, p) in enumerate(newest):
+        total += size
+        if i >= keep and total > keep_bytes:
+            old.append(p)
     for p in old:
         p.unlink(missing_ok=True)
         p.with_suffix(".lock").unlink(missing_ok=True)

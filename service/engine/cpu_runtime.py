@@ -115,7 +115,8 @@ class BusyBoard:
             log.debug("busy board %s unavailable", self.dir, exc_info=True)
 
     def others_busy(self) -> bool:
-        """Whether another engine on this host has work (entries of processes that died are dropped)."""
+        """Whether another engine on this host has work (entries of processes that died are dropped; a
+        stopped process, e.g. a training job paused with SIGSTOP, takes no core and does not count)."""
         try:
             names = os.listdir(self.dir)
         except OSError:
@@ -124,14 +125,25 @@ class BusyBoard:
             if name == self.path.name:
                 continue
             try:
-                os.kill(int(name.split("-")[0]), 0)
+                pid = int(name.split("-")[0])
+                os.kill(pid, 0)
             except ProcessLookupError:
                 (self.dir / name).unlink(missing_ok=True)
                 continue
             except (ValueError, PermissionError):
-                pass  # not ours to judge: count it
-            return True
+                return True  # not ours to judge: count it
+            if not process_stopped(pid):
+                return True
         return False
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (state T or t in /proc/PID/stat); False where /proc cannot tell."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:][:1] in ("T", "t")  # the name in parentheses may hold spaces
 
 
 @contextlib.contextmanager
