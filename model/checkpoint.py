@@ -6,9 +6,11 @@ Loading never unpickles. A missing file, a wrong tensor shape, or an unknown arc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -138,6 +140,28 @@ def load_state(model: nn.Module, weights: str | Path) -> None:
     model.load_state_dict(state, strict=False)
 
 
+_INIT_FUNCTIONS = ("normal_", "uniform_", "zeros_", "ones_", "constant_", "xavier_uniform_", "xavier_normal_",
+                   "kaiming_uniform_", "kaiming_normal_", "trunc_normal_")
+_init_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _weights_left_uninitialised():
+    """While a model is built only to be loaded, `nn.init`'s functions leave tensors as allocated: load_state
+    overwrites every parameter and persistent buffer (it refuses a file that misses one), and drawing
+    SmolLM2's 135M weights at random first was a large part of a start's loading time (docs/performance.md).
+    Process-wide while it lasts: no other thread builds a model meanwhile (a loader's process loads only)."""
+    with _init_lock:
+        saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+        for name in _INIT_FUNCTIONS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        try:
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(nn.init, name, fn)
+
+
 def load_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None,
                     device: str | torch.device = "cpu") -> nn.Module:
     d = Path(directory)
@@ -148,7 +172,8 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None,
     if dtype is not None and dtype.is_floating_point:
         torch.set_default_dtype(dtype)  # build in the target dtype: no transient fp32 copy of the weights
     try:
-        model = build_model(cfg)
+        with _weights_left_uninitialised():
+            model = build_model(cfg)
     finally:
         torch.set_default_dtype(previous)
     load_state(model, d / WEIGHTS_FILE)

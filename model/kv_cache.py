@@ -30,13 +30,14 @@ def cache_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
             or os.environ.get("ATTNSERVE_HUGE_PAGES", "1") == "0"):
         return torch.zeros(shape, dtype=dtype, device=device)
     # private and anonymous (a shared mapping is shmem: another THP setting), untouched: the advice applies
-    # as the pages are first written
+    # as the pages are first written. The kernel's zeros: writing them here would fault in the whole cache
+    # (GBs) at start-up, where a slot's pages are otherwise faulted in as its positions are first written
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         buf.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # a kernel without transparent huge pages: small pages, as before
         pass
-    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape).zero_()  # the tensor keeps `buf`
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)  # the tensor keeps `buf`
 
 
 class KVCache:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import os
 import time
 import warnings
 import weakref
@@ -256,11 +257,12 @@ class Int4Linear(nn.Module):
 
 
 def quantize_linears(model: nn.Module, mode: str, calibrate: Callable[[], object] | None = None,
-                     keep: tuple[str, ...] = ()) -> int:
+                     keep: tuple[str, ...] = (), maxima: Path | None = None) -> int:
     """Replace the `nn.Linear` modules of `model` (in place) by their `mode` counterparts -> how many.
 
     `calibrate` runs the model on calibration input (int8: records each layer's input maxima for
-    smoothing). Layers named in `keep` and layers whose shape the int4 kernel cannot take stay in
+    smoothing); `maxima`, a file that keeps them: read where it exists (no calibration run), else written.
+    Layers named in `keep` and layers whose shape the int4 kernel cannot take stay in
     floating point. A tied output projection becomes a quantized copy; the embedding it shared keeps
     its float weights for the lookup."""
     if mode not in QUANTIZATIONS:
@@ -269,7 +271,7 @@ def quantize_linears(model: nn.Module, mode: str, calibrate: Callable[[], object
         return 0
     if next(model.parameters()).device.type != "cpu":
         raise ValueError(f"quantization {mode!r} runs on CPU only; use 'none' on {next(model.parameters()).device}")
-    act_max = _input_maxima(model, calibrate) if mode == "int8" and calibrate is not None else {}
+    act_max = _input_maxima(model, calibrate, maxima) if mode == "int8" and calibrate is not None else {}
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -285,8 +287,31 @@ def quantize_linears(model: nn.Module, mode: str, calibrate: Callable[[], object
     return swapped
 
 
-def _input_maxima(model: nn.Module, calibrate: Callable[[], object]) -> dict[nn.Module, torch.Tensor]:
-    """max |input| per input channel of every Linear while `calibrate` runs -> {layer: (K,)}."""
+def _input_maxima(model: nn.Module, calibrate: Callable[[], object],
+                  path: Path | None = None) -> dict[nn.Module, torch.Tensor]:
+    """max |input| per input channel of every Linear while `calibrate` runs -> {layer: (K,)}; kept in
+    `path` by layer name (read back where it holds every Linear's)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, save_file
+
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if path is not None and path.is_file():
+        try:
+            kept = load_file(str(path))
+        except (SafetensorError, OSError):
+            kept = {}
+        if kept and all(n in linears and t.shape == (linears[n].in_features,) for n, t in kept.items()):
+            return {linears[n]: t for n, t in kept.items()}
+    seen = _record_maxima(model, calibrate)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        save_file({n: seen[m].contiguous() for n, m in linears.items() if m in seen}, str(tmp))
+        os.replace(tmp, path)  # atomic: a replica starting beside this one reads all of it or nothing
+    return seen
+
+
+def _record_maxima(model: nn.Module, calibrate: Callable[[], object]) -> dict[nn.Module, torch.Tensor]:
     seen: dict[nn.Module, torch.Tensor] = {}
 
     def record(layer, inputs, _output):
@@ -365,10 +390,11 @@ def quantization_of(model: nn.Module) -> str:
     return "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else "none"
 
 
-def quantize_decoder(model: nn.Module, tokenizer, mode: str) -> int:
+def quantize_decoder(model: nn.Module, tokenizer, mode: str, maxima: Path | None = None) -> int:
     """Quantize a decoder-only LM for serving -> layers replaced. int8: every linear, calibrated on
     CALIBRATION_TEXT. int4: the blocks' linears in int4 and the output projection in int8 (SmolLM2's
-    comes from a Q8_0 tensor, which 4 bits in groups of 32 would not hold: docs/decisions.md)."""
+    comes from a Q8_0 tensor, which 4 bits in groups of 32 would not hold: docs/decisions.md).
+    `maxima`: where the calibration's result is kept for these weights and mode (`quantize_linears`)."""
     if mode == "none":
         return 0
     ids = torch.tensor([tokenizer.encode(CALIBRATION_TEXT.read_text(encoding="utf-8"))])  # (1, T)
@@ -376,4 +402,4 @@ def quantize_decoder(model: nn.Module, tokenizer, mode: str) -> int:
     n = 0
     if mode == "int4":
         n += quantize_linears(model, "int4", keep=("lm_head",))
-    return n + quantize_linears(model, "int8", calibrate=lambda: model(ids))
+    return n + quantize_linears(model, "int8", calibrate=lambda: model(ids), maxima=maxima)

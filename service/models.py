@@ -9,6 +9,7 @@ A model that cannot be loaded is reported (Backends.unavailable) instead of fail
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -103,7 +104,7 @@ def _resolve(path: str) -> Path:
 
 
 def load_generator(spec: ModelSpec, sink=None, log=print) -> GeneratorFrontend:
-    from model.checkpoint import load_checkpoint, load_tokenizer
+    from model.checkpoint import WEIGHTS_FILE, load_checkpoint, load_tokenizer
     from service.engine.generation import GenerationEngine
 
     cfg = engine_config(spec)
@@ -114,7 +115,7 @@ def load_generator(spec: ModelSpec, sink=None, log=print) -> GeneratorFrontend:
 
         d = ensure_smollm2(dtype="bfloat16" if cfg.dtype == "bfloat16" else "float32", log=log)
     model, tok = load_checkpoint(d, dtype=cfg.torch_dtype), load_tokenizer(d)
-    quantize_generator(model, tok, spec.quantization, cfg, log=log)
+    quantize_generator(model, tok, spec.quantization, cfg, log=log, weights=d / WEIGHTS_FILE)
     eos = tok.stop_ids() if hasattr(tok, "stop_ids") else {tok.eos_id} - {None}
     engine = GenerationEngine(model, tok, cfg, eos_ids=eos, name=GENERATOR_ID, sink=sink)
     return GeneratorFrontend(engine, tok, name=GENERATOR_ID,
@@ -140,13 +141,24 @@ def resolve_quantization(mode: str, cfg: EngineConfig) -> str:
     return measured_once(path, QUANTIZATIONS, lambda: choose_quantization(cfg.torch_dtype, cfg.compile))
 
 
-def quantize_generator(model, tok, mode: str, cfg: EngineConfig, log=print) -> str:
-    from model.quantize import quantize_decoder
+def quantize_generator(model, tok, mode: str, cfg: EngineConfig, log=print, weights: Path | None = None) -> str:
+    """`weights`: the checkpoint's file; its calibration maxima are then kept across starts (keyed by the
+    file's path, size and time, the mode, dtype and the quantization code)."""
+    from model.quantize import CALIBRATION_TEXT, quantize_decoder
+    from service.engine.aot_package import code_hash
+    from service.engine.compiled import use_persistent_cache
 
     mode = resolve_quantization(mode, cfg)
     if mode != "none":
         t0 = time.perf_counter()
-        n = quantize_decoder(model, tok, mode)
+        maxima = None
+        if weights is not None:
+            st = weights.resolve().stat()
+            key = (str(weights.resolve()), st.st_size, st.st_mtime_ns, mode, cfg.dtype, code_hash(),
+                   hashlib.sha256(CALIBRATION_TEXT.read_bytes()).hexdigest())
+            digest = hashlib.blake2b(repr(key).encode(), digest_size=12).hexdigest()
+            maxima = use_persistent_cache() / "calibration" / f"{mode}-{digest}.safetensors"
+        n = quantize_decoder(model, tok, mode, maxima=maxima)
         log(f"attnserve: generator linears in {mode}: {n} layers in {time.perf_counter() - t0:.1f} s")
     return mode
 

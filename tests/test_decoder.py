@@ -180,17 +180,21 @@ def test_position_beyond_cache_is_a_clear_error(model):
         model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[8]]), cache, [0])
 
 
-def _huge_kb_at(address: int) -> int:
-    """AnonHugePages of the mapping holding `address` (/proc/self/smaps)."""
+def _smaps_kb_at(address: int, field: str) -> int:
+    """`field` (AnonHugePages, Rss, ...) of the mapping holding `address` (/proc/self/smaps)."""
     inside = False
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
+        elif inside and head == f"{field}:":
             return int(line.split()[1])
     return 0
+
+
+def _huge_kb_at(address: int) -> int:
+    return _smaps_kb_at(address, "AnonHugePages")
 
 
 @pytest.mark.parametrize("huge", ["1", "0"])
@@ -204,10 +208,13 @@ def test_cache_buffers_are_zeros_and_ask_for_huge_pages(huge, monkeypatch):
 
     monkeypatch.setenv("ATTNSERVE_HUGE_PAGES", huge)
     t = cache_buffer((64, 1024, 64), torch.bfloat16, "cpu")  # 8 MB
+    if sys.platform == "linux" and huge == "1":  # not touched yet: a start does not fault in the whole cache
+        assert _smaps_kb_at(t.data_ptr(), "Rss") < 1024
     assert t.shape == (64, 1024, 64) and t.dtype == torch.bfloat16 and not t.any()
+    t.add_(1)  # every page written, as a cache in use
     t[-1, -1, -1] = 3.0  # written through, and still there after the buffer's other names are gone
     gc.collect()
-    assert t.sum().item() == 3.0
+    assert t[-1, -1, -1].item() == 3.0 and (t == 1).sum().item() == t.numel() - 1
     if sys.platform != "linux":
         return
     thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()

@@ -8,9 +8,10 @@ import asyncio
 
 from service.api.errors import ApiError
 from service.api.schemas import ResponseFormat
-from service.engine.structured import JSON_OBJECT
 from service.engine.types import RequestRejected
 from service.frontend.generator import GeneratorFrontend
+
+JSON_OBJECT = {"type": "object"}  # OpenAI's JSON mode: any JSON object
 
 
 async def response_schema(gen: GeneratorFrontend, fmt: ResponseFormat | None) -> dict | None:

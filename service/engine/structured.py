@@ -23,7 +23,6 @@ from service.engine.types import RequestRejected
 
 # compact JSON: no free whitespace, so a small model cannot loop on blanks, and no tokens spent on it
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-JSON_OBJECT = {"type": "object"}  # OpenAI's JSON mode: any JSON object
 CACHE_SIZE = 128  # compiled schemas kept
 NEG_INF_BITS = -8388608  # 0xFF800000, float32 -inf, as an int32
 
