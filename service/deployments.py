@@ -41,24 +41,17 @@ class AttnServe:
 
     async def _load(self, sink) -> None:
         from service.models import load_backends
-        from service.prebuild import start_translator_build
-
-        child = None
-
-        def on_loaded(attr, backend):  # the translator's packages build while the generator loads and builds
-            nonlocal child
-            if attr == "translator":
-                child = start_translator_build(self.config, backend)
+        from service.prebuild import translator_build_needed
 
         try:
-            loaded = await asyncio.to_thread(load_backends, self.config, sink, startup=self.startup,
-                                             on_loaded=on_loaded)
+            loaded = await asyncio.to_thread(load_backends, self.config, sink, startup=self.startup)
             if self.config.batching == "serve_batch" and loaded.generator is not None:
                 from service.serve_batching import ServeBatchGenerator
 
                 loaded.generator = ServeBatchGenerator(loaded.generator, self.config.serve_batch_size,
                                                        self.config.serve_batch_wait_s)
             self.backends.unavailable.update(loaded.unavailable)
+            later = loaded.translator is not None and translator_build_needed(self.config, loaded.translator)
             for model_id, attr in ((GENERATOR_ID, "generator"), (TRANSLATOR_ID, "translator")):
                 backend = getattr(loaded, attr)
                 if backend is None:
@@ -67,13 +60,15 @@ class AttnServe:
                 compiling = engine.config.compile
                 self.startup.set(f"{'compiling' if compiling else 'starting'} the {attr} engine", model_id,
                                  "compiling (or loading) the decode step" if compiling else "starting")
-                if attr == "translator" and child is not None:
-                    await asyncio.to_thread(child.wait)
                 if attr == "generator":  # its compiled prefill, where missing, is built after ready
                     engine.runner.build_prefill = False
+                if attr == "translator" and later:  # its packages are built after ready: eager until then
+                    engine.compile_later = True
                 await backend.start()
                 state = "ready"
-                if compiling:
+                if attr == "translator" and later:
+                    state = "ready (eager until its compiled steps are built, after start-up)"
+                elif compiling:
                     state = (f"ready (step compiled or loaded in {engine.compiled.compile_seconds:.1f} s)"
                              if engine.compiled is not None else "ready (torch.compile failed: running eagerly)")
                 self.startup.model(model_id, state)
@@ -88,15 +83,40 @@ class AttnServe:
         except Exception as e:  # reported on /readyz; check_health then has Serve restart the replica
             self.startup.fail(f"{type(e).__name__}: {e}")
             log.exception("attnserve replica failed to start")
-        finally:
-            if child is not None and child.poll() is None:
-                child.kill()
-                child.wait()  # reaped: a zombie would still count as busy on the host's board
-        if self.startup.ready and self.backends.generator is not None:
+        if not self.startup.ready:
+            return
+        if self.backends.translator is not None and self.backends.translator.engine.compile_later:
+            try:
+                await self._compile_translator(self.backends.translator)
+            except Exception:  # only speed is lost: it keeps translating eagerly
+                log.warning("translator: compiled steps not loaded", exc_info=True)
+        if self.backends.generator is not None:
             try:
                 await self._load_prefill(self.backends.generator)
             except Exception:  # only speed is lost: prompts keep prefilling eagerly
                 log.warning("generator: compiled prefill not loaded", exc_info=True)
+
+    async def _compile_translator(self, translator) -> None:
+        """A child builds the translator's packages (service/prebuild.py) while this replica serves; then its
+        engine loads them between two steps. Should the child fail, the engine stays eager: building them
+        on its own thread would stop its steps for the build's length."""
+        from service.prebuild import start_translator_build, translator_build_needed
+
+        child = start_translator_build(self.config, translator)
+        rc = None
+        if child is not None:
+            try:
+                rc = await asyncio.to_thread(child.wait)
+            finally:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()  # reaped: a zombie would still count as busy on the host's board
+        if translator_build_needed(self.config, translator):
+            log.warning("translator: its packages were not built (child exit %s): running eagerly", rc)
+            return
+        await translator.engine.compile_deferred()
+        log.info("translator engine: compiled steps %s", "loaded" if translator.engine.compiled is not None
+                 else "failed to load: running eagerly")
 
     async def _load_prefill(self, generator) -> None:
         """Where the generator's compiled prefill is missing, a child builds it (service/prebuild.py) while

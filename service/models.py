@@ -180,12 +180,9 @@ def load_translator(spec: ModelSpec, sink=None) -> TranslationFrontend:
     return TranslationFrontend(engine, load_tokenizer(d))
 
 
-def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None, on_loaded=None) -> Backends:
+def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Backends:
     """Every enabled model that loads; the others with the reason they did not. `startup`
-    (service/startup.py) hears each model's phase: loading, loaded (MB, MB/s), unavailable.
-    `on_loaded(attr, backend)` runs as each model loads. The translator loads first: its checkpoint is
-    local, so a caller can start building its compiled steps while the generator's weights are fetched
-    and converted (service/prebuild.py)."""
+    (service/startup.py) hears each model's phase: loading, loaded (MB, MB/s), unavailable."""
     import torch
 
     from model.checkpoint import CheckpointError
@@ -196,11 +193,6 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None, on_loa
     load_errors = (ModelUnavailable, CheckpointError, FileNotFoundError, OSError, ImportError, ValueError,
                    torch.OutOfMemoryError)
     single_threaded_caller()  # engines parallelise on their own threads (see cpu_runtime)
-    if cfg.generator.enabled and cfg.generator.quantization == "auto":
-        try:  # measured once per host: before a build child started by `on_loaded` shares the cores
-            resolve_quantization("auto", engine_config(cfg.generator))
-        except load_errors:
-            pass  # reported as the generator loads
     backends = Backends()
     for name, spec, loader, attr in ((TRANSLATOR_ID, cfg.translator, load_translator, "translator"),
                                      (GENERATOR_ID, cfg.generator, functools.partial(load_generator, log=log),
@@ -225,6 +217,4 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None, on_loa
             model = backend.engine.model  # quantized linears keep their packed weights as buffers
             mb = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / 2**20
             startup.model(name, f"weights loaded: {mb:.0f} MB in {seconds:.1f} s ({mb / seconds:.0f} MB/s)")
-        if on_loaded is not None:
-            on_loaded(attr, backend)
     return backends

@@ -1,19 +1,15 @@
 """Compiled steps built in a child process, so that a replica's first start does not wait for them.
 
-A replica starts its engines one after the other, and two engines' builds cannot share a process
-(torch.export's tracing is not thread-safe: docs/decisions.md). On a first start the translator's
-packages would wait for the generator's weights and packages while the second core idles. A child
-process, started as soon as the translator's weights are loaded (they load first) and only where this
-host lacks the translator's packages, starts the translator's engine once, which builds them under
-`$ATTNSERVE_HOME` (service/engine/aot_package.py) keyed exactly as the replica keys them, and exits;
-the replica fetches and loads the generator's weights and builds its packages meanwhile, and waits for
-the child before starting its own translator engine, which then loads them. The child's failure
-costs nothing but time: the replica then builds them itself.
-
-The generator's compiled prefill is not needed to serve, only faster: a replica that lacks it starts
-without it and, once ready, has a child build it the same way, at the lowest CPU priority (the
-replica is serving by then), then loads it. A child marks itself busy on the host's `BusyBoard`
-(service/engine/cpu_runtime.py) while it runs, so serving engines step on one thread meanwhile.
+Building packages is most of a first start (service/engine/aot_package.py), and two engines' builds
+cannot share a process (torch.export's tracing is not thread-safe: docs/decisions.md). A replica builds
+the generator's decode step itself, with the cores to itself, and is ready once it is; where this host
+lacks the translator's packages, the translator engine starts without them (it runs eagerly, slower)
+and, once the replica is ready, a child process starts the translator's engine once, which builds them
+under `$ATTNSERVE_HOME` keyed exactly as the replica keys them, and exits; the replica's engine then
+loads them between two steps. The generator's compiled prefill (not needed to serve, only faster)
+follows the same way. Children run at the lowest CPU priority (the replica is serving by then) and mark
+themselves busy on the host's `BusyBoard` (service/engine/cpu_runtime.py), so serving engines step on
+one thread meanwhile. A child's failure costs only speed: the engine stays eager (or prefills eagerly).
 
     python -m service.prebuild translator|generator '<ModelSpec as JSON>'
 """
@@ -35,16 +31,22 @@ from service.config import ServiceConfig
 log = logging.getLogger(__name__)
 
 
-def start_translator_build(cfg: ServiceConfig, translator) -> subprocess.Popen | None:
-    """Start the child for a compiled CPU translator (`translator`: its loaded frontend) served beside a
-    generator, when this host lacks its packages; None where there is nothing to build or overlap."""
+def translator_build_needed(cfg: ServiceConfig, translator) -> bool:
+    """Whether a compiled CPU translator (`translator`: its loaded frontend) served beside a generator lacks
+    its packages on this host."""
     from service.engine.cpu_runtime import default_threads
 
     engine = translator.engine
     if not (cfg.generator.enabled and engine.config.compile and engine.config.device == "cpu"):
+        return False
+    return not engine.runner.compiled_steps_built(engine.config.threads or default_threads())
+
+
+def start_translator_build(cfg: ServiceConfig, translator) -> subprocess.Popen | None:
+    """Start the child that builds the translator's packages where `translator_build_needed`; else None."""
+    if not translator_build_needed(cfg, translator):
         return None
-    if engine.runner.compiled_steps_built(engine.config.threads or default_threads()):
-        return None
+    engine = translator.engine
     # the replica's own placement, so the child keys its packages as the replica will
     return _child("translator", dataclasses.replace(cfg.translator, device=engine.config.device,
                                                     dtype=engine.config.dtype))
@@ -96,6 +98,5 @@ def _exit_with_parent(parent: int) -> None:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="prebuild: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    if sys.argv[1] == "generator":  # built after ready: the cores serve requests first
-        os.nice(19)
+    os.nice(19)  # built after ready: the cores serve requests first
     asyncio.run(_build(*sys.argv[1:3]))

@@ -219,26 +219,6 @@ def test_the_service_url_brackets_an_ipv6_host():
     assert http_base("::1", 8000) == "http://[::1]:8000"
 
 
-def test_the_generators_auto_quantization_is_measured_before_any_model_loads(tmp_path, monkeypatch):
-    """The translator loads first and a build child may start from `on_loaded` while the generator loads:
-    the once-per-host measurement must not share the cores with it."""
-    import model.quantize
-    from tests.serve_fixture import tiny_checkpoints
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "host"))  # the per-host folder
-    gen, tr = tiny_checkpoints(tmp_path)
-    events = []
-    monkeypatch.setattr(model.quantize, "choose_quantization",
-                        lambda dtype, compiled=False: events.append("measured") or "none")
-    cfg = ServiceConfig.from_dict({"generator": {"checkpoint": str(gen), "device": "cpu", "dtype": "float32",
-                                                 "quantization": "auto", "engine": {"compile": False}},
-                                   "translator": {"checkpoint": str(tr), "device": "cpu", "dtype": "float32",
-                                                  "engine": {"compile": False}}})
-    b = load_backends(cfg, log=lambda *_: None, on_loaded=lambda attr, backend: events.append(attr))
-    assert events == ["measured", "translator", "generator"]
-    assert b.generator is not None and b.translator is not None
-
-
 def test_a_host_folder_that_cannot_be_written_costs_the_generator_only(tmp_path, monkeypatch):
     from service import models
     from tests.serve_fixture import tiny_checkpoints

@@ -47,6 +47,9 @@ class EngineLoop:
         self.steps = 0
         self.last_batch_size = 0
         self.requests_finished = 0
+        # start without compiling: run eagerly until `compile_deferred` (a replica's first start on a host,
+        # while a child builds the packages: service/deployments.py)
+        self.compile_later = False
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -182,11 +185,19 @@ class EngineLoop:
         """Run once on the worker thread before the first step: with `compile`, compile the step there
         (service/engine/compiled.py; a failure is logged and the engine runs eagerly); then one call of each
         kind, so the first request does not pay their one-time costs."""
-        self._compile()
+        if not self.compile_later:
+            self._compile()
         try:
             self.runner.warm_up()
         except Exception:  # only a cost moved off the first request: serve without it
             log.warning("engine %s: warm-up call failed", self.name, exc_info=True)
+
+    async def compile_deferred(self) -> None:
+        """Compile (or load) the step now, on the worker thread between two steps, for an engine started
+        with `compile_later`; until it returns, steps run eagerly."""
+        self._check_started()
+        self.compile_later = False
+        await self._loop.run_in_executor(self._pool, self._compile)
 
     def _compile(self) -> None:
         if not self.config.compile or self.runner.compiled is not None:
