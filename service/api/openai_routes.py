@@ -123,7 +123,7 @@ async def completions(body: CompletionBody, request: Request):
                         default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, limits=limits,
                         **_penalties(body), n=best_of, logprobs=track, prompt_logprobs=score_prompt, json_schema=schema)
     events = gen.submit(req)
-    texts = TokenTexts(gen.decode, gen.vocab_bytes, gen.hidden_ids)
+    texts = TokenTexts(gen.decode, lambda: gen.vocab_bytes, gen.hidden_ids)
     echo = prompt if body.echo else ""
     if body.stream:
         offsets: dict[int, CompletionLogprobs] = {}
@@ -174,7 +174,7 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
                         default_max_tokens=CHAT_DEFAULT_MAX_TOKENS, limits=limits, max_tokens_param=param,
                         **_penalties(body), n=body.n, logprobs=track, json_schema=schema)
     events = gen.submit(req)
-    texts = TokenTexts(gen.decode, gen.vocab_bytes, gen.hidden_ids)
+    texts = TokenTexts(gen.decode, lambda: gen.vocab_bytes, gen.hidden_ids)
     if body.stream:
         started: set[int] = set()
 

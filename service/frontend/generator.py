@@ -4,6 +4,7 @@ text back (detokenising is its output processing, service/engine/generation_outp
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import AsyncIterator
 
@@ -67,6 +68,9 @@ class GeneratorFrontend:
 
     async def start(self) -> None:
         await self.engine.start()
+        if self.chat_template:  # compiled now rather than on the first chat request (jinja's import included)
+            with contextlib.suppress(RequestRejected):
+                self.encode_chat([{"role": "user", "content": "Hello"}])
 
     async def stop(self) -> None:
         await self.engine.stop()
