@@ -289,8 +289,8 @@ def quantize_linears(model: nn.Module, mode: str, calibrate: Callable[[], object
 
 def _input_maxima(model: nn.Module, calibrate: Callable[[], object],
                   path: Path | None = None) -> dict[nn.Module, torch.Tensor]:
-    """max |input| per input channel of every Linear while `calibrate` runs -> {layer: (K,)}; kept in
-    `path` by layer name (read back where it holds every Linear's)."""
+    """max |input| per input channel of every Linear that `calibrate` runs through -> {layer: (K,)}; kept in
+    `path` by layer name, read back where each entry names one of this model's Linears with that width."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 

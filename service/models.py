@@ -145,7 +145,7 @@ def quantize_generator(model, tok, mode: str, cfg: EngineConfig, log=print, weig
     """`weights`: the checkpoint's file; its calibration maxima are then kept across starts (keyed by the
     file's path, size and time, the mode, dtype and the quantization code)."""
     from model.quantize import CALIBRATION_TEXT, quantize_decoder
-    from service.engine.aot_package import code_hash
+    from service.engine.aot_package import code_hash, digest
     from service.engine.compiled import use_persistent_cache
 
     mode = resolve_quantization(mode, cfg)
@@ -156,8 +156,7 @@ def quantize_generator(model, tok, mode: str, cfg: EngineConfig, log=print, weig
             st = weights.resolve().stat()
             key = (str(weights.resolve()), st.st_size, st.st_mtime_ns, mode, cfg.dtype, code_hash(),
                    hashlib.sha256(CALIBRATION_TEXT.read_bytes()).hexdigest())
-            digest = hashlib.blake2b(repr(key).encode(), digest_size=12).hexdigest()
-            maxima = use_persistent_cache() / "calibration" / f"{mode}-{digest}.safetensors"
+            maxima = use_persistent_cache() / "calibration" / f"{mode}-{digest(key)}.safetensors"
         n = quantize_decoder(model, tok, mode, maxima=maxima)
         log(f"attnserve: generator linears in {mode}: {n} layers in {time.perf_counter() - t0:.1f} s")
     return mode

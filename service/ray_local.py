@@ -8,6 +8,7 @@ Known exception: a replica's internal gRPC server binds `[::]:0` (hard-coded in 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ SERVE_TUNING_ENV = {
 DEFAULT_CONFIG = REPO_ROOT / "deploy" / "serve_config.yaml"
 METRICS_REPORT_MS = 2000  # Ray's default is 10 s: GET /metrics would lag that long
 OBJECT_STORE_BYTES = 256 * 1024**2  # Ray otherwise reserves a large slice of /dev/shm
+START_ATTEMPTS = 2
 
 
 def loopback_env() -> None:
@@ -124,11 +126,21 @@ def start_ray(num_cpus: int | None = None, object_store_bytes: int = OBJECT_STOR
 
     if ray.is_initialized():
         return
-    # address "local": a new instance of our own, even where RAY_ADDRESS or a running cluster could be joined
-    ray.init(address="local", _node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=num_cpus,
-             object_store_memory=object_store_bytes, namespace="serve", log_to_driver=log_to_driver,
-             runtime_env={"env_vars": {k: os.environ[k] for k in ("PYTHONPATH", *LOOPBACK_ENV, *SERVE_TUNING_ENV)}},
-             _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS})
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            # address "local": a new instance of our own, even where RAY_ADDRESS or a running cluster could be joined
+            ray.init(address="local", _node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=num_cpus,
+                     object_store_memory=object_store_bytes, namespace="serve", log_to_driver=log_to_driver,
+                     runtime_env={"env_vars": {k: os.environ[k]
+                                               for k in ("PYTHONPATH", *LOOPBACK_ENV, *SERVE_TUNING_ENV)}},
+                     _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS})
+            return
+        except Exception as e:
+            # Ray gives its raylet a fixed 30 s to register; on two busy cores it can miss that once
+            if attempt == START_ATTEMPTS or "timed out during startup" not in str(e):
+                raise
+            print(f"attnserve: Ray's node missed its start-up deadline ({e}); starting it again", file=sys.stderr)
+            ray.shutdown()
 
 
 def deploy(config: dict, timeout_s: float = 600.0, stop: threading.Event | None = None) -> None:

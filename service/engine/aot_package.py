@@ -115,6 +115,11 @@ def code_hash() -> str:
     return h.hexdigest()
 
 
+def digest(parts: Sequence[object]) -> str:
+    """A file name's digest of a key (its values' reprs): what a file kept across starts is built from."""
+    return hashlib.blake2b(repr(list(parts)).encode(), digest_size=12).hexdigest()
+
+
 def fingerprint(model: torch.nn.Module) -> str:
     """The model's weights and buffers (frozen into a package as constants), and the opaque quantized
     kernels' own fingerprints (model/quantize.py)."""
@@ -135,8 +140,7 @@ def package_path(directory: Path, name: str, key: Sequence[object], *, freezing:
     is built and run under (default: the calling thread's)."""
     threads = torch.get_num_threads() if threads is None else threads
     parts = [name, torch.__version__, threads, freezing, shared, code_hash(), *key]
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
-    return directory / "aoti" / f"{name}-{digest}.pt2"
+    return directory / "aoti" / f"{name}-{digest(parts)}.pt2"
 
 
 def load_or_build(directory: Path, name: str, fn: Callable, model: torch.nn.Module, args: Sequence[torch.Tensor],

@@ -123,13 +123,15 @@ def _mark_dynamic(*spec) -> None:
 class CompiledTranslator:
     """Compiled encoder admission and decoder step over a translator's slot cache."""
 
-    def __init__(self, model: EncoderDecoder, cache: KVCache):
+    def __init__(self, model: EncoderDecoder, cache: KVCache, key: tuple | None = None):
+        """`key`: the packages' key where the caller already has it (`self.key`): it hashes every weight."""
         if cache.n_slots < MIN_SIZE or cache.max_len < MIN_SIZE or cache.cross_len <= MIN_SRC:
             raise ValueError(f"compiled steps need >= {MIN_SIZE} slots and positions, > {MIN_SRC} source positions")
         self.model, self.cache = model, cache
         use_persistent_cache()
         self.pad_id = model.cfg.pad_id
         self.dev = cache.k.device
+        self.key = key or self._key()
         self._decode = _compile(functools.partial(decode_step, model))
         self._encode = _compile(functools.partial(encode_cross, model))
         self.min_rows = MIN_SIZE  # torch.compile specialises one row; an exported package takes it
@@ -179,7 +181,7 @@ class CompiledTranslator:
     def built(self, threads: int) -> bool:
         """Whether this host has the packages of these steps for `threads` torch threads (`warm_up` would
         load them, not build them)."""
-        key, where = self._key(), use_persistent_cache()
+        key, where = self.key, use_persistent_cache()
         return all(package_path(where, name, key, freezing=True, threads=threads).is_file() for name in self.PACKAGES)
 
     def _aot_load_or_build(self, step_args: tuple, encoder_args: tuple) -> None:
@@ -188,7 +190,7 @@ class CompiledTranslator:
         # < max_len; the translator's runner allocates one spare source position)
         rows, length = Dim("rows", min=1, max=c.n_slots), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
         src = Dim("src", min=MIN_SRC, max=c.cross_len - 1)
-        key, where = self._key(), use_persistent_cache()
+        key, where = self.key, use_persistent_cache()
         decode_name, encode_name = self.PACKAGES
         decode = load_or_build(where, decode_name, decode_step, self.model, step_args,
                                ({0: rows}, {0: rows}, {1: rows, 3: length}, {1: rows, 3: length}, {1: rows, 3: src},

@@ -21,9 +21,15 @@ class Seq2SeqRunner:
         self.cache = model.new_cache(config.max_slots, self.max_tgt, dtype=config.kv_torch_dtype,
                                      cross_len=model.cfg.max_src_len + 1)
         self.compiled: CompiledTranslator | None = None
+        self._steps_key: tuple | None = None  # the packages' key: the weights never change once served
+
+    def _compiled_translator(self) -> CompiledTranslator:
+        compiled = CompiledTranslator(self.model, self.cache, self._steps_key)
+        self._steps_key = compiled.key
+        return compiled
 
     def compile(self) -> None:
-        compiled = CompiledTranslator(self.model, self.cache)
+        compiled = self._compiled_translator()
         compiled.warm_up()
         self.compiled = compiled
 
@@ -31,7 +37,7 @@ class Seq2SeqRunner:
         """Whether `compile` has nothing to build: this host's packages exist, or the sizes are ones the
         compiled step cannot take (the engine then runs eagerly)."""
         try:
-            return CompiledTranslator(self.model, self.cache).built(threads)
+            return self._compiled_translator().built(threads)
         except ValueError:
             return True
 

@@ -1,0 +1,51 @@
+"""service/ray_local.start_ray: Ray's fixed 30 s raylet deadline, missed once on busy cores, is retried."""
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from service import ray_local  # noqa: E402
+
+TIMEOUT = Exception("The current node timed out during startup. This could happen because some of the raylet "
+                    "failed to startup or the GCS has become overloaded.")
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    calls = {"init": 0, "shutdown": 0}
+    monkeypatch.setattr(ray_local, "loopback_env", lambda: None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.__setitem__("shutdown", calls["shutdown"] + 1))
+    monkeypatch.setenv("PYTHONPATH", "")
+    for k in (*ray_local.LOOPBACK_ENV, *ray_local.SERVE_TUNING_ENV):
+        monkeypatch.setenv(k, "0")
+    return calls
+
+
+def test_a_missed_start_deadline_is_retried_once(monkeypatch, fake_ray, capsys):
+    def init(**kwargs):
+        fake_ray["init"] += 1
+        if fake_ray["init"] == 1:
+            raise TIMEOUT
+        assert kwargs["_node_ip_address"] == ray_local.LOOPBACK
+
+    monkeypatch.setattr(ray, "init", init)
+    ray_local.start_ray(num_cpus=2)
+    assert fake_ray == {"init": 2, "shutdown": 1}
+    assert "starting it again" in capsys.readouterr().err
+
+
+def test_a_second_miss_and_other_errors_are_raised(monkeypatch, fake_ray):
+    def init(**kwargs):
+        fake_ray["init"] += 1
+        raise TIMEOUT
+
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(Exception, match="timed out during startup"):
+        ray_local.start_ray()
+    assert fake_ray["init"] == ray_local.START_ATTEMPTS
+
+    fake_ray["init"] = 0
+    monkeypatch.setattr(ray, "init", lambda **kw: (_ for _ in ()).throw(ValueError("bad object_store_memory")))
+    with pytest.raises(ValueError, match="object_store_memory"):
+        ray_local.start_ray()
