@@ -35,6 +35,12 @@ DEFAULT_CONFIG = REPO_ROOT / "deploy" / "serve_config.yaml"
 METRICS_REPORT_MS = 2000  # Ray's default is 10 s: GET /metrics would lag that long
 OBJECT_STORE_BYTES = 256 * 1024**2  # Ray otherwise reserves a large slice of /dev/shm
 START_ATTEMPTS = 2
+SYSTEM_CONFIG = {
+    "metrics_report_interval_ms": METRICS_REPORT_MS,
+    # Ray starts num_cpus idle workers for the driver's job; Serve's actors and build task never use them,
+    # and on two cores their start delayed Serve's own (docs/decisions.md)
+    "prestart_worker_first_driver": False,
+}
 
 
 def loopback_env() -> None:
@@ -133,7 +139,7 @@ def start_ray(num_cpus: int | None = None, object_store_bytes: int = OBJECT_STOR
                      object_store_memory=object_store_bytes, namespace="serve", log_to_driver=log_to_driver,
                      runtime_env={"env_vars": {k: os.environ[k]
                                                for k in ("PYTHONPATH", *LOOPBACK_ENV, *SERVE_TUNING_ENV)}},
-                     _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS})
+                     _system_config=SYSTEM_CONFIG)
             return
         except Exception as e:
             # Ray gives its raylet a fixed 30 s to register; on two busy cores it can miss that once

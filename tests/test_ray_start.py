@@ -28,6 +28,7 @@ def test_a_missed_start_deadline_is_retried_once(monkeypatch, fake_ray, capsys):
         if fake_ray["init"] == 1:
             raise TIMEOUT
         assert kwargs["_node_ip_address"] == ray_local.LOOPBACK
+        assert kwargs["_system_config"]["prestart_worker_first_driver"] is False
 
     monkeypatch.setattr(ray, "init", init)
     ray_local.start_ray(num_cpus=2)
