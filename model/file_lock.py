@@ -10,12 +10,17 @@ from pathlib import Path
 
 
 @contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive `flock` on `path` (created if missing) for the block; released if the process dies."""
+def file_lock(path: Path, wait: bool = True) -> Iterator[bool]:
+    """Hold an exclusive `flock` on `path` (created if missing) for the block; released if the process dies.
+    Yields whether it is held: without `wait`, False at once where another process holds it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(f, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)

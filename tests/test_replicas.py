@@ -119,6 +119,44 @@ def test_file_lock_makes_the_second_holder_wait(tmp_path):
     assert order == ["first done", "second in"]
 
 
+def test_a_lock_held_elsewhere_is_reported_without_waiting(tmp_path):
+    with file_lock(tmp_path / "x.lock") as held:
+        assert held
+        with file_lock(tmp_path / "x.lock", wait=False) as second:  # another open file: another holder
+            assert not second
+    with file_lock(tmp_path / "x.lock", wait=False) as held:
+        assert held
+
+
+def test_replicas_build_a_steps_packages_side_by_side(tmp_path):
+    """Two packages, one being built by another replica: this one builds the other first, then waits."""
+    import functools
+
+    import torch
+
+    from service.engine.aot_package import load_or_build, load_or_build_each, package_path
+
+    def double(model, x):
+        return (x * 2,)
+
+    x = torch.ones(4)
+    other = dict(freezing=False, key=("busy",), threads=1)
+    calls = []
+
+    def step(name, wait=True):
+        calls.append((name, wait))
+        if name == "busy" and not wait:
+            return None  # another process holds its lock
+        return name
+
+    with file_lock(package_path(tmp_path, "step", other["key"], freezing=False, threads=1).with_suffix(".lock")):
+        assert load_or_build(tmp_path, "step", double, torch.nn.Module(), (x,), (None,), wait=False, **other) is None
+    assert not list(tmp_path.rglob("*.pt2"))  # nothing built while another process held it
+    assert load_or_build_each(functools.partial(step, "busy"), functools.partial(step, "free")) == ["busy", "free"]
+    # after building its own it looks again (the other may be done), then waits
+    assert calls == [("busy", False), ("free", False), ("busy", False), ("busy", True)]
+
+
 def test_auto_quantization_is_measured_once_per_host(tmp_path, monkeypatch):
     import model.quantize
     from service.engine.config import EngineConfig

@@ -145,21 +145,38 @@ def package_path(directory: Path, name: str, key: Sequence[object], *, freezing:
 
 def load_or_build(directory: Path, name: str, fn: Callable, model: torch.nn.Module, args: Sequence[torch.Tensor],
                   dynamic_shapes: Sequence[dict | None], *, freezing: bool, key: Sequence[object],
-                  shared: bool = False, threads: int | None = None, build: bool = True) -> Callable | None:
+                  shared: bool = False, threads: int | None = None, build: bool = True,
+                  wait: bool = True) -> Callable | None:
     """The package of `fn(model, *args)` with `dynamic_shapes` (one dict per arg: dim -> torch.export.Dim),
     loaded from `directory` when built before for the same `key` (plus torch, threads and code), else
     exported, compiled and saved there. Returns a callable of the same tensors -> the same outputs; with
     `shared`, of (*args, *weights(module)) for any module shaped as `model` (the key need not name its
-    weights, only its structure). `threads`: as `package_path`; without `build`, None where it was never built."""
+    weights, only its structure). `threads`: as `package_path`; without `build`, None where it was never built;
+    without `wait`, None where another process is building it."""
     if shared:  # the graph reads its weights' bytes as traced: another dtype or layout needs another graph
         key = (*key, *((str(t.dtype), tuple(t.shape), t.stride()) for t in weights(model)))
     path = package_path(directory, name, key, freezing=freezing, shared=shared, threads=threads)
     step = _load(path, name)
     if step is not None or not build:
         return step
-    with file_lock(path.with_suffix(".lock")):  # a replica starting beside this one builds it once
+    with file_lock(path.with_suffix(".lock"), wait) as held:  # a replica starting beside this one builds it once
+        if not held:
+            return None
         step = _load(path, name)
         return step if step is not None else _build(path, name, fn, model, args, dynamic_shapes, freezing, shared)
+
+
+def load_or_build_each(*steps: Callable[..., Callable | None]) -> list[Callable]:
+    """Each of `steps` (`load_or_build` calls bound but for `wait`), those no other process is building first:
+    two replicas starting side by side build one step's packages at the same time, each its own, rather than
+    one building all of them while the other waits."""
+    out: list[Callable | None] = [None] * len(steps)
+    while todo := [i for i, step in enumerate(out) if step is None]:
+        for i in todo:
+            out[i] = steps[i](wait=False)
+        if all(out[i] is None for i in todo):  # all being built elsewhere: wait for the first
+            out[todo[0]] = steps[todo[0]](wait=True)
+    return out
 
 
 def _load(path: Path, name: str) -> Callable | None:

@@ -41,7 +41,7 @@ from model.kv_cache import KVCache
 from model.paths import home
 from model.seq2seq import EncoderDecoder
 from model.seq2seq_step import decode_step, encode_cross
-from service.engine.aot_package import fingerprint, load_or_build, package_path, weights
+from service.engine.aot_package import fingerprint, load_or_build, load_or_build_each, package_path, weights
 
 log = logging.getLogger(__name__)
 
@@ -192,14 +192,14 @@ class CompiledTranslator:
         src = Dim("src", min=MIN_SRC, max=c.cross_len - 1)
         key, where = self.key, use_persistent_cache()
         decode_name, encode_name = self.PACKAGES
-        decode = load_or_build(where, decode_name, decode_step, self.model, step_args,
-                               ({0: rows}, {0: rows}, {1: rows, 3: length}, {1: rows, 3: length}, {1: rows, 3: src},
-                                {1: rows, 3: src}, {0: rows}), freezing=True, key=key)
         n = Dim("sources", min=1, max=c.n_slots)
         width = Dim("width", min=MIN_SIZE, max=self.model.cfg.max_src_len)
-        self._encode = load_or_build(where, encode_name, encode_cross, self.model, encoder_args,
-                                     ({0: n, 1: width}, {0: n, 1: width}), freezing=True, key=key)
-        self._decode = decode
+        self._decode, self._encode = load_or_build_each(
+            functools.partial(load_or_build, where, decode_name, decode_step, self.model, step_args,
+                              ({0: rows}, {0: rows}, {1: rows, 3: length}, {1: rows, 3: length}, {1: rows, 3: src},
+                               {1: rows, 3: src}, {0: rows}), freezing=True, key=key),
+            functools.partial(load_or_build, where, encode_name, encode_cross, self.model, encoder_args,
+                              ({0: n, 1: width}, {0: n, 1: width}), freezing=True, key=key))
 
     def encode(self, sources: list[list[int]], copies: list[int], slots: list[int]) -> None:
         """Encode `sources` and store their cross K/V in `slots`: source i fills the next copies[i] slots
@@ -334,12 +334,13 @@ class CompiledDecoder:
             x, rope = m.embed_tokens(tokens[:, None], positions[:, None])  # (R, 1, d)
         rope = tuple(rope or ())  # (cos, sin) (R, 1, 1, D), or none
         kv = {1: r, 3: n}
-        blocks = load_or_build(where, "decoder-blocks", blocks_step, runs[0],
-                               (x, positions, k[:g], v[:g], *rope), ({0: r}, {0: r}, kv, kv, *[{0: r}] * len(rope)),
-                               freezing=False, key=(*shape, repr(runs[0])), shared=True)
         head_module = _Head(m)
-        head = load_or_build(where, "decoder-head", head_step, head_module, (x[:, 0],), ({0: r},), freezing=False,
-                             key=(*shape, repr(head_module)), shared=True)
+        blocks, head = load_or_build_each(
+            functools.partial(load_or_build, where, "decoder-blocks", blocks_step, runs[0],
+                              (x, positions, k[:g], v[:g], *rope), ({0: r}, {0: r}, kv, kv, *[{0: r}] * len(rope)),
+                              freezing=False, key=(*shape, repr(runs[0])), shared=True),
+            functools.partial(load_or_build, where, "decoder-head", head_step, head_module, (x[:, 0],), ({0: r},),
+                              freezing=False, key=(*shape, repr(head_module)), shared=True))
         run_weights = [(i, i + g, weights(run)) for i, run in zip(range(0, layers, g), runs, strict=True)]
         head_weights = weights(head_module)
         self._chunk_spec = (runs[0], run_weights, shape, lambda x: head(x, *head_weights)[0])
