@@ -17,7 +17,10 @@ def file_lock(path: Path, wait: bool = True) -> Iterator[bool]:
     with open(path, "a") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = True
         except BlockingIOError:
+            held = False
+        if not held:
             yield False
             return
         try:

@@ -185,6 +185,7 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Bac
     import torch
 
     from model.checkpoint import CheckpointError
+    from service.engine import generation, translation  # noqa: F401  (first: their imports are no model's load time)
     from service.engine.cpu_runtime import single_threaded_caller
 
     # what keeps one model from loading is reported and the other still served; a GPU too small for a

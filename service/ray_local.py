@@ -7,7 +7,9 @@ Known exception: a replica's internal gRPC server binds `[::]:0` (hard-coded in 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -133,6 +135,7 @@ def start_ray(num_cpus: int | None = None, object_store_bytes: int = OBJECT_STOR
     if ray.is_initialized():
         return
     for attempt in range(1, START_ATTEMPTS + 1):
+        before = descendants(os.getpid())
         try:
             # address "local": a new instance of our own, even where RAY_ADDRESS or a running cluster could be joined
             ray.init(address="local", _node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=num_cpus,
@@ -147,6 +150,29 @@ def start_ray(num_cpus: int | None = None, object_store_bytes: int = OBJECT_STOR
                 raise
             print(f"attnserve: Ray's node missed its start-up deadline ({e}); starting it again", file=sys.stderr)
             ray.shutdown()
+            # the failed node's processes (GCS, raylet, its workers) are not the shutdown's to stop: Ray
+            # records them only once its node has started
+            for pid in descendants(os.getpid()) - before:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def descendants(pid: int) -> set[int]:
+    """The processes below `pid` (children, theirs, ...), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name in parentheses may hold spaces
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
 
 
 def deploy(config: dict, timeout_s: float = 600.0, stop: threading.Event | None = None) -> None:

@@ -1,5 +1,10 @@
 """service/ray_local.start_ray: Ray's fixed 30 s raylet deadline, missed once on busy cores, is retried."""
 
+import os
+import signal
+import subprocess
+import time
+
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -23,9 +28,12 @@ def fake_ray(monkeypatch):
 
 
 def test_a_missed_start_deadline_is_retried_once(monkeypatch, fake_ray, capsys):
+    started = []
+
     def init(**kwargs):
         fake_ray["init"] += 1
-        if fake_ray["init"] == 1:
+        if fake_ray["init"] == 1:  # as Ray's node does: its processes started, then the deadline missed
+            started.append(subprocess.Popen(["sleep", "60"]))
             raise TIMEOUT
         assert kwargs["_node_ip_address"] == ray_local.LOOPBACK
         assert kwargs["_system_config"]["prestart_worker_first_driver"] is False
@@ -34,6 +42,18 @@ def test_a_missed_start_deadline_is_retried_once(monkeypatch, fake_ray, capsys):
     ray_local.start_ray(num_cpus=2)
     assert fake_ray == {"init": 2, "shutdown": 1}
     assert "starting it again" in capsys.readouterr().err
+    assert started[0].wait(timeout=5) == -signal.SIGKILL  # the failed node's processes are gone
+
+
+def test_descendants_are_read_from_proc():
+    child = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])
+    try:
+        time.sleep(0.3)
+        below = ray_local.descendants(os.getpid())
+        assert child.pid in below and len(below - {child.pid}) >= 1  # its own child (the sleep) too
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_a_second_miss_and_other_errors_are_raised(monkeypatch, fake_ray):

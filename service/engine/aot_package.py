@@ -167,15 +167,17 @@ def load_or_build(directory: Path, name: str, fn: Callable, model: torch.nn.Modu
 
 
 def load_or_build_each(*steps: Callable[..., Callable | None]) -> list[Callable]:
-    """Each of `steps` (`load_or_build` calls bound but for `wait`), those no other process is building first:
-    two replicas starting side by side build one step's packages at the same time, each its own, rather than
-    one building all of them while the other waits."""
+    """Each of `steps` (`load_or_build` calls that build, bound but for `wait`), those no other process is
+    building first: two replicas starting side by side build one step's packages at the same time, each its
+    own, rather than one building all of them while the other waits."""
     out: list[Callable | None] = [None] * len(steps)
     while todo := [i for i, step in enumerate(out) if step is None]:
         for i in todo:
             out[i] = steps[i](wait=False)
         if all(out[i] is None for i in todo):  # all being built elsewhere: wait for the first
             out[todo[0]] = steps[todo[0]](wait=True)
+            if out[todo[0]] is None:
+                raise RuntimeError("load_or_build_each: a step that does not build (build=False)")
     return out
 
 

@@ -131,7 +131,7 @@ class CompiledTranslator:
         use_persistent_cache()
         self.pad_id = model.cfg.pad_id
         self.dev = cache.k.device
-        self.key = key or self._key()
+        self.key = key if key is not None else self._key()
         self._decode = _compile(functools.partial(decode_step, model))
         self._encode = _compile(functools.partial(encode_cross, model))
         self.min_rows = MIN_SIZE  # torch.compile specialises one row; an exported package takes it
