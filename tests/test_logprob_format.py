@@ -30,7 +30,7 @@ def test_text_offsets_count_characters_not_token_pieces(tok):
     ids = tok.encode(TEXT)
     table = tok.token_bytes()
     assert any(table[i].decode("utf-8", "replace") == "\ufffd" for i in ids)  # a character split across tokens
-    out = CompletionLogprobs(TokenTexts(tok.decode, table)).render([(i, None) for i in ids], [])
+    out = CompletionLogprobs(TokenTexts(tok.decode, lambda: table)).render([(i, None) for i in ids], [])
     offsets = out["text_offset"]
     assert offsets == sorted(offsets) and offsets[-1] < len(TEXT)
     for i, o in enumerate(offsets):
@@ -46,7 +46,7 @@ def test_text_offsets_count_characters_not_token_pieces(tok):
 
 def test_offsets_carry_across_streamed_chunks_and_from_the_echoed_prompt(tok):
     ids = tok.encode(TEXT)
-    texts = TokenTexts(tok.decode, tok.token_bytes())
+    texts = TokenTexts(tok.decode, tok.token_bytes)
     whole = CompletionLogprobs(texts).render([(i, None) for i in ids[:3]], entries(ids[3:]))["text_offset"]
     state = CompletionLogprobs(texts)
     parts = [state.render([(i, None) for i in ids[:3]], [])]
@@ -57,7 +57,7 @@ def test_offsets_carry_across_streamed_chunks_and_from_the_echoed_prompt(tok):
 def test_generated_special_tokens_take_no_room_in_the_text(tok):
     a, b = tok.encode("ab")
     special = tok.token_to_id("<|im_start|>")
-    texts = TokenTexts(tok.decode, tok.token_bytes(), hidden={special})
+    texts = TokenTexts(tok.decode, tok.token_bytes, hidden={special})
     out = CompletionLogprobs(texts).render([(special, None)], entries([a, special, b]))
     assert out["text_offset"] == [0, len("<|im_start|>"), len("<|im_start|>") + 1, len("<|im_start|>") + 1]
     assert out["tokens"] == ["<|im_start|>", "a", "<|im_start|>", "b"]  # named, as vLLM lists them
@@ -65,7 +65,7 @@ def test_generated_special_tokens_take_no_room_in_the_text(tok):
 
 def test_chat_bytes_are_the_tokens_own_and_join_into_the_text(tok):
     ids = tok.encode(TEXT)
-    content = chat_content(TokenTexts(tok.decode, tok.token_bytes()), entries(ids))
+    content = chat_content(TokenTexts(tok.decode, tok.token_bytes), entries(ids))
     assert bytes(b for c in content for b in c["bytes"]).decode("utf-8") == TEXT
     assert any(c["token"] == "\ufffd" for c in content)  # a piece of a character: its text says nothing
     assert all(c["top_logprobs"][0]["bytes"] == c["bytes"] for c in content)

@@ -22,16 +22,15 @@ class TokenTexts:
     generated text leaves out."""
 
     def __init__(self, decode: Callable[[list[int]], str],
-                 vocab_bytes: list[bytes] | Callable[[], list[bytes] | None] | None = None,
-                 hidden: set[int] = frozenset()):
-        """`vocab_bytes`: each id's bytes, or a function that returns them, called on the first `bytes`
-        (building the table takes a while: a request without logprobs never needs it)."""
+                 vocab_bytes: Callable[[], list[bytes] | None] = lambda: None, hidden: set[int] = frozenset()):
+        """`vocab_bytes`: returns each id's bytes (or None), called on the first `bytes` (building the table
+        takes a while: a request without logprobs never needs it)."""
         self.text = functools.cache(lambda token_id: decode([token_id]))
         self._vocab, self.hidden = vocab_bytes, hidden
 
     @functools.cached_property
     def vocab_bytes(self) -> list[bytes] | None:
-        return self._vocab() if callable(self._vocab) else self._vocab
+        return self._vocab()
 
     def bytes(self, token_id: int) -> bytes:
         """The token's own bytes; a special token's are those of its text as listed (the name)."""
