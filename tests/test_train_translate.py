@@ -249,6 +249,39 @@ def test_upsampling_repeats_a_sources_pairs_in_each_epoch_and_rejects_unknown_so
     assert start["examples"] == 2 * (n_train + 2 * 100)  # both directions of each copy
 
 
+def test_one_way_sources_train_only_into_their_language(tiny_run, tmp_path):
+    from model.training.train_translate import TrainConfig, make_examples
+
+    path, cfg, data, run = tiny_run
+    n_train = len((data / "train.tsv").read_text(encoding="utf-8").splitlines())
+    (data / "train.source").write_text("ted_paragraphs\n" * 10 + "hk\n" * (n_train - 10), encoding="utf-8")
+    cfg.update(max_steps=2, upsample={"ted_paragraphs": 2}, one_way={"ted_paragraphs": "en"})
+    path.write_text(json.dumps(cfg))
+    train(path, run, data_dir=data, export_to=tmp_path / "export")
+    start = [r for r in _log(run) if r.get("event") == "start"][0]
+    assert start["examples"] == 2 * (n_train - 10) + 2 * 10  # two copies of ten pairs, one direction each
+
+    class Tok:  # ids by character: enough to see which side became the target
+        bos_id, eos_id = 1, 2
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+        def token_to_id(self, piece):
+            return 3
+
+    ex = make_examples([("ab", "甲"), ("cd", "乙")], Tok(), 16, [None, "zh"])
+    targets = [t[1:-1] for _, t in ex]
+    assert targets == [[ord("a"), ord("b")], [ord("甲")], [ord("乙")]]
+    path.write_text(json.dumps({"one_way": {"ted": "fr"}}))
+    with pytest.raises(ValueError, match="one_way"):
+        TrainConfig.load(path)
+    cfg.update(one_way={"tedx": "en"})
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="one_way: no training pairs from \\['tedx'\\]"):
+        train(path, tmp_path / "run2", data_dir=data, export_to=tmp_path / "export2")
+
+
 def test_cooldown_decays_the_lr_linearly_to_zero_at_max_steps_and_needs_max_steps(tmp_path):
     from model.training.train_translate import TrainConfig, lr_at, scheduled_lr
 

@@ -80,6 +80,11 @@ TALKS = {  # file name -> (lines of the file, expected pairs)
          ("She taught me that every child can learn.", "她告诉我，每个孩子都能学习。"),
          ("Thank you very much.", "非常感谢。")]),
 }
+# a paragraph pair as TED's Chinese subtitles come: line breaks for punctuation, so one Chinese "sentence"
+# against three English ones, a bead the aligner drops; added to each talk, kept whole in training talks only
+SUBTITLE = ("Some days we went out in the rain. The boat was small and old. We still caught nothing at all.",
+            "有时候我们冒着雨出海 船又小又旧 我们还是什么也没钓到")
+SUBTITLE_PAIR = (SUBTITLE[0], SUBTITLE[1].replace(" ", ""))
 XI_PAIRS = [("Comrades and friends,", "同志们，朋友们！"),
             ("Today is a very important and solemn day.", "今天是一个十分重要的日子。")]
 XI_LINES = [XI_PAIRS[0][1], XI_PAIRS[0][0], XI_PAIRS[1][1], XI_PAIRS[1][0]]  # Chinese first, as in the real file
@@ -111,7 +116,7 @@ def make_wheel(path):
     with zipfile.ZipFile(path, "w") as z:
         z.writestr(HK + "Legislation.tsv", "\n".join(hk_rows) + "\n")
         for name, (lines, _) in TALKS.items():
-            z.writestr(TED + name, "\r\n".join(lines) + "\r\n")
+            z.writestr(TED + name, "\r\n".join([*lines, *SUBTITLE]) + "\r\n")
         z.writestr(ROOT + "Parallel/Xi's Speech_CE_2021/Speech.txt", "\r\n".join(XI_LINES))
         z.writestr(ROOT + "Idioms/cedict_parsed.json", json.dumps(CEDICT, ensure_ascii=False))
         z.writestr(ROOT + "Terminology/Chinese_Thought.json", json.dumps(THOUGHT, ensure_ascii=False))
@@ -217,11 +222,14 @@ def test_ted_is_aligned_and_split_by_talk(prepared):
     train = _read(out / "train.tsv")
     sources = (out / "train.source").read_text().splitlines()
     assert [p for p, s in zip(train, sources) if s == "ted"] == TALKS[third][1]
+    assert [p for p, s in zip(train, sources) if s == "ted_paragraphs"] == [SUBTITLE_PAIR]
     assert [p for p, s in zip(train, sources) if s == "xi"] == XI_PAIRS
     stats = json.loads((out / "stats.json").read_text())
     ted = stats["ted"]
     assert (ted["files"], ted["talks_test"], ted["talks_dev"], ted["talks_train"]) == (3, 1, 1, 1)
     assert ted["bead_1-1"] == 12 and ted["kept_ted_test"] == len(TALKS[first][1])
+    assert ted["bead_1-3"] == ted["dropped_three_to_one"] == ted["paragraph_pairs_with_dropped_sentences"] == 3
+    assert stats["ted_paragraphs"]["kept_train"] == 1
     assert stats["ted_talks"] == {"ted_test": [first], "ted_dev": [second]}
     assert "ted:" in printed and "kept_ted_test" in printed  # counts per source and step are printed
 
@@ -236,7 +244,7 @@ def test_short_pairs_are_capped(prepared):
     train = _read(out / "train.tsv")
     sources = (out / "train.source").read_text().splitlines()
     assert [p for p, s in zip(train, sources) if s in ("thought", "cedict")] == [("Benevolence", "仁")]
-    assert stats["total"]["train"] == len(train) == sentences + cap
+    assert stats["total"]["train"] == len(train) == sentences + cap + stats["ted_paragraphs"]["kept_train"]
     assert stats["sha256"]["test.tsv"] == hashlib.sha256((out / "test.tsv").read_bytes()).hexdigest()
 
 

@@ -11,6 +11,7 @@ characters per Chinese character) and s2 (variance per character) estimated from
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from dataclasses import dataclass
@@ -156,6 +157,12 @@ def sentences(paragraphs: list[str], split) -> tuple[list[str], set[int]]:
         out += split(p)
         ends.add(len(out))
     return out, ends
+
+
+def paragraph_indices(paragraphs: list[str], split, sentence_indices) -> set[int]:
+    """The paragraphs (indices) that hold the given sentences of `sentences(paragraphs, split)`."""
+    ends = sorted(sentences(paragraphs, split)[1])
+    return {bisect.bisect_right(ends, i) for i in sentence_indices}
 
 
 def align_document(zh_paragraphs: list[str], en_paragraphs: list[str], lm: LengthModel, *,

