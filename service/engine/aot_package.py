@@ -70,10 +70,40 @@ class _Shared(torch.nn.Module):
         return torch.func.functional_call(self._step[0], given, args[:self.n_args], strict=True)
 
 
+@functools.cache
+def known_vec_isa(where: Path) -> None:
+    """Let this process skip inductor's vector-ISA probe where an earlier one on this host made it.
+
+    At a process's first package load inductor compiles a test for each ISA the CPU lists and dlopens it
+    in a child Python (~0.3 s each, docs/decisions.md); only to compare the answer with the package's.
+    The answer depends on the CPU flags and torch (both in `where`'s name) and the C++ compiler (in the
+    record): the first process probes and records it; later ones take the CPU's list as probed where the
+    record says the probe passed them all, and probe as before otherwise."""
+    from torch._inductor import cpp_builder, cpu_vec_isa
+
+    record = where / "vec-isa.txt"
+    compiler = digest([cpp_builder.get_compiler_version_info(cpp_builder.get_cpp_compiler())])
+    try:
+        known = record.read_text(encoding="utf-8")
+    except OSError:
+        known = None
+    if known is not None:
+        with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+            listed = [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]
+        if known == "\n".join([compiler, *listed]):
+            return
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()  # a probe failed before: probe again
+    probed = [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]
+    tmp = record.with_suffix(f".{os.getpid()}")
+    tmp.write_text("\n".join([compiler, *probed]), encoding="utf-8")
+    tmp.replace(record)
+
+
 def _runner(path: Path) -> Callable:
     """The package's run function over flat tensors (no pytree round trip: every step takes and returns
     flat tuples). Our C++ kernels are registered first: a package may call them."""
     native_ops.load()
+    known_vec_isa(path.parent)
     run = torch._inductor.aoti_load_package(str(path)).loader.boxed_run
     return lambda *tensors: tuple(run(list(tensors)))
 

@@ -102,9 +102,18 @@ def _hint_sizes(*wanted: tuple[int, int]) -> list[int]:
 def _compile(fn):
     """torch.compile without guards on the model's modules: an engine's weights and modules never change
     while it serves, and checking them costs every call (docs/decisions.md).
-    Guards on the inputs (sizes, dtypes) stay."""
-    skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-    return torch.compile(fn, dynamic=None, options={"guard_filter_fn": skip})
+    Guards on the inputs (sizes, dtypes) stay. Wrapped on the first call: wrapping imports inductor's
+    compiler, which a step loaded from its packages never uses (docs/decisions.md)."""
+    compiled = None
+
+    def call(*args):
+        nonlocal compiled
+        if compiled is None:
+            skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+            compiled = torch.compile(fn, dynamic=None, options={"guard_filter_fn": skip})
+        return compiled(*args)
+
+    return call
 
 
 def _wants_freezing(model: torch.nn.Module) -> bool:
