@@ -46,6 +46,9 @@ SYSTEM_CONFIG = {
 
 
 def loopback_env() -> None:
+    """Set in this process before Ray starts: its GCS and raylet inherit the environment, and every
+    worker (Serve's controller, proxy, replicas) the raylet's. Passed as a job runtime_env instead, each
+    worker's start waited on Ray's runtime-env agent (docs/decisions.md)."""
     for k, v in {**LOOPBACK_ENV, **SERVE_TUNING_ENV}.items():
         os.environ.setdefault(k, v)
     # replicas must import `model` and `service` from this checkout
@@ -140,8 +143,6 @@ def start_ray(num_cpus: int | None = None, object_store_bytes: int = OBJECT_STOR
             # address "local": a new instance of our own, even where RAY_ADDRESS or a running cluster could be joined
             ray.init(address="local", _node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=num_cpus,
                      object_store_memory=object_store_bytes, namespace="serve", log_to_driver=log_to_driver,
-                     runtime_env={"env_vars": {k: os.environ[k]
-                                               for k in ("PYTHONPATH", *LOOPBACK_ENV, *SERVE_TUNING_ENV)}},
                      _system_config=SYSTEM_CONFIG)
             return
         except Exception as e:
