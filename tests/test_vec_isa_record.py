@@ -56,3 +56,18 @@ def test_a_record_that_differs_is_probed_again(tmp_path, probes):
     aot_package.known_vec_isa(tmp_path)
     assert probes  # the CPU's list did not match the record: probed as inductor does
     assert (tmp_path / "vec-isa.txt").read_text().splitlines() == listed  # and recorded anew
+
+
+def test_without_a_compiler_or_a_writable_folder_packages_still_load(tmp_path, probes, monkeypatch):
+    from torch._inductor import cpp_builder
+
+    def no_compiler(*_):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    aot_package.known_vec_isa(tmp_path)  # no record, no error: inductor probes where it needs to
+    assert not (tmp_path / "vec-isa.txt").exists() and probes == []
+    monkeypatch.undo()
+    _new_process()
+    aot_package.known_vec_isa(tmp_path / "missing")  # the record cannot be written
+    assert not (tmp_path / "missing").exists()

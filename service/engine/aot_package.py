@@ -78,25 +78,27 @@ def known_vec_isa(where: Path) -> None:
     in a child Python (~0.3 s each, docs/decisions.md); only to compare the answer with the package's.
     The answer depends on the CPU flags and torch (both in `where`'s name) and the C++ compiler (in the
     record): the first process probes and records it; later ones take the CPU's list as probed where the
-    record says the probe passed them all, and probe as before otherwise."""
+    record says the probe passed them all, and probe as before otherwise (or where anything here fails:
+    no compiler, a read-only folder)."""
     from torch._inductor import cpp_builder, cpu_vec_isa
 
     record = where / "vec-isa.txt"
-    compiler = digest([cpp_builder.get_compiler_version_info(cpp_builder.get_cpp_compiler())])
     try:
-        known = record.read_text(encoding="utf-8")
-    except OSError:
-        known = None
-    if known is not None:
-        with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
-            listed = [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]
-        if known == "\n".join([compiler, *listed]):
-            return
-        cpu_vec_isa.valid_vec_isa_list.cache_clear()  # a probe failed before: probe again
-    probed = [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]
-    tmp = record.with_suffix(f".{os.getpid()}")
-    tmp.write_text("\n".join([compiler, *probed]), encoding="utf-8")
-    tmp.replace(record)
+        compiler = digest([cpp_builder.get_compiler_version_info(cpp_builder.get_cpp_compiler())])
+        known = record.read_text(encoding="utf-8") if record.is_file() else None
+        if known is not None:
+            with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+                listed = [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]
+            if known == "\n".join([compiler, *listed]):
+                return
+            cpu_vec_isa.valid_vec_isa_list.cache_clear()  # a probe failed before: probe again
+        probed = [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]
+        tmp = record.with_suffix(f".{os.getpid()}")
+        tmp.write_text("\n".join([compiler, *probed]), encoding="utf-8")
+        tmp.replace(record)
+    except Exception:  # only time is at stake: inductor probes when it needs to, as without this
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+        log.debug("vector-ISA record not used", exc_info=True)
 
 
 def _runner(path: Path) -> Callable:
