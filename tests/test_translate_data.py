@@ -8,6 +8,7 @@ import hashlib
 import json
 import unicodedata
 import zipfile
+from collections import Counter
 
 import pytest
 
@@ -228,8 +229,13 @@ def test_ted_is_aligned_and_split_by_talk(prepared):
     ted = stats["ted"]
     assert (ted["files"], ted["talks_test"], ted["talks_dev"], ted["talks_train"]) == (3, 1, 1, 1)
     assert ted["bead_1-1"] == 12 and ted["kept_ted_test"] == len(TALKS[first][1])
-    assert ted["bead_1-3"] == ted["dropped_three_to_one"] == ted["paragraph_pairs_with_dropped_sentences"] == 3
-    assert stats["ted_paragraphs"]["kept_train"] == 1
+    assert ted["bead_1-3"] == ted["dropped_three_to_one"] == 3  # one a talk; only the training talk's is kept
+    assert stats["ted_paragraphs"] == {"paragraphs_with_three_to_one": 1, "kept_train": 1}
+    # recipes written before the source existed do not see it; one naming it does
+    pairs, sources = translate_data.training_pairs(out, set())
+    assert SUBTITLE_PAIR not in pairs and "ted_paragraphs" not in sources
+    pairs, sources = translate_data.training_pairs(out, {"ted_paragraphs"})
+    assert (SUBTITLE_PAIR, "ted_paragraphs") in zip(pairs, sources)
     assert stats["ted_talks"] == {"ted_test": [first], "ted_dev": [second]}
     assert "ted:" in printed and "kept_ted_test" in printed  # counts per source and step are printed
 
@@ -327,3 +333,29 @@ def test_a_torn_split_file_is_named_not_unpacked_wrongly(tmp_path):
         read_split("dev", tmp_path)
     (tmp_path / "dev.tsv").write_text("Hello.\t你好。\n", encoding="utf-8")
     assert read_split("dev", tmp_path) == [("Hello.", "你好。")]
+
+
+def test_only_three_to_one_paragraphs_are_taken_whole():
+    """A paragraph whose Chinese subtitle is one "sentence" against three English ones is taken whole; one
+    whose beads were dropped for another reason (an extra sentence on one side: the paragraphs are not each
+    other's translation) is not."""
+    en = ["I was born in Lagos. My mother sold fabric at the market.",
+          "Every day after school I helped her at her stall. We talked to hundreds of customers. "
+          "That is how I learned to sell.",
+          "Thank you."]
+    zh = ["我出生在拉各斯。我的母亲在市场上卖布料。",
+          "每天放学后 我都在她的摊位帮她 我们和成百上千的顾客交谈 我就是这样学会了做生意",
+          "谢谢。"]
+    counts = Counter()
+    pairs, uneven = translate_data.aligned_pairs(zh, en, LM, counts)
+    assert counts["bead_1-3"] == 1 and uneven == {1}
+    assert pairs == [("I was born in Lagos.", "我出生在拉各斯。"), ("My mother sold fabric at the market.",
+                      "我的母亲在市场上卖布料。"), ("Thank you.", "谢谢。")]
+    assert translate_data.paragraph_pairs(zh, en, uneven, LM, counts) == [(en[1], zh[1].replace(" ", ""))]
+
+    zh[0] += "她每天都很早起床，晚上很晚才回家。"  # a sentence the English paragraph does not have
+    zh[1] = "每天放学后我都在她的摊位帮她。我们和成百上千的顾客交谈。我就是这样学会了做生意。"
+    counts = Counter()
+    _, uneven = translate_data.aligned_pairs(zh, en, LM, counts)
+    assert counts["dropped_alignment_length"] + counts["dropped_unaligned_sentences"] >= 1 and uneven == set()
+    assert align.paragraph_indices(["One. Two.", "Three."], align.split_english, [1, 2]) == {0, 1}

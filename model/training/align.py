@@ -161,7 +161,7 @@ def sentences(paragraphs: list[str], split) -> tuple[list[str], set[int]]:
 
 def paragraph_indices(paragraphs: list[str], split, sentence_indices) -> set[int]:
     """The paragraphs (indices) that hold the given sentences of `sentences(paragraphs, split)`."""
-    ends = sorted(sentences(paragraphs, split)[1])
+    ends = list(accumulate(len(split(p)) for p in paragraphs))  # a paragraph without sentences keeps its index
     return {bisect.bisect_right(ends, i) for i in sentence_indices}
 
 

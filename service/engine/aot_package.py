@@ -22,6 +22,8 @@ import functools
 import hashlib
 import logging
 import os
+import platform
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -70,35 +72,39 @@ class _Shared(torch.nn.Module):
         return torch.func.functional_call(self._step[0], given, args[:self.n_args], strict=True)
 
 
+_ISA_LOCK = threading.Lock()  # the config patch below is process-wide
+
+
 @functools.cache
 def known_vec_isa(where: Path) -> None:
     """Let this process skip inductor's vector-ISA probe where an earlier one on this host made it.
 
-    At a process's first package load inductor compiles a test for each ISA the CPU lists and dlopens it
-    in a child Python (~0.3 s each, docs/decisions.md); only to compare the answer with the package's.
-    The answer depends on the CPU flags and torch (both in `where`'s name) and the C++ compiler (in the
-    record): the first process probes and records it; later ones take the CPU's list as probed where the
-    record says the probe passed them all, and probe as before otherwise (or where anything here fails:
-    no compiler, a read-only folder)."""
+    At a process's first package load inductor compiles a test for each vector ISA the CPU lists and
+    dlopens it in a child Python, only to compare the answer with the package's (docs/decisions.md). The
+    first process records the answer with what it depends on (the C++ compiler, torch, the ISAs the CPU
+    lists); a later one whose record matches takes the listed ISAs as probed, and any other probes as
+    before (as it does where anything here fails: no compiler, a read-only folder). Inductor's extra
+    checks (VNNI, BF16, AMX) still run."""
     from torch._inductor import cpp_builder, cpu_vec_isa
 
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return
     record = where / "vec-isa.txt"
-    try:
-        compiler = digest([cpp_builder.get_compiler_version_info(cpp_builder.get_cpp_compiler())])
-        known = record.read_text(encoding="utf-8") if record.is_file() else None
-        if known is not None:
-            with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
-                listed = [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]
-            if known == "\n".join([compiler, *listed]):
+    with _ISA_LOCK:
+        try:
+            flags = cpu_vec_isa.x86_isa_checker()
+            listed = [str(i) for i in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(i).split())]
+            head = [digest([cpp_builder.get_compiler_version_info(cpp_builder.get_cpp_compiler())]), torch.__version__]
+            if record.is_file() and record.read_text(encoding="utf-8") == "\n".join([*head, *listed]):
+                with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+                    cpu_vec_isa.valid_vec_isa_list()
                 return
-            cpu_vec_isa.valid_vec_isa_list.cache_clear()  # a probe failed before: probe again
-        probed = [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]
-        tmp = record.with_suffix(f".{os.getpid()}")
-        tmp.write_text("\n".join([compiler, *probed]), encoding="utf-8")
-        tmp.replace(record)
-    except Exception:  # only time is at stake: inductor probes when it needs to, as without this
-        cpu_vec_isa.valid_vec_isa_list.cache_clear()
-        log.debug("vector-ISA record not used", exc_info=True)
+            probed = [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]
+            tmp = record.with_suffix(f".{os.getpid()}")
+            tmp.write_text("\n".join([*head, *probed]), encoding="utf-8")
+            tmp.replace(record)
+        except Exception:  # only time is at stake: inductor probes when it needs to, as without this
+            log.debug("vector-ISA record not used", exc_info=True)
 
 
 def _runner(path: Path) -> Callable:
