@@ -247,15 +247,9 @@ def aligned_pairs(zh_paras: list[str], en_paras: list[str], lm: align.LengthMode
             uneven[0].extend(range(*bead.zh))
             uneven[1].extend(range(*bead.en))
             continue
-        if abs(bead.delta) > MAX_ALIGN_DELTA:
-            counts["dropped_alignment_length"] += 1
-            continue
-        e, z = english(en), chinese(zh, join_lines=True)
-        reason = reject_reason(e, z)
-        if reason:
-            counts[reason] += 1
-            continue
-        out.append((e, z))
+        pair = _cleaned(zh, en, bead.delta, counts)
+        if pair:
+            out.append(pair)
     return out, (align.paragraph_indices(zh_paras, align.split_chinese, uneven[0])
                  | align.paragraph_indices(en_paras, align.split_english, uneven[1]))
 
@@ -267,16 +261,25 @@ def paragraph_pairs(zh_paras: list[str], en_paras: list[str], indices: set[int],
     out = []
     for k in sorted(indices):
         counts["paragraphs_with_three_to_one"] += 1
-        if abs(lm.delta(align.length(zh_paras[k]), align.length(en_paras[k]))) > MAX_ALIGN_DELTA:
-            counts["dropped_alignment_length"] += 1
-            continue
-        e, z = english(en_paras[k]), chinese(zh_paras[k], join_lines=True)
-        reason = reject_reason(e, z)
-        if reason:
-            counts[reason] += 1
-            continue
-        out.append((e, z))
+        pair = _cleaned(zh_paras[k], en_paras[k], lm.delta(align.length(zh_paras[k]), align.length(en_paras[k])),
+                        counts)
+        if pair:
+            out.append(pair)
     return out
+
+
+def _cleaned(zh: str, en: str, delta: float, counts: Counter) -> tuple[str, str] | None:
+    """An aligned unit as a training pair (English, Chinese), or None, counted, where its length difference
+    or the cleaning rejects it."""
+    if abs(delta) > MAX_ALIGN_DELTA:
+        counts["dropped_alignment_length"] += 1
+        return None
+    e, z = english(en), chinese(zh, join_lines=True)
+    reason = reject_reason(e, z)
+    if reason:
+        counts[reason] += 1
+        return None
+    return e, z
 
 
 def read_documents(wheel: Wheel, prefix: str, counts: Counter, desc: str
@@ -497,8 +500,8 @@ def _long_enough(text: str) -> bool:
 
 def _step_order(item: tuple[str, int]) -> tuple[int, str]:
     """Counts in the order of the pipeline: read, alignment, selection, drops, splits, kept."""
-    order = ("read", "files", "paragraphs", "length_model", "bead_", "selected_", "dropped_", "paragraph_",
-             "train_dropped", "talks_", "kept_")
+    order = ("read", "files", "paragraphs", "length_model", "bead_", "selected_", "dropped_", "train_dropped",
+             "talks_", "kept_")
     return next((i for i, p in enumerate(order) if item[0].startswith(p)), len(order)), ""
 
 
