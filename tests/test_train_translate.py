@@ -322,3 +322,29 @@ def test_every_shipped_recipe_loads_with_its_model_config(recipe):
 
     cfg = TrainConfig.load(Path(__file__).parents[1] / "configs" / recipe)
     assert Seq2SeqConfig.from_dict({**cfg.model, "vocab_size": cfg.vocab_size}).d_model > 0
+
+
+def test_a_wider_feed_forward_starts_as_the_checkpoint_it_grew_from(tmp_path):
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from model.checkpoint import build_model
+    from model.config import Seq2SeqConfig
+    from model.training.train_translate import widen_feed_forward
+
+    cfg = Seq2SeqConfig(vocab_size=50, d_model=16, n_encoder_layers=2, n_decoder_layers=2, n_heads=2, d_ff=32,
+                        max_src_len=16, max_tgt_len=16, dropout=0.0)
+    torch.manual_seed(0)
+    narrow = build_model(cfg).eval()
+    save_file({k: v.contiguous() for k, v in narrow.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    wide = build_model(dataclasses.replace(cfg, d_ff=64)).eval()
+    widen_feed_forward(wide, tmp_path / "model.safetensors")
+    src, tgt = torch.randint(3, 50, (2, 7)), torch.randint(3, 50, (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(wide(src, tgt), narrow(src, tgt))
+    assert wide.encoder[0].ff.fc.weight[32:].abs().sum() > 0  # the new units can learn: only proj starts at 0
+
+    other = build_model(dataclasses.replace(cfg, d_model=32, d_ff=64))
+    with pytest.raises(ValueError, match="only the feed-forward width may grow"):
+        widen_feed_forward(other, tmp_path / "model.safetensors")

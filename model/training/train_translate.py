@@ -520,12 +520,48 @@ def warm_start(model, ckpt: Path) -> dict:
     from model.checkpoint import load_state as load_weights
     from model.checkpoint import read_config
 
-    load_weights(model, ckpt / "model.safetensors")
-    rec = read_config(ckpt)[2].get("training", {})
+    _, ckpt_cfg, extra = read_config(ckpt)
+    if ckpt_cfg.d_ff != model.cfg.d_ff:
+        widen_feed_forward(model, ckpt / "model.safetensors")
+    else:
+        load_weights(model, ckpt / "model.safetensors")
+    rec = extra.get("training", {})
     step = int(rec.get("steps", 0))
     return {"step": step, "epoch": int(rec.get("epochs", 0)), "batch_in_epoch": 0,
             "train_seconds": float(rec.get("hours", 0.0)) * 3600, "tokens": int(rec.get("tokens", 0)),
             "warm_start_step": step, "warm_start_from": str(ckpt)}
+
+
+def widen_feed_forward(model, weights: Path) -> None:
+    """Load a checkpoint whose feed-forward layers are narrower than `model`'s, computing the same function.
+
+    The checkpoint's units fill the first rows of each `fc` and the first columns of each `proj`; the new
+    units keep `fc`'s fresh initialisation and get zero `proj` columns, so they add nothing until training
+    moves them (a Net2Net-style widening: the recipe gains capacity without losing what was learnt).
+    """
+    from safetensors.torch import load_file
+
+    state = load_file(str(weights))
+    own = model.state_dict()
+    for name, t in state.items():
+        if name not in own:
+            raise ValueError(f"{weights}: tensor {name} is not in the model")
+        mine = own[name]
+        if t.shape == mine.shape:
+            continue
+        if name.endswith("ff.fc.weight") or name.endswith("ff.fc.bias"):
+            state[name] = torch.cat([t, mine[t.shape[0]:]])  # (d_ff, d_model) / (d_ff,)
+        elif name.endswith("ff.proj.weight") and t.shape[0] == mine.shape[0]:
+            state[name] = torch.cat([t, t.new_zeros(t.shape[0], mine.shape[1] - t.shape[1])], dim=1)
+        else:
+            raise ValueError(f"{weights}: tensor {name} has shape {tuple(t.shape)}, the model "
+                             f"{tuple(mine.shape)}; only the feed-forward width may grow")
+        if state[name].shape != mine.shape:
+            raise ValueError(f"{weights}: {name} {tuple(t.shape)} cannot widen to {tuple(mine.shape)}")
+    missing = sorted(set(own) - set(state))
+    if missing:
+        raise ValueError(f"{weights}: missing tensors {missing[:5]}")
+    model.load_state_dict(state)
 
 
 def checkpoint(run: Path, model, opt, meta: dict, cfg: TrainConfig) -> None:
