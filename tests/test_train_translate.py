@@ -337,7 +337,9 @@ def test_a_wider_feed_forward_starts_as_the_checkpoint_it_grew_from(tmp_path):
                         max_src_len=16, max_tgt_len=16, dropout=0.0)
     torch.manual_seed(0)
     narrow = build_model(cfg).eval()
-    save_file({k: v.contiguous() for k, v in narrow.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    shipped = {k: v.to(torch.bfloat16).contiguous() for k, v in narrow.state_dict().items()}  # shipped in bf16
+    save_file(shipped, str(tmp_path / "model.safetensors"))
+    narrow.load_state_dict(shipped)
     wide = build_model(dataclasses.replace(cfg, d_ff=64)).eval()
     widen_feed_forward(wide, tmp_path / "model.safetensors")
     src, tgt = torch.randint(3, 50, (2, 7)), torch.randint(3, 50, (2, 5))

@@ -550,9 +550,9 @@ def widen_feed_forward(model, weights: Path) -> None:
         if t.shape == mine.shape:
             continue
         if name.endswith("ff.fc.weight") or name.endswith("ff.fc.bias"):
-            state[name] = torch.cat([t, mine[t.shape[0]:]])  # (d_ff, d_model) / (d_ff,)
+            state[name] = torch.cat([t.to(mine), mine[t.shape[0]:]])  # (d_ff, d_model) / (d_ff,)
         elif name.endswith("ff.proj.weight") and t.shape[0] == mine.shape[0]:
-            state[name] = torch.cat([t, t.new_zeros(t.shape[0], mine.shape[1] - t.shape[1])], dim=1)
+            state[name] = torch.cat([t.to(mine), mine.new_zeros(t.shape[0], mine.shape[1] - t.shape[1])], dim=1)
         else:
             raise ValueError(f"{weights}: tensor {name} has shape {tuple(t.shape)}, the model "
                              f"{tuple(mine.shape)}; only the feed-forward width may grow")
