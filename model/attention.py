@@ -139,18 +139,25 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     broadcastable to (B, 1, 1, L).
     """
     b, h, _, d = q.shape
-    hkv = k.shape[1]
-    if k.device.type == "cpu" and k.dtype != torch.float32 and not k.is_contiguous():
-        # A cache slice (B, Hkv, :length, D) is strided by the cache's max_len. oneDNN's bf16 batched
-        # matmul then makes a transposing copy of K (and a copy of V) itself, far slower than a plain
-        # copy first (docs/decisions.md). fp32 takes the strides as they are.
-        k, v = k.contiguous(), v.contiguous()
-    qg = q.view(b, hkv, h // hkv, d)  # (B, Hkv, G, D): query heads grouped by their K/V head
+    qg, k, v = _grouped(q, k, v)
     scores = (qg @ k.transpose(-1, -2)) * d ** -0.5  # (B, Hkv, G, L)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores.float(), dim=-1).to(v.dtype)
     return (p @ v).view(b, h, 1, d)  # (B, H, 1, D)
+
+
+def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q (B, H, 1, D) -> (B, Hkv, G, D), the query heads grouped by their K/V head, and k, v ready to multiply.
+
+    A cache slice (B, Hkv, :length, D) is strided by the cache's max_len; oneDNN's bf16 batched matmul then
+    makes a transposing copy of K (and a copy of V) itself, far slower than a plain copy first
+    (docs/decisions.md). fp32 takes the strides as they are."""
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    if k.device.type == "cpu" and k.dtype != torch.float32 and not k.is_contiguous():
+        k, v = k.contiguous(), v.contiguous()
+    return q.view(b, hkv, h // hkv, d), k, v
 
 
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor,
@@ -179,11 +186,8 @@ def prefix_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                v_new: torch.Tensor, prefix_ok: torch.Tensor) -> torch.Tensor:
     """`prefix_attention` in torch ops: grouped batched matmuls, in the inputs' dtype."""
     b, h, _, d = q.shape
-    hkv = k.shape[1]
     scale = d ** -0.5
-    if k.device.type == "cpu" and k.dtype != torch.float32 and not k.is_contiguous():
-        k, v = k.contiguous(), v.contiguous()  # as in decode_attention: oneDNN's own copy is slower
-    qg = q.view(b, hkv, h // hkv, d)  # (B, Hkv, G, D): query heads grouped by their K/V head
+    qg, k, v = _grouped(q, k, v)
     cached = (qg @ k.transpose(-1, -2)) * scale  # (B, Hkv, G, L)
     cached = cached.masked_fill(~prefix_ok, float("-inf"))
     own = (qg * k_new).sum(-1, keepdim=True) * scale  # (B, Hkv, G, 1)

@@ -147,9 +147,5 @@ class BPETokenizer:
 
     def stop_ids(self) -> set[int]:
         """Ids that end a generation: eos plus the chat end-of-turn and end-of-text tokens if present."""
-        ids = {self.eos_id} if self.eos_id is not None else set()
-        for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-            i = self.token_to_id(t)
-            if i is not None:
-                ids.add(i)
-        return ids
+        ends = map(self.token_to_id, ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"))
+        return {i for i in (self.eos_id, *ends) if i is not None}

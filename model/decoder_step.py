@@ -31,7 +31,7 @@ def chunk_blocks_step(blocks: Sequence[nn.Module], x: torch.Tensor, positions: t
     return _through(blocks, x, ChunkContext(k, v, positions), rope)
 
 
-def _through(blocks: Sequence[nn.Module], x: torch.Tensor, ctx: StepContext | ChunkContext, rope: tuple):
+def _through(blocks: Sequence[nn.Module], x: torch.Tensor, ctx: StepContext, rope: tuple):
     mask = ctx.self_mask()
     for i, block in enumerate(blocks):
         x = block(x, mask, tuple(rope) or None, ctx, i)

@@ -251,21 +251,17 @@ class StepContext:
         return self.cross_k[layer], self.cross_v[layer]
 
     def stacked_new_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer's new k, v: (NL, R, Hkv, D) x 2, for `KVCache.write_step`."""
+        """Every layer's new k, v: (NL, R, Hkv, D) x 2 for `KVCache.write_step`; a chunk's (NL, 1, Hkv, T, D)
+        x 2 for `KVCache.write_chunk`."""
         return torch.stack(self.new_k), torch.stack(self.new_v)
 
 
-class ChunkContext:
+class ChunkContext(StepContext):
     """A prompt chunk of one sequence (T new tokens) over its slot's cached prefix *views*, without writing
     the cache: `StepContext`'s counterpart for a compiled prefill. Token t attends the first `positions[0, 0]`
     cached keys (more may be in the views: masked) and new tokens 0..t; `update` returns prefix and new
-    keys joined and collects the new ones for the caller to store (`KVCache.write_chunk`)."""
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        self.k, self.v = k, v  # (NL, 1, Hkv, L, D) cached prefix of the chunk's slot
-        self.positions = positions  # (1, T) consecutive
-        self.new_k: list[torch.Tensor] = []  # per layer (1, Hkv, T, D), in the cache's dtype
-        self.new_v: list[torch.Tensor] = []
+    keys joined and collects the new ones for the caller to store (`KVCache.write_chunk`). Here k, v are
+    (NL, 1, Hkv, L, D), the chunk's slot; positions (1, T), consecutive; new keys (1, Hkv, T, D) a layer."""
 
     def self_mask(self) -> torch.Tensor:
         """(1, 1, T, L + T): the cached keys before the chunk, then the chunk's own keys causally."""
@@ -282,7 +278,3 @@ class ChunkContext:
         self.new_k.append(k)
         self.new_v.append(v)
         return torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2), None
-
-    def stacked_new_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer's new k, v: (NL, 1, Hkv, T, D) x 2, for `KVCache.write_chunk`."""
-        return torch.stack(self.new_k), torch.stack(self.new_v)

@@ -83,18 +83,18 @@ def _is_zh(c: str | None) -> bool:
     return c is not None and bool(_ZH_CONTEXT.match(c))
 
 
-def _zh_around(text: str, a: int, b: int) -> bool:
-    """Is the nearest non-space character before a or from b on Chinese?"""
-    left, right = text[:a].rstrip(), text[b:].lstrip()
-    return _is_zh(left[-1] if left else None) or _is_zh(right[0] if right else None)
-
-
-def _neighbour(chars: list[str], i: int, step: int) -> str | None:
+def _neighbour(chars: list[str] | str, i: int, step: int) -> str | None:
     """The nearest non-space character before (step -1) or after (step +1) position i."""
     j = i + step
     while 0 <= j < len(chars) and chars[j].isspace():
         j += step
     return chars[j] if 0 <= j < len(chars) else None
+
+
+def _pair_is_zh(chars: list[str], a: int, b: int, context) -> bool:
+    """Do the paired marks at a and b enclose Chinese, or stand next to `context` characters?"""
+    return bool(_CJK.search("".join(chars[a + 1:b]))) or context(_neighbour(chars, a, -1)) \
+        or context(_neighbour(chars, b, 1))
 
 
 def to_chinese_punctuation(text: str) -> str:
@@ -122,7 +122,8 @@ def _is_converted_mark(c: str | None) -> bool:
 
 
 def _chinese_pass(text: str, bracket_context) -> str:
-    text = _ELLIPSIS.sub(lambda m: "……" if _zh_around(m.string, m.start(), m.end()) else m.group(), text)
+    text = _ELLIPSIS.sub(lambda m: "……" if _is_zh(_neighbour(m.string, m.start(), -1))
+                         or _is_zh(_neighbour(m.string, m.end() - 1, 1)) else m.group(), text)
     chars = list(text)
     n = len(chars)
     protected = [False] * n
@@ -145,8 +146,7 @@ def _chinese_pass(text: str, bracket_context) -> str:
             if bracket_context(_neighbour(chars, a, -1)) or bracket_context(_neighbour(chars, a, 1)):
                 chars[a] = "（" if chars[a] == "(" else "）"
             continue
-        inner = "".join(chars[a + 1:b])
-        if bracket_context(_neighbour(chars, a, -1)) or bracket_context(_neighbour(chars, b, 1)) or _CJK.search(inner):
+        if _pair_is_zh(chars, a, b, bracket_context):
             chars[a], chars[b] = "（", "）"
 
     # double quotes: paired in order of appearance
@@ -163,16 +163,14 @@ def _chinese_pass(text: str, bracket_context) -> str:
             elif _is_zh(left):
                 chars[a] = "”"
             continue
-        inner = "".join(chars[a + 1:b])
-        if _CJK.search(inner) or _is_zh(_neighbour(chars, a, -1)) or _is_zh(_neighbour(chars, b, 1)):
+        if _pair_is_zh(chars, a, b, _is_zh):
             chars[a], chars[b] = "“", "”"
 
     # single quotes used as quotation marks, paired in order (an apostrophe between Latin letters is none)
     singles = [i for i, c in enumerate(chars) if c == "'" and not protected[i]
                and not (0 < i < n - 1 and _latin(chars[i - 1]) and _latin(chars[i + 1]))]
     for a, b in zip(singles[::2], singles[1::2], strict=False):
-        inner = "".join(chars[a + 1:b])
-        if _CJK.search(inner) or _is_zh(_neighbour(chars, a, -1)) or _is_zh(_neighbour(chars, b, 1)):
+        if _pair_is_zh(chars, a, b, _is_zh):
             chars[a], chars[b] = "‘", "’"
 
     # , . : ; ? !

@@ -131,10 +131,13 @@ def reject_reason(en: str, zh: str, short: bool = False) -> str | None:
         return "dropped_chinese_in_english"
     if short:
         return "dropped_too_long" if len(en) > 80 or len(zh) > 12 else None
+    return "dropped_length_ratio" if bad_length(en, zh) else None
+
+
+def bad_length(en: str, zh: str) -> bool:
+    """Too long, or (beyond a few characters) an implausible English/Chinese length ratio."""
     ratio = len(en) / len(zh)
-    if len(en) > 600 or len(zh) > 300 or not (0.5 <= ratio <= 9.0) and max(len(en), len(zh)) > 8:
-        return "dropped_length_ratio"
-    return None
+    return len(en) > 600 or len(zh) > 300 or not (0.5 <= ratio <= 9.0) and max(len(en), len(zh)) > 8
 
 
 # --- HK: the first release's selection and split --------------------------------------------------
@@ -183,8 +186,7 @@ def clean(rows) -> tuple[dict[str, list[tuple[str, str]]], Counter]:
         if not _CJK.search(zh) and en != zh and re.search(r"[A-Za-z]{3}", en):
             counts["dropped_no_chinese"] += 1
             continue
-        ratio = len(en) / len(zh)
-        if len(en) > 600 or len(zh) > 300 or not (0.5 <= ratio <= 9.0) and max(len(en), len(zh)) > 8:
+        if bad_length(en, zh):
             counts["dropped_length_ratio"] += 1
             continue
         if (en, zh) in seen:

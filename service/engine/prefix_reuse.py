@@ -21,12 +21,7 @@ MIN_REUSE = 8  # shorter shared prefixes are prefilled: not worth a copy
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 class PrefixIndex:

@@ -138,8 +138,4 @@ def _inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def make_generator(seed: int | None) -> torch.Generator | None:
     """A per-request (CPU) generator; None (the global RNG) when the request has no seed."""
-    if seed is None:
-        return None
-    g = torch.Generator()
-    g.manual_seed(int(seed))
-    return g
+    return None if seed is None else torch.Generator().manual_seed(int(seed))
