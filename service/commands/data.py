@@ -1,6 +1,6 @@
 """attnserve data prepare translate [--out DIR] [--heldout-sentences 1000];
 attnserve data sample translate [--n 50] [--seed 50];
-attnserve data backtranslate translate [--sentences 30000] [--model DIR]"""
+attnserve data backtranslate translate [--sentences 30000] [--model DIR] [--languages zh,en]"""
 
 from service.commands import CommandError
 
@@ -18,6 +18,8 @@ def add_arguments(p):
     p.add_argument("--sentences", type=int, default=30000,
                    help="backtranslate: monolingual sentences per language (resumes up to this many)")
     p.add_argument("--model", help="backtranslate: checkpoint folder (default: the served translator)")
+    p.add_argument("--languages", default="zh,en",
+                   help="backtranslate: which monolingual text to sample, by its language (comma-separated)")
 
 
 def run(args) -> int:
@@ -48,11 +50,14 @@ def backtranslate(args, out) -> int:
     from model.training import back_translate
     from service import local
 
+    languages = tuple(args.languages.split(","))
+    if set(languages) - {"zh", "en"}:
+        raise CommandError(f"--languages takes zh, en or zh,en, got {args.languages!r}")
     translator = local.load_translator(local.translator_spec(args.model))
 
     def translate(texts: list[str], target_lang: str, done) -> list[str]:
         """Greedy, through the engine behind /v1/translate (its batch path, served decoding defaults)."""
         return local.translate(translator, texts, target_lang=target_lang, beam_size=1, progress=done).translations
 
-    back_translate.build(translate, args.sentences, directory=out)
+    back_translate.build(translate, args.sentences, directory=out, languages=languages)
     return 0
