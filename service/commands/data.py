@@ -50,7 +50,7 @@ def backtranslate(args, out) -> int:
     from model.training import back_translate
     from service import local
 
-    languages = tuple(args.languages.split(","))
+    languages = tuple(dict.fromkeys(args.languages.split(",")))  # "zh,zh" once: rows are counted before the loop
     if set(languages) - {"zh", "en"}:
         raise CommandError(f"--languages takes zh, en or zh,en, got {args.languages!r}")
     translator = local.load_translator(local.translator_spec(args.model))
