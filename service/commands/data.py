@@ -48,11 +48,12 @@ def run(args) -> int:
 
 def backtranslate(args, out) -> int:
     from model.training import back_translate
+    from model.translation import LANGS
     from service import local
 
     languages = tuple(dict.fromkeys(args.languages.split(",")))  # "zh,zh" once: rows are counted before the loop
-    if set(languages) - {"zh", "en"}:
-        raise CommandError(f"--languages takes zh, en or zh,en, got {args.languages!r}")
+    if set(languages) - set(LANGS):
+        raise CommandError(f"--languages takes one or both of {','.join(LANGS)}, got {args.languages!r}")
     translator = local.load_translator(local.translator_spec(args.model))
 
     def translate(texts: list[str], target_lang: str, done) -> list[str]:
