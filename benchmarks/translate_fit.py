@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +25,13 @@ from model.training.train_translate import collate, make_batches, make_examples
 DEV_SPLIT = {"hk": "dev", "ted": "ted_dev"}
 
 
-def sample_train(source: str, n: int, seed: int = 0) -> list[tuple[str, str]]:
+def sample_train(source: str, n: int, directory: Path | None = None, seed: int = 0) -> list[tuple[str, str]]:
     """n training pairs of one source (train.source names each pair's source), a fixed sample."""
-    pairs = translate_data.read_split("train")
-    sources = (translate_data.data_dir() / "train.source").read_text(encoding="utf-8").split("\n")
+    pairs = translate_data.read_split("train", directory)
+    sources = translate_data.read_sources(directory)
     idx = [i for i, s in enumerate(sources[:len(pairs)]) if s == source]
+    if not idx:
+        raise ValueError(f"no training pairs from source {source!r}")
     return [pairs[i] for i in random.Random(seed).sample(idx, min(n, len(idx)))]
 
 
@@ -52,12 +55,14 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="weights/attnserve-zh-en")
     ap.add_argument("--pairs", type=int, default=600, help="pairs per set")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--data", type=Path, default=None, help="data folder (default $ATTNSERVE_HOME/data/translate)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok = load_checkpoint(args.model).eval(), load_tokenizer(args.model)
     print("| source | into | train nats/token | dev nats/token | dev - train |\n|---|---|---|---|---|")
     for source, split in DEV_SPLIT.items():
-        sets = {"train": sample_train(source, args.pairs), "dev": translate_data.read_split(split)[:args.pairs]}
+        sets = {"train": sample_train(source, args.pairs, args.data),
+                "dev": translate_data.read_split(split, args.data)[:args.pairs]}
         for into in ("en", "zh"):
             train, dev = (token_nll(model, tok, sets[k], into) for k in ("train", "dev"))
             cells = [f"{x:.3f} (ppl {math.exp(x):.1f})" for x in (train, dev)]
