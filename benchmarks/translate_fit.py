@@ -16,11 +16,10 @@ import random
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from model.checkpoint import load_checkpoint, load_tokenizer
 from model.training import translate_data
-from model.training.train_translate import collate, make_batches, make_examples
+from model.training.train_translate import collate, make_batches, make_examples, token_loss
 
 DEV_SPLIT = {"hk": "dev", "ted": "ted_dev"}
 
@@ -43,10 +42,9 @@ def token_nll(model, tok, pairs: list[tuple[str, str]], into: str, max_len: int 
     total, count = 0.0, 0
     for batch in make_batches(examples, 6000, random.Random(1)):
         src, tgt_in, tgt_out = collate(examples, batch, pad)
-        logits = model(src, tgt_in)  # (B, T, V)
-        total += F.cross_entropy(logits.float().flatten(0, 1), tgt_out.reshape(-1), ignore_index=pad,
-                                 reduction="sum").item()
-        count += int((tgt_out != pad).sum())
+        n = int((tgt_out != pad).sum())
+        total += token_loss(model(src, tgt_in), tgt_out, pad, 0.0).item() * n  # mean over n real tokens
+        count += n
     return total / count
 
 
