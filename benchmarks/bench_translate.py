@@ -9,13 +9,15 @@ the Chinese side (-> en), each its own one-text request.
 
 Our engine: --clients closed-loop callers, continuous (or static / serial) batching. Peers: static
 batches of up to --clients sentences in arrival order, max target length = the largest of the engine's
-per-sentence limits in the batch (1.5 x source + 10). Latency = request submit -> result (peers: batch
-start -> batch end). Output tokens = target tokens without bos/eos. Each run in its own subprocess
-(peak RSS = VmHWM of that process). Length penalty: ours is GNMT's ((5+len)/6)^alpha; transformers and
-CTranslate2 divide by len^alpha, so beam outputs may differ slightly; greedy outputs use no penalty.
+per-sentence limits in the batch (1.5 x source + 10); CTranslate2 with the suffix `:inter` runs --threads
+batches of clients/threads sentences at once, one thread each (its inter_threads layout). Latency = request
+submit -> result (peers: batch submit -> result). Output tokens = target tokens without bos/eos. Each run in
+its own subprocess (peak RSS = VmHWM of that process). Length penalty: ours is GNMT's ((5+len)/6)^alpha;
+transformers and CTranslate2 divide by len^alpha, so beam outputs may differ slightly; greedy outputs use no penalty.
 
     python -m benchmarks.bench_translate --beams 1 4 --peers hf:float32 ct2:float32 ct2:int8
     python -m benchmarks.bench_translate --beams 1 --peers ct2:float32 --compile compiled --repeat 3  # ratio per round
+    python -m benchmarks.bench_translate --beams 1 --peers ct2:float32 ct2:float32:inter  # CTranslate2's two layouts
 """
 
 from __future__ import annotations
@@ -103,21 +105,39 @@ async def run_ours(args, mode: str, dtype: str, step: str = "eager") -> dict:
     return result(engine_label(engine, mode), args.beam, dtype, wall, out, lat, len(jobs))
 
 
-def run_peer(args, peer: str, dtype: str) -> dict:
-    """Static batches through transformers or CTranslate2; sources tokenized exactly as the engine does."""
+def run_peer(args, peer: str, dtype: str, layout: str = "intra") -> dict:
+    """Static batches through transformers or CTranslate2; sources tokenized exactly as the engine does.
+    Layout "inter" (CTranslate2 only): --threads batches of clients/threads sentences in flight at once, one
+    thread each (CTranslate2's inter_threads), so as many sentences are in flight as with one batch."""
     jobs = json.loads(args.workload.read_text())  # tokenized by the parent: this child never imports torch
     ids = json.loads((args.marian_dir / "config.json").read_text())
-    translate = _hf(args, dtype, ids) if peer == "hf" else _ct2(args, dtype)
-    translate([jobs[0]["src"]], 4)  # warm-up
-    lat, out = [], 0
+    if layout not in ("intra", "inter") or (layout == "inter" and peer != "ct2"):
+        raise SystemExit(f"unknown layout {peer}:{dtype}:{layout}: only ct2 takes ':inter'")
+    in_flight = args.threads if layout == "inter" else 1
+    submit = _hf(args, dtype, ids) if peer == "hf" else _ct2(args, dtype, in_flight)
+    submit([jobs[0]["src"]], 4)()  # warm-up
+    size = max(1, args.clients // in_flight)
+    lat, out, pending = [], 0, []
+
+    def finish_oldest():
+        nonlocal out
+        t, n, wait = pending.pop(0)
+        out += wait()
+        lat.extend([time.perf_counter() - t] * n)  # submit -> result, waited for in submission order
+
     t0 = time.perf_counter()
-    for i in range(0, len(jobs), args.clients):
-        batch = jobs[i: i + args.clients]
+    for i in range(0, len(jobs), size):
+        batch = jobs[i: i + size]
+        if len(pending) == in_flight:
+            finish_oldest()
         t = time.perf_counter()
-        out += translate([j["src"] for j in batch], max(j["max_len"] for j in batch))
-        lat += [time.perf_counter() - t] * len(batch)
+        pending.append((t, len(batch), submit([j["src"] for j in batch], max(j["max_len"] for j in batch))))
+    while pending:
+        finish_oldest()
     wall = time.perf_counter() - t0
     name = "transformers generate (static)" if peer == "hf" else "CTranslate2 translate_batch (static)"
+    if in_flight > 1:
+        name = f"CTranslate2 translate_batch (static, {in_flight} batches of {size} in flight)"
     return result(name, args.beam, dtype, wall, out, lat, len(jobs))
 
 
@@ -139,26 +159,31 @@ def _hf(args, dtype: str, ids: dict):
         n = 0
         for row in out[:, 1:].tolist():  # drop the decoder start token
             n += row.index(eos) if eos in row else sum(t != pad for t in row)
-        return n
+        return lambda: n
 
     return translate
 
 
-def _ct2(args, compute_type: str):
+def _ct2(args, compute_type: str, inter: int = 1):
+    """Submits a batch, returns a wait() -> output tokens; `inter` > 1: that many workers of
+    threads/inter threads each, batches run asynchronously."""
     import ctranslate2
 
     vocab = json.loads((args.marian_dir / "vocab.json").read_text())
     pieces = sorted(vocab, key=vocab.get)
     tr = ctranslate2.Translator(str(args.ct2_dir), device="cpu", compute_type=compute_type,
-                                intra_threads=args.threads, inter_threads=1)
+                                intra_threads=max(1, args.threads // inter), inter_threads=inter)
 
-    def translate(batch: list[list[int]], max_len: int) -> int:
+    def submit(batch: list[list[int]], max_len: int):
         res = tr.translate_batch([[pieces[i] for i in s] for s in batch], beam_size=args.beam,
-                                 max_decoding_length=max_len,
+                                 max_decoding_length=max_len, asynchronous=inter > 1,
                                  length_penalty=args.length_penalty if args.beam > 1 else 1.0)
-        return sum(len(r.hypotheses[0]) for r in res)
+        if inter > 1:
+            return lambda: sum(len(r.result().hypotheses[0]) for r in res)
+        n = sum(len(r.hypotheses[0]) for r in res)
+        return lambda: n
 
-    return translate
+    return submit
 
 
 def prepare(args, peers: list[str]) -> dict[str, list[str]]:
@@ -175,7 +200,7 @@ def prepare(args, peers: list[str]) -> dict[str, list[str]]:
         export_marian(*load(args.checkpoint), marian)
     extra = {}
     for spec in peers:
-        peer, dtype = spec.split(":")
+        peer, dtype = spec.split(":")[:2]
         extra[spec] = ["--marian-dir", str(marian)]
         if peer == "ct2":
             d = root / f"{key or 'tiny'}-ct2-{dtype}"
@@ -183,7 +208,7 @@ def prepare(args, peers: list[str]) -> dict[str, list[str]]:
                 convert(marian, d, quantization=dtype)
             extra[spec] += ["--ct2-dir", str(d)]
         elif peer != "hf":
-            raise SystemExit(f"unknown peer {spec!r}: use hf:<float32|bfloat16> or ct2:<float32|int8|...>")
+            raise SystemExit(f"unknown peer {spec!r}: use hf:<float32|bfloat16> or ct2:<float32|int8|...>[:inter]")
     return extra
 
 

@@ -125,6 +125,17 @@ def test_bench_translate_with_a_peer(home):
     assert float(ratio) == pytest.approx(by["attnserve"] / by["CTranslate2"], rel=0.05, abs=0.02)
 
 
+def test_bench_translate_ct2_inter_layout(home):
+    # --threads 2, --clients 2: two batches of one sentence in flight, one thread each
+    out = tool(home, "bench_translate", "--tiny", "--threads", "2", "--clients", "2", "--requests", "4",
+               "--beams", "1", "--modes", "--peers", "ct2:float32", "ct2:float32:inter")
+    table = rows(out, r"CTranslate2 translate_batch \(static.*")
+    assert sorted(r[0] for r in table) == ["CTranslate2 translate_batch (static)",
+                                           "CTranslate2 translate_batch (static, 2 batches of 1 in flight)"]
+    for r in table:
+        assert r[1] == "1" and float(r[3]) > 0 and float(r[4]) > 0 and len(floats(r[5])) == 2
+
+
 def _profile_table(out: str, parts: list[str]) -> None:
     table = {r[0]: r[1:] for r in rows(out, ".+") if len(r) == 5}
     for part in parts:
