@@ -111,8 +111,7 @@ def run_peer(args, peer: str, dtype: str, layout: str = "intra") -> dict:
     thread each (CTranslate2's inter_threads), so as many sentences are in flight as with one batch."""
     jobs = json.loads(args.workload.read_text())  # tokenized by the parent: this child never imports torch
     ids = json.loads((args.marian_dir / "config.json").read_text())
-    if layout not in ("intra", "inter") or (layout == "inter" and peer != "ct2"):
-        raise SystemExit(f"unknown layout {peer}:{dtype}:{layout}: only ct2 takes ':inter'")
+    parse_peer(f"{peer}:{dtype}:{layout}")
     in_flight = args.threads if layout == "inter" else 1
     submit = _hf(args, dtype, ids) if peer == "hf" else _ct2(args, dtype, in_flight)
     submit([jobs[0]["src"]], 4)()  # warm-up
@@ -186,11 +185,23 @@ def _ct2(args, compute_type: str, inter: int = 1):
     return submit
 
 
+def parse_peer(spec: str) -> tuple[str, str, str]:
+    """A peer spec, hf:<dtype> or ct2:<dtype>[:inter] -> (peer, dtype, layout); a mistyped one stops the
+    benchmark here, before any export or run."""
+    parts = spec.split(":")
+    peer, dtype, layout = (parts + ["intra"])[:3] if len(parts) in (2, 3) else ("", "", "")
+    if peer not in ("hf", "ct2") or not dtype or layout not in ("intra", "inter") or (layout, peer) == ("inter", "hf"):
+        raise SystemExit(f"unknown peer {spec!r}: use hf:<float32|bfloat16> or ct2:<float32|int8|...>[:inter]")
+    return peer, dtype, layout
+
+
 def prepare(args, peers: list[str]) -> dict[str, list[str]]:
     """Export to Marian / convert to CTranslate2 once per checkpoint version; child arguments per peer."""
     from benchmarks.bench_peers import bench_dir
     from benchmarks.ct2_convert import convert
     from model.importers.marian import export_marian
+
+    parsed = {spec: parse_peer(spec) for spec in peers}
 
     st = (args.checkpoint / "model.safetensors").stat()
     key = f"{args.checkpoint.name}-{st.st_size}-{int(st.st_mtime)}" if not args.tiny else None
@@ -200,15 +211,13 @@ def prepare(args, peers: list[str]) -> dict[str, list[str]]:
         export_marian(*load(args.checkpoint), marian)
     extra = {}
     for spec in peers:
-        peer, dtype = spec.split(":")[:2]
+        peer, dtype, _ = parsed[spec]
         extra[spec] = ["--marian-dir", str(marian)]
         if peer == "ct2":
             d = root / f"{key or 'tiny'}-ct2-{dtype}"
             if not (d / "model.bin").is_file():
                 convert(marian, d, quantization=dtype)
             extra[spec] += ["--ct2-dir", str(d)]
-        elif peer != "hf":
-            raise SystemExit(f"unknown peer {spec!r}: use hf:<float32|bfloat16> or ct2:<float32|int8|...>[:inter]")
     return extra
 
 

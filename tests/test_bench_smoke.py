@@ -136,6 +136,17 @@ def test_bench_translate_ct2_inter_layout(home):
         assert r[1] == "1" and float(r[3]) > 0 and float(r[4]) > 0 and len(floats(r[5])) == 2
 
 
+@pytest.mark.parametrize("spec", ["ct2", "ct2:float32:intr", "hf:float32:inter", "ort:float32", "ct2:float32:inter:x",
+                                  "ct2::inter"])
+def test_bench_translate_rejects_a_mistyped_peer(spec):
+    from benchmarks.bench_translate import parse_peer
+
+    with pytest.raises(SystemExit, match="unknown peer"):
+        parse_peer(spec)
+    assert parse_peer("ct2:int8:inter") == ("ct2", "int8", "inter")
+    assert parse_peer("hf:bfloat16") == ("hf", "bfloat16", "intra")
+
+
 def _profile_table(out: str, parts: list[str]) -> None:
     table = {r[0]: r[1:] for r in rows(out, ".+") if len(r) == 5}
     for part in parts:

@@ -115,6 +115,15 @@ def test_back_translated_pairs_train_one_way_with_a_tag_and_ted_dev_is_scored(ti
     assert src2[:2] == [tok.token_to_id("<2en>"), bt] and tok.decode(tgt2[1:-1]) == "three four five"
 
 
+def test_a_recipe_with_back_translation_refuses_to_train_without_the_synthetic_pairs(tiny_run, tmp_path):
+    path, cfg, data, run = tiny_run
+    cfg.update(max_steps=10, back_translation=True)
+    path.write_text(json.dumps(cfg))
+    assert not (data / "bt.tsv").exists()
+    with pytest.raises(FileNotFoundError, match="bt.tsv holds no pairs: run `attnserve data backtranslate"):
+        train(path, run, data_dir=data, export_to=tmp_path / "export")
+
+
 def test_compiled_loss_matches_the_eager_loss_and_gradient_across_batch_shapes():
     """`compile_loss` (the recipes' default) runs token_loss through inductor with dynamic shapes."""
     from model.training.train_translate import token_loss

@@ -390,7 +390,12 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     if cfg.back_translation:
         from model.training import back_translate
 
-        examples += make_bt_examples(back_translate.read(data_dir), tok, cfg.max_len)
+        synthetic = back_translate.read(data_dir)
+        if not synthetic:  # the recipe asks for them: training on without would be another recipe, silently
+            where = (data_dir or translate_data.data_dir()) / back_translate.FILE_NAME
+            raise FileNotFoundError(f"the config sets back_translation but {where} holds no pairs: "
+                                    "run `attnserve data backtranslate translate` first")
+        examples += make_bt_examples(synthetic, tok, cfg.max_len)
     n_params = sum(p.numel() for p in model.parameters())
     log(event="start", params=n_params, examples=len(examples), config=dataclasses.asdict(cfg))
 
