@@ -13,7 +13,7 @@ import pytest
 import torch
 from engine_util import CharTokenizer, tiny_seq2seq
 
-from model.decoding import BeamState, advance_all, banned_tokens
+from model.decoding import NEG_INF, BeamState, advance_all, banned_tokens, beam_candidates, row_topk
 from model.generate import beam_search
 from model.translation import encode_source
 from service import cli, local
@@ -133,3 +133,38 @@ def test_a_step_of_many_beams_equals_each_beam_stepped_alone():
             assert advance_all([alone[i]], logits, [own]) == [got]
             assert alone[i].seqs == states[i].seqs and alone[i].scores == states[i].scores
     assert any(st.k > 1 and st.step > 3 for st in states)
+
+
+@pytest.mark.parametrize("v", [1024, 8000, 50])
+def test_row_topk_equals_topk(v):
+    """The chunk-maxima top-k: the same values as topk, indices that hold them, -inf (banned) entries and
+    rows whose best cluster in one chunk included; a vocabulary that chunks do not divide falls back."""
+    g = torch.Generator().manual_seed(v)
+    x = torch.randn(12, v, generator=g) * 4
+    x[0, :200] += 40  # the best all in few chunks
+    x[1, ::3] = NEG_INF
+    x[2, 5:] = NEG_INF  # fewer finite entries than asked
+    for n in (2, 8, 16):
+        vals, idx = row_topk(x, n)
+        ref = x.topk(n, -1)
+        assert torch.equal(vals, ref.values) and torch.equal(x.gather(1, idx), vals)
+        assert all(len(set(r)) == n for r in idx.tolist())
+
+
+def test_beam_candidates_equal_a_topk_over_each_sources_scores():
+    """The two-stage choice (per row, then per source) gives what one topk over a source's k x V does."""
+    g = torch.Generator().manual_seed(1)
+    v, k = 1024, 4
+    states = [BeamState([3], k, limit=30, bos_id=1, eos_id=2, pad_id=0, no_repeat_ngram=2) for _ in range(3)]
+    states[0].scores = [-1.5, -2.0, NEG_INF, -3.25]  # a dead beam
+    states[1].scores = [-0.5, -0.75, -4.0, -6.0]
+    states[1].seqs = [[7, 8, 7], [9], [9, 9], [5]]  # bans: 8 after ...7
+    logits = torch.randn(3 * k, v, generator=g) * 3
+    rows = [[0, 1, 2, 3], [7, 6, 5, 4], [8, 9, 10, 11]]
+    got = beam_candidates(states, logits, rows)
+    for st, r, (s_, i_) in zip(states, rows, got, strict=True):
+        logp = torch.log_softmax(logits[r].float(), -1)
+        for j, seq in enumerate(st.seqs):
+            logp[j, banned_tokens(seq, 2)] = NEG_INF
+        ref = (torch.tensor(st.scores)[:, None] + logp).view(-1).topk(2 * k)
+        assert s_ == ref.values.tolist() and i_ == ref.indices.tolist()
