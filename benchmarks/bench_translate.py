@@ -71,7 +71,7 @@ def result(name, beam, dtype, wall, out_tokens, latencies, n) -> dict:
                 lat_p50=pct(latencies, 0.5), lat_p95=pct(latencies, 0.95), rss_mb=peak_rss_mb())
 
 
-async def run_ours(args, mode: str, dtype: str, step: str = "eager") -> dict:
+async def run_ours(args, mode: str, dtype: str, step: str = "eager", kv: str = "auto") -> dict:
     from service.engine.config import EngineConfig
     from service.engine.translation import TranslationEngine
     from service.engine.types import TranslateRequest
@@ -80,7 +80,7 @@ async def run_ours(args, mode: str, dtype: str, step: str = "eager") -> dict:
     model, tok = load(args.checkpoint)
     jobs = [(j["text"], j["tgt"]) for j in json.loads(args.workload.read_text())]
     cfg = EngineConfig(max_slots=args.clients * args.beam, max_seq_len=model.cfg.max_tgt_len, mode=mode, dtype=dtype,
-                       threads=args.threads, max_waiting=args.requests + 1, compile=step == "compiled")
+                       threads=args.threads, max_waiting=args.requests + 1, compile=step == "compiled", kv_dtype=kv)
     engine = TranslationEngine(model, cfg)
     translator = TranslationFrontend(engine, tok)
     await engine.start()
@@ -102,7 +102,8 @@ async def run_ours(args, mode: str, dtype: str, step: str = "eager") -> dict:
     await asyncio.gather(*(client() for _ in range(args.clients)))
     wall = time.perf_counter() - t0
     await engine.stop()
-    return result(engine_label(engine, mode), args.beam, dtype, wall, out, lat, len(jobs))
+    label = dtype if kv == "auto" else f"{dtype}, kv {kv}"
+    return result(engine_label(engine, mode), args.beam, label, wall, out, lat, len(jobs))
 
 
 def run_peer(args, peer: str, dtype: str, layout: str = "intra") -> dict:
@@ -231,6 +232,8 @@ def main() -> None:
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     ap.add_argument("--compile", nargs="+", default=["eager"], choices=["eager", "compiled"],
                     help="our decode step: eager, or torch.compile'd (EngineConfig.compile); both = side by side")
+    ap.add_argument("--kv-dtype", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
+                    help="our K/V cache's dtype (EngineConfig.kv_dtype; auto = the compute dtype)")
     ap.add_argument("--peers", nargs="*", default=["hf:float32", "ct2:float32", "ct2:int8"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--length-penalty", type=float, default=DEFAULT_LENGTH_PENALTY,
@@ -267,7 +270,8 @@ def main() -> None:
             args.checkpoint, args.workdir = tiny_checkpoints(Path(tmp))[1], tmp
         elif not (args.checkpoint / "config.json").is_file():
             raise SystemExit(f"no translator checkpoint at {args.checkpoint} (train one, or pass --checkpoint)")
-        specs = {f"ours:{m}:{d}:{c}": [] for d in args.dtype for m in args.modes for c in args.compile}
+        specs = {f"ours:{m}:{d}:{c}:{kv}": [] for d in args.dtype for m in args.modes for c in args.compile
+                 for kv in args.kv_dtype}
         specs |= prepare(args, args.peers)
         model, tok = load(args.checkpoint)
         args.workload = Path(tmp) / "workload.json"

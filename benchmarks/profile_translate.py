@@ -39,7 +39,8 @@ async def run(args) -> None:
     model, tok = load(Path(args.checkpoint))
     jobs = workload(SimpleNamespace(requests=args.requests, seed=args.seed), tok, model.cfg)
     cfg = EngineConfig(max_slots=args.clients * args.beam, max_seq_len=model.cfg.max_tgt_len, mode="continuous",
-                       dtype=args.dtype, threads=args.threads, max_waiting=args.requests + 1, compile=args.compile)
+                       dtype=args.dtype, threads=args.threads, max_waiting=args.requests + 1, compile=args.compile,
+                       kv_dtype=args.kv_dtype)
     engine = TranslationEngine(model, cfg)
     translator = TranslationFrontend(engine, tok)
     hooks = StepProfiler(lambda step: sum(s.beam.k for s in step.sentences), args.profile_from, args.profile_steps)
@@ -85,6 +86,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--beam", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="the K/V cache's dtype (EngineConfig.kv_dtype; auto = the compute dtype)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (EngineConfig.compile)")
     ap.add_argument("--seed", type=int, default=0)

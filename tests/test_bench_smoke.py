@@ -113,16 +113,18 @@ def test_bench_engine_with_peers(home):
 
 
 def test_bench_translate_with_a_peer(home):
-    # beam 2 (greedy runs in the profile and compile checks below); one peer
+    # beam 2 (greedy runs in the profile and compile checks below); one peer; our cache in two dtypes
     out = tool(home, "bench_translate", "--tiny", "--threads", "1", "--clients", "2", "--requests", "4",
-               "--beams", "2", "--peers", "ct2:float32")
+               "--beams", "2", "--peers", "ct2:float32", "--kv-dtype", "auto", "bfloat16")
     table = rows(out, r"attnserve continuous|CTranslate2 translate_batch \(static\)")
-    assert sorted((r[0].split()[0], r[1]) for r in table) == [("CTranslate2", "2"), ("attnserve", "2")]
+    assert sorted((r[0].split()[0], r[1], r[2]) for r in table) == [
+        ("CTranslate2", "2", "float32"), ("attnserve", "2", "float32"), ("attnserve", "2", "float32, kv bfloat16")]
     for r in table:
         assert float(r[3]) > 0 and float(r[4]) > 0 and len(floats(r[5])) == 2  # sentences/s, tok/s, latency
-    (ratio,) = re.findall(rf"beam 2: ours:continuous:float32:eager / ct2:float32 = {NUM}x", out)
-    by = {r[0].split()[0]: float(r[3]) for r in table}
-    assert float(ratio) == pytest.approx(by["attnserve"] / by["CTranslate2"], rel=0.05, abs=0.02)
+    by = {(r[0].split()[0], r[2]): float(r[3]) for r in table}
+    for kv, dtype in (("auto", "float32"), ("bfloat16", "float32, kv bfloat16")):
+        (ratio,) = re.findall(rf"beam 2: ours:continuous:float32:eager:{kv} / ct2:float32 = {NUM}x", out)
+        assert float(ratio) == pytest.approx(by["attnserve", dtype] / by["CTranslate2", "float32"], rel=0.05, abs=0.02)
 
 
 def test_bench_translate_ct2_inter_layout(home):
