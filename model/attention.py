@@ -80,7 +80,9 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             if cache is not None:
                 k, v, own = cache.update(layer, k, v)  # (B, Hkv, Tk, D): this row's slot prefix
-        if k.dtype != q.dtype and own is None and k.element_size() < q.element_size():
+        # a decode step over the cached source: the prefix kernel reads a narrower cache itself (below)
+        cross_decode = self.cross and t == 1 and cache is not None and not self.training
+        if k.dtype != q.dtype and own is None and not cross_decode and k.element_size() < q.element_size():
             # a cache kept narrower than the compute dtype (storage only): attend in the compute dtype,
             # not in a dtype the CPU may only emulate
             k, v = k.to(q.dtype), v.to(q.dtype)
@@ -88,7 +90,7 @@ class Attention(nn.Module):
             q = q.to(k.dtype)
         if own is not None:
             y = prefix_attention(q, k, v, *own, mask)  # (B, H, 1, D)
-        elif self.cross and t == 1 and cache is not None and not self.training:
+        elif cross_decode:
             # a decode step over the cached source: every row's first source key is real (a source is never
             # empty), so it takes the kernel's own-key place and the rest is the masked prefix; the kernel
             # reads the strided cache in place where matmuls would copy it (docs/decisions.md)

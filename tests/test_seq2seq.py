@@ -96,3 +96,27 @@ def test_bf16_weights_with_a_float32_cache_cross_attention_included():
     got = torch.cat([m16.decode(tgt[:, t:t + 1], torch.tensor([[t]]), cache, [2])[0] for t in range(12)])
     assert got.dtype == torch.bfloat16
     assert (got.float() - full).abs().max().item() < 0.05 * full.abs().max().item()
+
+
+def test_float32_weights_with_a_bf16_cache_cross_attention_included(monkeypatch):
+    """kv_dtype bfloat16 on an fp32 host: the decode step reads the bf16 cache as it is (the prefix kernel,
+    cross-attention included) instead of widening the whole source cache every step."""
+    m = _model()
+    src, tgt = torch.randint(3, m.cfg.vocab_size, (1, 9)), torch.randint(3, m.cfg.vocab_size, (1, 12))
+    full = m(src, tgt)[0]  # (T, V)
+    cache = m.new_cache(3, dtype=torch.bfloat16)
+    m.set_cross(m.encode(src), torch.ones(1, 9, dtype=torch.bool), cache, [1])
+    assert cache.cross_k.dtype == torch.bfloat16
+    widened, cross = [], {cache.cross_k.untyped_storage().data_ptr(), cache.cross_v.untyped_storage().data_ptr()}
+    to = torch.Tensor.to
+
+    def spy(t, *a, **kw):
+        out = to(t, *a, **kw)
+        if out.dtype == torch.float32 and t.untyped_storage().data_ptr() in cross:
+            widened.append(tuple(t.shape))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    got = torch.cat([m.decode(tgt[:, t:t + 1], torch.tensor([[t]]), cache, [1])[0] for t in range(12)])
+    assert got.dtype == torch.float32 and widened == []  # no float32 copy of the source's K/V
+    assert (got - full).abs().max().item() < 0.05 * full.abs().max().item()
