@@ -104,7 +104,7 @@ def test_bad_arguments_and_configs_are_one_line_before_anything_starts(home, tmp
                "typo.yaml": served.replace("max_slots: 32, max_seq_len: 2048", "max_slot: 32, max_seq_len: 2048"),
                "limits.yaml": served.replace("max_stop: 4,", "max_stop: 0,"),
                "engine.yaml": served.replace("engine: {max_slots: 32, max_seq_len: 256", "engine: [{max_slots: 32}")
-                                    .replace(", max_waiting: 256, threads: 1, compile: true}", "]")}
+                                    .replace(", max_waiting: 256, threads: 1, compile: true, kv_dtype: bfloat16}", "]")}
     for name, text in configs.items():
         (tmp_path / name).write_text(text)
     a_file = tmp_path / "a_file"
