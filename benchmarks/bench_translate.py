@@ -18,7 +18,7 @@ transformers and CTranslate2 divide by len^alpha, so beam outputs may differ sli
     python -m benchmarks.bench_translate --beams 1 4 --peers hf:float32 ct2:float32 ct2:int8
     python -m benchmarks.bench_translate --beams 1 --peers ct2:float32 --compile compiled --repeat 3  # ratio per round
     python -m benchmarks.bench_translate --beams 1 --peers ct2:float32 ct2:float32:inter  # CTranslate2's two layouts
-    python -m benchmarks.bench_translate --beams 4 --compile compiled --kv-dtype auto bfloat16 --peers  # our cache dtypes
+    python -m benchmarks.bench_translate --beams 4 --compile compiled --kv-dtype auto bfloat16 --peers  # cache dtypes
 """
 
 from __future__ import annotations
