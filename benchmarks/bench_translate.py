@@ -10,7 +10,9 @@ the Chinese side (-> en), each its own one-text request.
 Our engine: --clients closed-loop callers, continuous (or static / serial) batching. Peers: static
 batches of up to --clients sentences in arrival order, max target length = the largest of the engine's
 per-sentence limits in the batch (1.5 x source + 10); CTranslate2 with the suffix `:inter` runs --threads
-batches of clients/threads sentences at once, one thread each (its inter_threads layout). Latency = request
+batches of clients/threads sentences at once, one thread each (its inter_threads layout); `--replicas N` runs
+our engine as N processes of threads/N threads with clients/N clients each, every N-th sentence to each, started
+together: the served layout (deploy/serve_config.yaml: two replicas, one thread each). Latency = request
 submit -> result (peers: batch submit -> result). Output tokens = target tokens without bos/eos. Each run in
 its own subprocess (peak RSS = VmHWM of that process). Length penalty: ours is GNMT's ((5+len)/6)^alpha;
 transformers and CTranslate2 divide by len^alpha, so beam outputs may differ slightly; greedy outputs use no penalty.
@@ -19,6 +21,7 @@ transformers and CTranslate2 divide by len^alpha, so beam outputs may differ sli
     python -m benchmarks.bench_translate --beams 1 --peers ct2:float32 --compile compiled --repeat 3  # ratio per round
     python -m benchmarks.bench_translate --beams 1 --peers ct2:float32 ct2:float32:inter  # CTranslate2's two layouts
     python -m benchmarks.bench_translate --beams 4 --compile compiled --kv-dtype auto bfloat16 --peers  # cache dtypes
+    python -m benchmarks.bench_translate --compile compiled --replicas 1 2 --peers ct2:float32:inter  # served layout
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ async def run_ours(args, mode: str, dtype: str, step: str = "eager", kv: str = "
 
     model, tok = load(args.checkpoint)
     jobs = [(j["text"], j["tgt"]) for j in json.loads(args.workload.read_text())]
+    shard, shards = map(int, (args.shard or "0/1").split("/"))
+    jobs = jobs[shard::shards]
     cfg = EngineConfig(max_slots=args.clients * args.beam, max_seq_len=model.cfg.max_tgt_len, mode=mode, dtype=dtype,
                        threads=args.threads, max_waiting=args.requests + 1, compile=step == "compiled", kv_dtype=kv)
     engine = TranslationEngine(model, cfg)
@@ -99,12 +104,29 @@ async def run_ours(args, mode: str, dtype: str, step: str = "eager", kv: str = "
             out += r.usage.completion_tokens
 
     await translator.translate(TranslateRequest(["warm-up"], target_lang="zh", beam_size=args.beam))
+    if shards > 1:  # every replica loaded and warm before any starts timing
+        (Path(args.barrier) / str(shard)).touch()
+        while len(list(Path(args.barrier).iterdir())) < shards:
+            await asyncio.sleep(0.01)
+    start = time.time()
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(args.clients)))
     wall = time.perf_counter() - t0
     await engine.stop()
     label = dtype if kv == "auto" else f"{dtype}, kv {kv}"
-    return result(engine_label(engine, mode), args.beam, label, wall, out, lat, len(jobs))
+    r = result(engine_label(engine, mode), args.beam, label, wall, out, lat, len(jobs))
+    return r | dict(start=start, out_tokens=out, latencies=lat) if shards > 1 else r
+
+
+def merge_replicas(parts: list[dict]) -> dict:
+    """One row for replicas timed together: throughput over the span from the first start to the last end,
+    latency percentiles over all their requests, RSS summed (each replica holds its own model and cache)."""
+    wall = max(p["start"] + p["wall_s"] for p in parts) - min(p["start"] for p in parts)
+    lat = [x for p in parts for x in p["latencies"]]
+    n = round(sum(p["sent_s"] * p["wall_s"] for p in parts))
+    row = result(f"{parts[0]['engine']}, {len(parts)} processes", parts[0]["beam"], parts[0]["dtype"], wall,
+                 sum(p["out_tokens"] for p in parts), lat, n)
+    return row | dict(rss_mb=sum(p["rss_mb"] for p in parts))
 
 
 def run_peer(args, peer: str, dtype: str, layout: str = "intra") -> dict:
@@ -237,13 +259,15 @@ def main() -> None:
                     help="our K/V cache's dtype (EngineConfig.kv_dtype; auto = the compute dtype)")
     ap.add_argument("--peers", nargs="*", default=["hf:float32", "ct2:float32", "ct2:int8"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--replicas", type=int, nargs="+", default=[1],
+                    help="our engine as N processes of threads/N threads and clients/N clients each (N divides both)")
     ap.add_argument("--length-penalty", type=float, default=DEFAULT_LENGTH_PENALTY,
                     help="beam search's length penalty alpha, for every engine (default: the service's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds of every run, alternating which runs first; prints each round's ours/peer ratio")
     ap.add_argument("--tiny", action="store_true", help="random tiny checkpoint: validates the script only")
-    for internal in ("--run", "--beam", "--marian-dir", "--ct2-dir", "--workdir", "--workload"):
+    for internal in ("--run", "--beam", "--marian-dir", "--ct2-dir", "--workdir", "--workload", "--shard", "--barrier"):
         ap.add_argument(internal, help=argparse.SUPPRESS)
     args = ap.parse_args()
     for name in ("checkpoint", "marian_dir", "ct2_dir", "workload"):
@@ -260,7 +284,7 @@ def main() -> None:
             import torch
 
             torch.set_num_threads(args.threads)
-        r = asyncio.run(run_ours(args, *parts[1:])) if parts[0] == "ours" else run_peer(args, *parts)
+        r = asyncio.run(run_ours(args, *parts[1:5])) if parts[0] == "ours" else run_peer(args, *parts)
         print(json.dumps(r))
         return
     with tempfile.TemporaryDirectory(prefix="attnserve-bench-tr-") as tmp:
@@ -271,8 +295,10 @@ def main() -> None:
             args.checkpoint, args.workdir = tiny_checkpoints(Path(tmp))[1], tmp
         elif not (args.checkpoint / "config.json").is_file():
             raise SystemExit(f"no translator checkpoint at {args.checkpoint} (train one, or pass --checkpoint)")
-        specs = {f"ours:{m}:{d}:{c}:{kv}": [] for d in args.dtype for m in args.modes for c in args.compile
-                 for kv in args.kv_dtype}
+        if any(n < 1 or args.threads % n or args.clients % n for n in args.replicas):
+            raise SystemExit(f"--replicas {args.replicas}: each must divide --threads and --clients")
+        specs = {f"ours:{m}:{d}:{c}:{kv}" + (f":x{n}" if n > 1 else ""): [] for d in args.dtype for m in args.modes
+                 for c in args.compile for kv in args.kv_dtype for n in args.replicas}
         specs |= prepare(args, args.peers)
         model, tok = load(args.checkpoint)
         args.workload = Path(tmp) / "workload.json"
@@ -289,17 +315,28 @@ def main() -> None:
                 order.reverse()
             for beam in args.beams:
                 for spec, extra in order:
+                    n = int(spec.rsplit(":x", 1)[1]) if ":x" in spec else 1
                     cmd = [sys.executable, "-m", "benchmarks.bench_translate", "--run", spec, "--beam", str(beam),
-                           "--checkpoint", str(args.checkpoint), "--clients", str(args.clients), "--requests",
-                           str(args.requests), "--threads", str(args.threads), "--workload", str(args.workload),
-                           "--length-penalty", str(args.length_penalty), *extra]
+                           "--checkpoint", str(args.checkpoint), "--clients", str(args.clients // n), "--requests",
+                           str(args.requests), "--threads", str(args.threads // n), "--workload",
+                           str(args.workload), "--length-penalty", str(args.length_penalty), *extra]
                     bar.set_postfix_str(f"round {rnd + 1}, {spec} beam {beam}")
-                    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+                    run = Path(tempfile.mkdtemp(dir=tmp))  # each child's output in files: no pipe fills up
+                    (run / "barrier").mkdir()
+                    procs = []
+                    for i in range(n):
+                        shard = ["--shard", f"{i}/{n}", "--barrier", str(run / "barrier")] if n > 1 else []
+                        with open(run / f"{i}.out", "w") as out, open(run / f"{i}.err", "w") as err:
+                            procs.append(subprocess.Popen(cmd + shard, stdout=out, stderr=err, cwd=ROOT,
+                                                          env=env | {"OMP_NUM_THREADS": str(args.threads // n)}))
+                    codes = [p.wait() for p in procs]
                     bar.update(1)
-                    if proc.returncode != 0:
-                        write_line(f"# {spec} beam {beam} FAILED:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                    if any(codes):
+                        err = (run / f"{[bool(c) for c in codes].index(True)}.err").read_text()
+                        write_line(f"# {spec} beam {beam} FAILED:\n{err[-3000:]}", file=sys.stderr)
                         continue
-                    rows.append(json.loads(proc.stdout.strip().splitlines()[-1]) | dict(spec=spec, round=rnd + 1))
+                    parts = [json.loads((run / f"{i}.out").read_text().strip().splitlines()[-1]) for i in range(n)]
+                    rows.append((merge_replicas(parts) if n > 1 else parts[0]) | dict(spec=spec, round=rnd + 1))
                     write_line(f"# round {rnd + 1}, {spec} beam {beam}: {rows[-1]['sent_s']:.2f} sentences/s",
                                file=sys.stderr)
         bar.close()

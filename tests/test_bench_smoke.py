@@ -138,6 +138,18 @@ def test_bench_translate_ct2_inter_layout(home):
         assert r[1] == "1" and float(r[3]) > 0 and float(r[4]) > 0 and len(floats(r[5])) == 2
 
 
+def test_bench_translate_replicas(home):
+    # the served layout: two engine processes of one thread and one client each, timed together
+    out = tool(home, "bench_translate", "--tiny", "--threads", "2", "--clients", "2", "--requests", "6",
+               "--beams", "1", "--peers", "--replicas", "1", "2")
+    table = rows(out, r"attnserve continuous.*")
+    assert sorted(r[0] for r in table) == ["attnserve continuous", "attnserve continuous, 2 processes"]
+    for r in table:
+        assert r[1] == "1" and float(r[3]) > 0 and float(r[4]) > 0 and len(floats(r[5])) == 2
+    with pytest.raises(AssertionError, match="must divide --threads and --clients"):
+        tool(home, "bench_translate", "--tiny", "--threads", "2", "--clients", "3", "--peers", "--replicas", "2")
+
+
 @pytest.mark.parametrize("spec", ["ct2", "ct2:float32:intr", "hf:float32:inter", "ort:float32", "ct2:float32:inter:x",
                                   "ct2::inter"])
 def test_bench_translate_rejects_a_mistyped_peer(spec):
