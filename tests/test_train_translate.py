@@ -1,6 +1,7 @@
 """A tiny end-to-end translator training run: loss drops, checkpoints resume exactly, export loads."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -359,3 +360,32 @@ def test_a_wider_feed_forward_starts_as_the_checkpoint_it_grew_from(tmp_path):
     other = build_model(dataclasses.replace(cfg, d_model=32, d_ff=64))
     with pytest.raises(ValueError, match="only the feed-forward width may grow"):
         widen_feed_forward(other, tmp_path / "model.safetensors")
+
+
+def test_a_pause_is_left_out_of_the_logged_pace(tiny_run, tmp_path, monkeypatch):
+    # a job stopped for an hour (kill -STOP) mid-window: its tok/s and the progress bar's pace leave it out
+    import types
+
+    from model.training import train_translate as tt
+
+    shift = [0.0]
+    monkeypatch.setattr(tt, "time", types.SimpleNamespace(time=lambda: time.time() + shift[0]))
+
+    class PausedOnce(tt.RunClock):
+        ticks = 0
+
+        def tick(self) -> float:
+            PausedOnce.ticks += 1
+            if PausedOnce.ticks == 35:
+                shift[0] += 3600.0
+                return 3600.0
+            return super().tick()
+
+    monkeypatch.setattr(tt, "RunClock", PausedOnce)
+    path, _, data, run = tiny_run
+    tt.train(path, run, data_dir=data, export_to=tmp_path / "export")
+    logged = [json.loads(line) for line in (run / "train.log").read_text().splitlines()]
+    assert any(r.get("event") == "stalled" and r["seconds"] == 3600 for r in logged)
+    pace = {r["step"]: r["tok_per_s"] for r in logged if "tok_per_s" in r}
+    others = sorted(v for step, v in pace.items() if step != 40)
+    assert pace[40] > 0.2 * others[len(others) // 2]  # an hour in the window would cut it ~1000-fold

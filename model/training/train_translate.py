@@ -449,13 +449,15 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
             stalled = clock.tick()
             if stalled:
                 log(event="stalled", step=step, seconds=round(stalled), note="not counted as training time")
+                win_t += stalled  # nor in the pace the log and the progress bar's total come from
             meta["train_seconds"] = clock.seconds
             if step % cfg.log_every == 0:
                 now = time.time()
+                pace = max(now - win_t, 1e-6)
                 log(step=step, epoch=meta["epoch"], loss=round(win_loss / win_n, 4), lr=round(lr, 6),
-                    tok_per_s=round(win_tokens / (now - win_t)), hours=round(clock.seconds / 3600, 3))
-                bar.total = stop_step(meta, cfg, steps_per_s=win_n / (now - win_t))
-                figures.update({"loss": round(win_loss / win_n, 3), "tok/s": round(win_tokens / (now - win_t))})
+                    tok_per_s=round(win_tokens / pace), hours=round(clock.seconds / 3600, 3))
+                bar.total = stop_step(meta, cfg, steps_per_s=win_n / pace)
+                figures.update({"loss": round(win_loss / win_n, 3), "tok/s": round(win_tokens / pace)})
                 bar.set_postfix(figures)
                 win_tokens, win_t, win_loss, win_n = 0, now, 0.0, 0
             if time.time() - last_ckpt > cfg.ckpt_minutes * 60:
