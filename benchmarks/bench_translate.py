@@ -329,10 +329,17 @@ def main() -> None:
                         with open(run / f"{i}.out", "w") as out, open(run / f"{i}.err", "w") as err:
                             procs.append(subprocess.Popen(cmd + shard, stdout=out, stderr=err, cwd=ROOT,
                                                           env=env | {"OMP_NUM_THREADS": str(args.threads // n)}))
-                    codes = [p.wait() for p in procs]
+                    failed = None  # a replica that fails leaves the others waiting at the barrier: stop them
+                    while any(p.poll() is None for p in procs):
+                        failed = next((i for i, p in enumerate(procs) if p.returncode), failed)
+                        if failed is not None:
+                            for p in procs:
+                                p.kill()
+                        time.sleep(0.1)
+                    failed = next((i for i, p in enumerate(procs) if p.returncode), None) if failed is None else failed
                     bar.update(1)
-                    if any(codes):
-                        err = (run / f"{[bool(c) for c in codes].index(True)}.err").read_text()
+                    if failed is not None:
+                        err = (run / f"{failed}.err").read_text()
                         write_line(f"# {spec} beam {beam} FAILED:\n{err[-3000:]}", file=sys.stderr)
                         continue
                     parts = [json.loads((run / f"{i}.out").read_text().strip().splitlines()[-1]) for i in range(n)]
