@@ -8,7 +8,9 @@ tensor work (argmax; log-softmax, n-gram bans, top-k) once for the whole batch a
 choice, so a source gets the same tokens whatever else shares the batch.
 
 `no_repeat_ngram` > 0 forbids a hypothesis to repeat any n-gram of its own output (fairseq's
-`--no-repeat-ngram-size`): the cure for "各国各国各国…" loops of an undertrained model.
+`--no-repeat-ngram-size`): the cure for "各国各国各国…" loops of an undertrained model. `min_len` forbids EOS
+before that many target tokens (fairseq's `--min-len`, CTranslate2's `min_decoding_length`): a small model
+ends too early and drops the rest of the sentence.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ def length_penalty(length: int, alpha: float) -> float:
 def max_len_for(src_len: int, max_len_a: float, max_len_b: int, cap: int) -> int:
     """Target length limit a * source + b, within [1, cap]."""
     return max(1, min(cap, int(max_len_a * src_len + max_len_b)))
+
+
+def min_len_for(src_len: int, ratio: float, limit: int) -> int:
+    """Fewest target tokens before EOS: ratio x the source's pieces (its tag and end token not counted),
+    at most the length limit."""
+    return min(limit, int(ratio * max(src_len - 2, 0)))
 
 
 def banned_tokens(seq: list[int], n: int) -> list[int]:
@@ -83,7 +91,7 @@ def beam_candidates(states: list[BeamState], logits: torch.Tensor,
         ban_rows, ban_toks = [], []
         for a, i in enumerate(mine):
             for j, seq in enumerate(states[i].seqs):
-                for tok in banned_tokens(seq, states[i].no_repeat_ngram):
+                for tok in states[i].banned(seq):
                     ban_rows.append(a * k + j)
                     ban_toks.append(tok)
         if ban_rows:
@@ -123,6 +131,7 @@ class BeamState:
     pad_id: int
     alpha: float = 0.6
     no_repeat_ngram: int = 0
+    min_len: int = 0  # EOS is banned before this many target tokens
     step: int = 0  # target position of the next decoded token
     seqs: list[list[int]] = field(default_factory=list)  # (k) tokens so far per hypothesis
     scores: list[float] = field(default_factory=list)  # (k) cumulative log-probs, -inf = dead beam
@@ -134,6 +143,11 @@ class BeamState:
         self.seqs = [[] for _ in range(self.k)]
         self.scores = [0.0] + [NEG_INF] * (self.k - 1)
         self.last = [self.bos_id] * self.k
+
+    def banned(self, seq: list[int]) -> list[int]:
+        """Tokens hypothesis `seq` may not take next: n-gram repeats, and EOS while it is too short."""
+        out = banned_tokens(seq, self.no_repeat_ngram)
+        return out + [self.eos_id] if len(seq) < self.min_len else out
 
     def choose(self, top_s: list[float], top_i: list[int], v: int) -> list[int]:
         """The step's 2k best candidates (scores, indices into the flattened (k, V)) -> parent index of each
@@ -173,8 +187,8 @@ class BeamState:
         """Greedy (k == 1) step with the argmax token already chosen (the engine takes the argmax of
         every greedy row in one op). `logits` (V,) are needed only when the argmax is banned."""
         out = self.seqs[0]
-        if self.no_repeat_ngram:
-            banned = banned_tokens(out, self.no_repeat_ngram)
+        if self.no_repeat_ngram or self.min_len:
+            banned = self.banned(out)
             if tok in banned:
                 row = logits.float().clone()
                 row[banned] = NEG_INF

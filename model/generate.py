@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from model.decoding import BeamState, Hypothesis, advance_all, max_len_for
+from model.decoding import BeamState, Hypothesis, advance_all, max_len_for, min_len_for
 from model.seq2seq import EncoderDecoder
-from model.translation import DEFAULT_LENGTH_PENALTY, DEFAULT_NO_REPEAT_NGRAM
+from model.translation import DEFAULT_LENGTH_PENALTY, DEFAULT_MIN_LENGTH_RATIO, DEFAULT_NO_REPEAT_NGRAM
 
 __all__ = ["Hypothesis", "beam_search", "greedy", "max_len_for", "pad_batch"]
 
@@ -29,7 +29,8 @@ def pad_batch(seqs: list[list[int]], pad_id: int, device=None, width: int | None
 @torch.inference_mode()
 def beam_search(model: EncoderDecoder, sources: list[list[int]], *, beam_size: int = 4,
                 alpha: float = DEFAULT_LENGTH_PENALTY, max_len_a: float = 1.5, max_len_b: int = 10,
-                no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM) -> list[list[Hypothesis]]:
+                no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM,
+                min_length_ratio: float = DEFAULT_MIN_LENGTH_RATIO) -> list[list[Hypothesis]]:
     """Batched beam search (greedy when beam_size is 1): every source's hypotheses occupy `beam_size`
     cache slots, each source steps its own `BeamState`, and after each step the chosen parents' slots
     are copied into place (KVCache.copy_slots). Returns, per source, hypotheses best first."""
@@ -42,8 +43,10 @@ def beam_search(model: EncoderDecoder, sources: list[list[int]], *, beam_size: i
     # each source's cross K/V go to all k of its slots
     model.set_cross(memory.repeat_interleave(k, 0), src_mask.repeat_interleave(k, 0), cache,
                     torch.arange(b * k, device=dev))
-    beams = [BeamState(s, k, max_len_for(len(s), max_len_a, max_len_b, cfg.max_tgt_len - 1), cfg.bos_id,
-                       cfg.eos_id, cfg.pad_id, alpha=alpha, no_repeat_ngram=no_repeat_ngram) for s in sources]
+    limits = [max_len_for(len(s), max_len_a, max_len_b, cfg.max_tgt_len - 1) for s in sources]
+    beams = [BeamState(s, k, limit, cfg.bos_id, cfg.eos_id, cfg.pad_id, alpha=alpha, no_repeat_ngram=no_repeat_ngram,
+                       min_len=min_len_for(len(s), min_length_ratio, limit))
+             for s, limit in zip(sources, limits, strict=True)]
     step = 0
     while active := [i for i in range(b) if not beams[i].done]:
         slots = [i * k + j for i in active for j in range(k)]
@@ -63,8 +66,9 @@ def beam_search(model: EncoderDecoder, sources: list[list[int]], *, beam_size: i
 
 
 def greedy(model: EncoderDecoder, sources: list[list[int]], *, max_len_a: float = 1.5, max_len_b: int = 10,
-           no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM) -> list[list[int]]:
+           no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM,
+           min_length_ratio: float = DEFAULT_MIN_LENGTH_RATIO) -> list[list[int]]:
     """Batched greedy decoding; returns target ids (without bos/eos) per source."""
     hyps = beam_search(model, sources, beam_size=1, max_len_a=max_len_a, max_len_b=max_len_b,
-                       no_repeat_ngram=no_repeat_ngram)
+                       no_repeat_ngram=no_repeat_ngram, min_length_ratio=min_length_ratio)
     return [h[0].tokens for h in hyps]

@@ -16,6 +16,8 @@ TAGS = {"en": "<2en>", "zh": "<2zh>"}
 DEFAULT_BEAM_SIZE = 4
 DEFAULT_LENGTH_PENALTY = 2.0
 DEFAULT_NO_REPEAT_NGRAM = 3
+DEFAULT_MIN_LENGTH_RATIO = 0.0  # EOS banned before this x the source's pieces
+MAX_MIN_LENGTH_RATIO = 1.0
 _CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
 _LATIN_WORD = re.compile(r"[A-Za-z]+")
 

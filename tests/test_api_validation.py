@@ -67,6 +67,8 @@ CASES = [
     ("/v1/translate", {"text": "hi", "target_lang": "de"}, 400, "target_lang"),
     ("/v1/translate", {"text": "hi", "source_lang": "en", "target_lang": "en"}, 400, "target_lang"),
     ("/v1/translate", {"text": "hi", "length_penalty": 3}, 400, "length_penalty"),
+    ("/v1/translate", {"text": "hi", "min_length_ratio": 1.5}, 400, "min_length_ratio"),
+    ("/v1/translate", {"text": "hi", "min_length_ratio": -0.1}, 400, "min_length_ratio"),
     ("/v1/translate", {"text": "hi", "model": "smollm2-135m-instruct"}, 400, "model"),
 ]
 

@@ -108,18 +108,20 @@ def test_loop_rate_counts_outputs_with_a_4gram_three_times():
 
 
 def test_eval_passes_decoding_options_to_the_translator(data, tmp_path, monkeypatch):
-    """--length-penalty and --no-repeat-ngram reach every request; left out, the service's defaults apply."""
+    """--length-penalty, --no-repeat-ngram and --min-length-ratio reach every request; left out, the service's
+    defaults apply."""
     seen = []
 
     def spy(engine, texts, **request):
-        seen.append({k: v for k, v in request.items() if k in ("length_penalty", "no_repeat_ngram")})
+        options = ("length_penalty", "no_repeat_ngram", "min_length_ratio")
+        seen.append({k: v for k, v in request.items() if k in options})
         return _fake_translate(engine, texts, **request)
 
     monkeypatch.setattr(local, "load_translator", lambda spec: "stand-in engine")
     monkeypatch.setattr(local, "translate", spy)
     args = ["eval", "translate", "--model", "x", "--data", str(data), "--beams", "4", "--out", str(tmp_path / "r.json")]
-    assert cli.main(args + ["--length-penalty", "1.7", "--no-repeat-ngram", "2"]) == 0
-    assert seen == [{"length_penalty": 1.7, "no_repeat_ngram": 2}] * 2  # both directions
+    assert cli.main(args + ["--length-penalty", "1.7", "--no-repeat-ngram", "2", "--min-length-ratio", "0.5"]) == 0
+    assert seen == [{"length_penalty": 1.7, "no_repeat_ngram": 2, "min_length_ratio": 0.5}] * 2  # both directions
     seen.clear()
     assert cli.main(args) == 0
     assert seen == [{}] * 2

@@ -101,7 +101,8 @@ def test_without_the_permutation_logits_differ(trained, tmp_path, monkeypatch):
 
 
 def test_transformers_generate_equals_our_greedy(trained, sources, tmp_path):
-    ours = greedy(trained, sources, max_len_a=0, max_len_b=MAX_NEW, no_repeat_ngram=0)  # the peers' plain argmax
+    ours = greedy(trained, sources, max_len_a=0, max_len_b=MAX_NEW, no_repeat_ngram=0,
+                  min_length_ratio=0)  # the peers' plain argmax
     assert len({tuple(o) for o in ours}) == len(ours) and any(len(o) < MAX_NEW for o in ours)  # a real test
     export_marian(trained, None, tmp_path)
     hf = transformers.MarianMTModel.from_pretrained(tmp_path).eval()
@@ -129,7 +130,8 @@ def _ct2_model(model, tmp_path):
 
 def test_ctranslate2_greedy_equals_ours(trained, sources, tmp_path):
     translator, tokens, vocab = _ct2_model(trained, tmp_path)
-    ours = greedy(trained, sources, max_len_a=0, max_len_b=MAX_NEW, no_repeat_ngram=0)  # the peers' plain argmax
+    ours = greedy(trained, sources, max_len_a=0, max_len_b=MAX_NEW, no_repeat_ngram=0,
+                  min_length_ratio=0)  # the peers' plain argmax
     res = translator.translate_batch([[tokens[i] for i in s] for s in sources], beam_size=1,
                                      max_decoding_length=MAX_NEW)
     assert [[vocab[t] for t in r.hypotheses[0]] for r in res] == ours

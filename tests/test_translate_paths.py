@@ -13,7 +13,7 @@ import pytest
 import torch
 from engine_util import CharTokenizer, tiny_seq2seq
 
-from model.decoding import NEG_INF, BeamState, advance_all, banned_tokens, beam_candidates, row_topk
+from model.decoding import NEG_INF, BeamState, advance_all, banned_tokens, beam_candidates, min_len_for, row_topk
 from model.generate import beam_search
 from model.translation import encode_source
 from service import cli, local
@@ -106,9 +106,25 @@ def test_request_defaults_come_from_one_place():
 
     body = TranslateBody(text="x")
     req = TranslateRequest(texts=["x"])
-    assert (body.beam_size, body.length_penalty, body.no_repeat_ngram) == (
-        req.beam_size, req.length_penalty, req.no_repeat_ngram) == (
-        translation.DEFAULT_BEAM_SIZE, translation.DEFAULT_LENGTH_PENALTY, translation.DEFAULT_NO_REPEAT_NGRAM)
+    assert (body.beam_size, body.length_penalty, body.no_repeat_ngram, body.min_length_ratio) == (
+        req.beam_size, req.length_penalty, req.no_repeat_ngram, req.min_length_ratio) == (
+        translation.DEFAULT_BEAM_SIZE, translation.DEFAULT_LENGTH_PENALTY, translation.DEFAULT_NO_REPEAT_NGRAM,
+        translation.DEFAULT_MIN_LENGTH_RATIO)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_no_end_before_the_minimum_length(k):
+    """EOS, the best token at every step, is banned until min_len tokens stand; then it ends the output.
+    min_len_for counts the source's pieces without its tag and end token and stays within the limit."""
+    assert (min_len_for(12, 0.5, 30), min_len_for(12, 0.0, 30), min_len_for(100, 1.0, 30)) == (5, 0, 30)
+    v, eos = 20, 2
+    for min_len in (0, 6):
+        st = BeamState([3, 4, 5], k, limit=30, bos_id=1, eos_id=eos, pad_id=0, min_len=min_len)
+        while not st.done:
+            logits = torch.arange(v, dtype=torch.float32).repeat(k, 1) / 10  # (k, V): high ids first
+            logits[:, eos] = 10.0
+            advance_all([st], logits, [list(range(k))])
+        assert len(st.best()) == min_len and eos not in st.best()
 
 
 def test_a_step_of_many_beams_equals_each_beam_stepped_alone():

@@ -68,7 +68,8 @@ async def translate(body: TranslateBody, request: Request):
     req = TranslateRequest(texts=texts, target_lang=body.target_lang, source_lang=body.source_lang,
                            beam_size=body.beam_size,
                            length_penalty=body.length_penalty, max_length=body.max_length,
-                           no_repeat_ngram=body.no_repeat_ngram, max_sentences=limits.max_sentences)
+                           no_repeat_ngram=body.no_repeat_ngram, min_length_ratio=body.min_length_ratio,
+                           max_sentences=limits.max_sentences)
     try:
         result = await unless_disconnected(request, tr.translate(req))
     except TimeoutError as e:  # the engine's per-request deadline (EngineConfig.default_deadline_s)

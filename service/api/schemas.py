@@ -11,7 +11,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from model.translation import DEFAULT_BEAM_SIZE, DEFAULT_LENGTH_PENALTY, DEFAULT_NO_REPEAT_NGRAM
+from model.translation import (
+    DEFAULT_BEAM_SIZE,
+    DEFAULT_LENGTH_PENALTY,
+    DEFAULT_MIN_LENGTH_RATIO,
+    DEFAULT_NO_REPEAT_NGRAM,
+    MAX_MIN_LENGTH_RATIO,
+)
 
 MAX_CHARS = 1_000_000  # hard ceiling on any one string; ApiLimits tightens it
 MAX_TOKENS = 8192  # hard ceiling on max_tokens; the model's context tightens it
@@ -221,6 +227,9 @@ class TranslateBody(Strict):
     length_penalty: float = Field(DEFAULT_LENGTH_PENALTY, ge=0.0, le=2.0)
     no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, ge=0, le=16,
                                  description="forbid repeating any n-gram of this size in an output (0 = off)")
+    min_length_ratio: float = Field(DEFAULT_MIN_LENGTH_RATIO, ge=0.0, le=MAX_MIN_LENGTH_RATIO,
+                                    description="no end of a sentence's translation before this many times its "
+                                                "source's tokens")
 
     def texts(self) -> list[str]:
         return [self.text] if isinstance(self.text, str) else list(self.text)

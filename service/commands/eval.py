@@ -1,5 +1,6 @@
 """attnserve eval translate [--model DIR] [--out docs/translate_eval.json] [--beams 1,4] [--limit N]
-[--split test|dev|ted_test|ted_dev] [--data DIR] [--no-repeat-ngram N] [--length-penalty A]"""
+[--split test|dev|ted_test|ted_dev] [--data DIR] [--no-repeat-ngram N] [--length-penalty A]
+[--min-length-ratio R]"""
 
 from service.commands import CommandError
 
@@ -17,6 +18,8 @@ def add_arguments(p):
                    help="decoding option (default: the service's, model/translation.py)")
     p.add_argument("--length-penalty", type=float, default=None,
                    help="beam search's GNMT length penalty alpha (default: the service's, model/translation.py)")
+    p.add_argument("--min-length-ratio", type=float, default=None,
+                   help="no end of a translation before this x its source's tokens (default: the service's)")
 
 
 def run(args) -> int:
@@ -24,6 +27,7 @@ def run(args) -> int:
 
     from model import paths
     from model.training.eval_translate import evaluate
+    from model.translation import MAX_MIN_LENGTH_RATIO
     from service import local
     from service.engine.types import EngineError
     from service.models import ModelUnavailable
@@ -41,6 +45,8 @@ def run(args) -> int:
         raise CommandError(f"--length-penalty takes 0..2, got {args.length_penalty}")
     if args.no_repeat_ngram is not None and not 0 <= args.no_repeat_ngram <= 16:
         raise CommandError(f"--no-repeat-ngram takes 0..16 (0: off), got {args.no_repeat_ngram}")
+    if args.min_length_ratio is not None and not 0.0 <= args.min_length_ratio <= MAX_MIN_LENGTH_RATIO:
+        raise CommandError(f"--min-length-ratio takes 0..{MAX_MIN_LENGTH_RATIO}, got {args.min_length_ratio}")
     out = Path(args.out) if args.out else paths.REPO_ROOT / "docs" / "translate_eval.json"
     if out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
         raise CommandError(f"--out {out} cannot be written (a folder, or under a file)")
@@ -50,7 +56,8 @@ def run(args) -> int:
     except (ModelUnavailable, OSError, ValueError) as e:
         raise CommandError(str(e)) from e
     options = {name: value for name, value in (("no_repeat_ngram", args.no_repeat_ngram),
-                                               ("length_penalty", args.length_penalty)) if value is not None}
+                                               ("length_penalty", args.length_penalty),
+                                               ("min_length_ratio", args.min_length_ratio)) if value is not None}
 
     def translate(texts: list[str], target_lang: str, beam_size: int, done) -> list[str]:
         """The translator behind /v1/translate, with the served decoding defaults; done(n) as texts finish."""

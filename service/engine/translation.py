@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.decoding import BeamState, advance_all, max_len_for
+from model.decoding import BeamState, advance_all, max_len_for, min_len_for
 from model.seq2seq import EncoderDecoder
+from model.translation import MAX_MIN_LENGTH_RATIO
 from service.config import TRANSLATOR_ID
 from service.engine.beam import reassign_slots
 from service.engine.config import EngineConfig
@@ -114,6 +115,9 @@ class TranslationEngine(EngineLoop):
         if batch.no_repeat_ngram < 0:
             raise RequestRejected(f"no_repeat_ngram must be >= 0 (0 = off), got {batch.no_repeat_ngram}",
                                   "no_repeat_ngram")
+        if not 0.0 <= batch.min_length_ratio <= MAX_MIN_LENGTH_RATIO:
+            raise RequestRejected(f"min_length_ratio must be in [0, {MAX_MIN_LENGTH_RATIO}], got "
+                                  f"{batch.min_length_ratio}", "min_length_ratio")
         if batch.max_length is not None and not 1 <= batch.max_length <= self.max_length:
             raise RequestRejected(f"max_length must be in [1, {self.max_length}], got {batch.max_length}", "max_length")
         out = []
@@ -123,7 +127,8 @@ class TranslationEngine(EngineLoop):
                                       f"{self.max_source_len} (tag and end token included)", "text")
             limit = batch.max_length or max_len_for(len(src), 1.5, 10, self.max_length)
             beam = BeamState(src, batch.beam_size, limit, self.cfg.bos_id, self.cfg.eos_id, self.cfg.pad_id,
-                             alpha=batch.length_penalty, no_repeat_ngram=batch.no_repeat_ngram)
+                             alpha=batch.length_penalty, no_repeat_ngram=batch.no_repeat_ngram,
+                             min_len=min_len_for(len(src), batch.min_length_ratio, limit))
             out.append(_Sentence(request, i, beam))
             request.prompt_tokens += len(src)
         return out

@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from model.translation import DEFAULT_BEAM_SIZE, DEFAULT_LENGTH_PENALTY, DEFAULT_NO_REPEAT_NGRAM
+from model.translation import (
+    DEFAULT_BEAM_SIZE,
+    DEFAULT_LENGTH_PENALTY,
+    DEFAULT_MIN_LENGTH_RATIO,
+    DEFAULT_NO_REPEAT_NGRAM,
+)
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout", "error"]
 
@@ -84,6 +89,7 @@ class TranslationSettings:
     beam_size: int = DEFAULT_BEAM_SIZE  # 1 = greedy
     length_penalty: float = DEFAULT_LENGTH_PENALTY
     no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM  # > 0: no n-gram of this size twice in an output
+    min_length_ratio: float = DEFAULT_MIN_LENGTH_RATIO  # no EOS before this x the source's pieces
     max_length: int | None = None  # target tokens per sentence; None = relative to the source
     deadline_s: float | None = None
 
