@@ -9,8 +9,8 @@ choice, so a source gets the same tokens whatever else shares the batch.
 
 `no_repeat_ngram` > 0 forbids a hypothesis to repeat any n-gram of its own output (fairseq's
 `--no-repeat-ngram-size`): the cure for "各国各国各国…" loops of an undertrained model. `min_len` forbids EOS
-before that many target tokens (fairseq's `--min-len`, CTranslate2's `min_decoding_length`): a small model
-ends too early and drops the rest of the sentence.
+before that many target tokens (fairseq's `--min-len`, CTranslate2's `min_decoding_length`), for callers whose
+outputs end too early.
 """
 
 from __future__ import annotations
