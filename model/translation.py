@@ -17,9 +17,24 @@ DEFAULT_BEAM_SIZE = 4
 DEFAULT_LENGTH_PENALTY = 2.0
 DEFAULT_NO_REPEAT_NGRAM = 3
 DEFAULT_MIN_LENGTH_RATIO = 0.0  # EOS banned before this x the source's pieces
-MAX_MIN_LENGTH_RATIO = 1.0
+# The bounds of the decoding options, the same for every path: HTTP answers 400, the CLI exits 2, the engine rejects.
+DECODING_LIMITS = {"length_penalty": (0.0, 2.0), "no_repeat_ngram": (0, 16), "min_length_ratio": (0.0, 1.0)}
 _CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
 _LATIN_WORD = re.compile(r"[A-Za-z]+")
+
+
+class DecodingOptionError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check_decoding_options(**options: float) -> None:
+    """Raise DecodingOptionError naming the first option outside DECODING_LIMITS."""
+    for name, value in options.items():
+        lo, hi = DECODING_LIMITS[name]
+        if not lo <= value <= hi:
+            raise DecodingOptionError(name, f"{name} must be in [{lo}, {hi}], got {value}")
 
 
 def detect_lang(text: str) -> str:

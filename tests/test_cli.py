@@ -367,7 +367,7 @@ def test_translate_reads_stdin_and_refuses_nothing_or_a_missing_model(capsys, re
     assert main(["translate", "caf\udce9"]) == 2  # an argument's bytes that were not UTF-8
     assert "text[0] is not UTF-8 text" in capsys.readouterr().err
     assert main(["translate", "--no-repeat-ngram", "20", "hello"]) == 2
-    assert "--no-repeat-ngram takes 0..16" in capsys.readouterr().err
+    assert "--no-repeat-ngram: no_repeat_ngram must be in [0, 16], got 20" in capsys.readouterr().err
     assert main(["translate", "--model", str(tmp_path / "none"), "hello"]) == 2
     assert "attnserve translate:" in capsys.readouterr().err
     assert main(["translate", "hello", "   "]) == 2  # as /v1/translate: 400 naming the empty text

@@ -182,8 +182,11 @@ def test_overload_and_rejections():
             await translate(engine, TranslateRequest(["a"], beam_size=99))
         with pytest.raises(RequestRejected, match="target_lang"):
             await translate(engine, TranslateRequest(["a"], target_lang="fr"))
-        with pytest.raises(RequestRejected, match="min_length_ratio"):
-            await translate(engine, TranslateRequest(["a"], min_length_ratio=-1.0))
+        # the bounds /v1/translate and the CLI take (model/translation.py), named by the rejection
+        for option, value in (("min_length_ratio", -1.0), ("length_penalty", 2.5), ("no_repeat_ngram", 17)):
+            with pytest.raises(RequestRejected, match=option) as e:
+                await translate(engine, TranslateRequest(["a"], **{option: value}))
+            assert e.value.param == option
         # a request arriving while the queue has room is queued whole, however many sentences it has: more
         # than the free slots + max_waiting is no reason to refuse it (the CLI sends the same texts one by one)
         first = asyncio.create_task(translate(engine, TranslateRequest(["the cat"] * 9, target_lang="zh",

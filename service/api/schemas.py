@@ -12,11 +12,11 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from model.translation import (
+    DECODING_LIMITS,
     DEFAULT_BEAM_SIZE,
     DEFAULT_LENGTH_PENALTY,
     DEFAULT_MIN_LENGTH_RATIO,
     DEFAULT_NO_REPEAT_NGRAM,
-    MAX_MIN_LENGTH_RATIO,
 )
 
 MAX_CHARS = 1_000_000  # hard ceiling on any one string; ApiLimits tightens it
@@ -224,10 +224,13 @@ class TranslateBody(Strict):
     # upper bounds: ApiLimits and the translator's slots and positions, checked together in the route
     beam_size: int = Field(DEFAULT_BEAM_SIZE, ge=1)
     max_length: int | None = Field(None, ge=1)
-    length_penalty: float = Field(DEFAULT_LENGTH_PENALTY, ge=0.0, le=2.0)
-    no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, ge=0, le=16,
+    length_penalty: float = Field(DEFAULT_LENGTH_PENALTY, ge=DECODING_LIMITS["length_penalty"][0],
+                                  le=DECODING_LIMITS["length_penalty"][1])
+    no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, ge=DECODING_LIMITS["no_repeat_ngram"][0],
+                                 le=DECODING_LIMITS["no_repeat_ngram"][1],
                                  description="forbid repeating any n-gram of this size in an output (0 = off)")
-    min_length_ratio: float = Field(DEFAULT_MIN_LENGTH_RATIO, ge=0.0, le=MAX_MIN_LENGTH_RATIO,
+    min_length_ratio: float = Field(DEFAULT_MIN_LENGTH_RATIO, ge=DECODING_LIMITS["min_length_ratio"][0],
+                                    le=DECODING_LIMITS["min_length_ratio"][1],
                                     description="no end of a sentence's translation before this many times its "
                                                 "source's tokens")
 

@@ -8,3 +8,14 @@ class CommandError(Exception):
     def __init__(self, message: str, code: int = 2):
         super().__init__(message)
         self.code = code
+
+
+def check_decoding_flags(**options) -> None:
+    """The translator's decoding bounds (model/translation.py) for command-line flags, checked before a model
+    loads; None = not given."""
+    from model.translation import DecodingOptionError, check_decoding_options
+
+    try:
+        check_decoding_options(**{k: v for k, v in options.items() if v is not None})
+    except DecodingOptionError as e:
+        raise CommandError(f"--{e.field.replace('_', '-')}: {e}") from None

@@ -2,7 +2,7 @@
 [--split test|dev|ted_test|ted_dev] [--data DIR] [--no-repeat-ngram N] [--length-penalty A]
 [--min-length-ratio R]"""
 
-from service.commands import CommandError
+from service.commands import CommandError, check_decoding_flags
 
 
 def add_arguments(p):
@@ -27,7 +27,6 @@ def run(args) -> int:
 
     from model import paths
     from model.training.eval_translate import evaluate
-    from model.translation import MAX_MIN_LENGTH_RATIO
     from service import local
     from service.engine.types import EngineError
     from service.models import ModelUnavailable
@@ -40,13 +39,8 @@ def run(args) -> int:
         raise CommandError(f"--beams takes comma-separated beam sizes in 1..32, got {args.beams!r}")
     if args.limit is not None and args.limit < 1:
         raise CommandError(f"--limit must be >= 1, got {args.limit}")
-    # the bounds /v1/translate takes
-    if args.length_penalty is not None and not 0.0 <= args.length_penalty <= 2.0:
-        raise CommandError(f"--length-penalty takes 0..2, got {args.length_penalty}")
-    if args.no_repeat_ngram is not None and not 0 <= args.no_repeat_ngram <= 16:
-        raise CommandError(f"--no-repeat-ngram takes 0..16 (0: off), got {args.no_repeat_ngram}")
-    if args.min_length_ratio is not None and not 0.0 <= args.min_length_ratio <= MAX_MIN_LENGTH_RATIO:
-        raise CommandError(f"--min-length-ratio takes 0..{MAX_MIN_LENGTH_RATIO}, got {args.min_length_ratio}")
+    check_decoding_flags(length_penalty=args.length_penalty, no_repeat_ngram=args.no_repeat_ngram,
+                         min_length_ratio=args.min_length_ratio)
     out = Path(args.out) if args.out else paths.REPO_ROOT / "docs" / "translate_eval.json"
     if out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
         raise CommandError(f"--out {out} cannot be written (a folder, or under a file)")

@@ -7,7 +7,7 @@ settings from the Serve config: the same text gives the same translation here an
 import sys
 
 from model.translation import DEFAULT_BEAM_SIZE, DEFAULT_NO_REPEAT_NGRAM
-from service.commands import CommandError
+from service.commands import CommandError, check_decoding_flags
 
 
 def add_arguments(p):
@@ -26,8 +26,7 @@ def run(args) -> int:
     from service.engine.types import RequestRejected
     from service.models import ModelUnavailable
 
-    if not 0 <= args.no_repeat_ngram <= 16:  # as /v1/translate and `eval translate`
-        raise CommandError(f"--no-repeat-ngram takes 0..16 (0: off), got {args.no_repeat_ngram}")
+    check_decoding_flags(no_repeat_ngram=args.no_repeat_ngram)
     from_stdin = not args.text
     if args.text:
         lines = args.text

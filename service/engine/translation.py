@@ -19,7 +19,7 @@ import torch
 
 from model.decoding import BeamState, advance_all, max_len_for, min_len_for
 from model.seq2seq import EncoderDecoder
-from model.translation import MAX_MIN_LENGTH_RATIO
+from model.translation import DecodingOptionError, check_decoding_options
 from service.config import TRANSLATOR_ID
 from service.engine.beam import reassign_slots
 from service.engine.config import EngineConfig
@@ -112,12 +112,11 @@ class TranslationEngine(EngineLoop):
         if not 1 <= batch.beam_size <= self.max_beam_size:
             raise RequestRejected(f"beam_size must be in [1, {self.max_beam_size}], got {batch.beam_size}",
                                   "beam_size")
-        if batch.no_repeat_ngram < 0:
-            raise RequestRejected(f"no_repeat_ngram must be >= 0 (0 = off), got {batch.no_repeat_ngram}",
-                                  "no_repeat_ngram")
-        if not 0.0 <= batch.min_length_ratio <= MAX_MIN_LENGTH_RATIO:
-            raise RequestRejected(f"min_length_ratio must be in [0, {MAX_MIN_LENGTH_RATIO}], got "
-                                  f"{batch.min_length_ratio}", "min_length_ratio")
+        try:
+            check_decoding_options(length_penalty=batch.length_penalty, no_repeat_ngram=batch.no_repeat_ngram,
+                                   min_length_ratio=batch.min_length_ratio)
+        except DecodingOptionError as e:
+            raise RequestRejected(str(e), e.field) from None
         if batch.max_length is not None and not 1 <= batch.max_length <= self.max_length:
             raise RequestRejected(f"max_length must be in [1, {self.max_length}], got {batch.max_length}", "max_length")
         out = []
