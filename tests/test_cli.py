@@ -374,6 +374,37 @@ def test_translate_reads_stdin_and_refuses_nothing_or_a_missing_model(capsys, re
     assert "text[1] is empty" in capsys.readouterr().err
 
 
+def test_translate_passes_every_decoding_option_to_the_request(monkeypatch, capsys):
+    """--from, --length-penalty, --min-length-ratio and --max-length reach the request as /v1/translate's
+    fields; left out, the request's defaults apply; out of bounds, exit 2 naming the flag before a model loads."""
+    from model import translation
+    from service import local
+
+    seen = []
+
+    def spy(translator, texts, **request):
+        seen.append(request)
+        return mock.Mock(translations=[f"<{t}>" for t in texts])
+
+    monkeypatch.setattr(local, "load_translator", lambda spec: "stand-in translator")
+    monkeypatch.setattr(local, "translate", spy)
+    assert main(["translate", "--model", "x", "--from", "zh", "--to", "en", "--beam", "2", "--length-penalty", "1.5",
+                 "--min-length-ratio", "0.25", "--max-length", "40", "你好"]) == 0
+    assert capsys.readouterr().out == "<你好>\n"
+    assert seen == [{"target_lang": "en", "source_lang": "zh", "beam_size": 2,
+                     "no_repeat_ngram": translation.DEFAULT_NO_REPEAT_NGRAM,
+                     "length_penalty": 1.5, "min_length_ratio": 0.25, "max_length": 40}]
+    seen.clear()
+    assert main(["translate", "--model", "x", "hello"]) == 0
+    assert seen == [{"target_lang": None, "source_lang": None, "beam_size": translation.DEFAULT_BEAM_SIZE,
+                     "no_repeat_ngram": translation.DEFAULT_NO_REPEAT_NGRAM}]
+    seen.clear()
+    for flag, value in (("--length-penalty", "2.5"), ("--min-length-ratio", "-0.1")):
+        assert main(["translate", "--model", "x", flag, value, "hello"]) == 2
+        assert f"{flag}: " in capsys.readouterr().err
+    assert seen == []
+
+
 @needs_shipped
 def test_translate_into_a_closed_pipe_exits_quietly(tmp_path):
     """`attnserve translate ... | head -0`: the reader is gone before the first line; the command stops

@@ -1,4 +1,5 @@
-"""attnserve translate [--to en|zh] [--beam N] [--no-repeat-ngram N] TEXT...
+"""attnserve translate [--to en|zh] [--from en|zh] [--beam N] [--no-repeat-ngram N] [--length-penalty A]
+[--min-length-ratio R] [--max-length N] TEXT...
 
 Runs the engine behind `/v1/translate` in this process (service/local.py), with the served translator's
 settings from the Serve config: the same text gives the same translation here and over HTTP.
@@ -14,9 +15,16 @@ def add_arguments(p):
     p.add_argument("text", nargs="*", help="texts to translate (default: one per line on stdin; blank lines stay "
                    "blank, so output lines match input lines)")
     p.add_argument("--to", choices=["en", "zh"], help="target language (default: the other one, detected)")
+    p.add_argument("--from", dest="source", choices=["en", "zh"],
+                   help="source language of every sentence (default: detected per text and sentence)")
     p.add_argument("--beam", type=int, default=DEFAULT_BEAM_SIZE, help="beam size (1 = greedy)")
     p.add_argument("--no-repeat-ngram", type=int, default=DEFAULT_NO_REPEAT_NGRAM,
                    help="forbid repeating any n-gram of this size in an output (0 = off)")
+    # left out, the request's defaults (model/translation.py), as over HTTP
+    p.add_argument("--length-penalty", type=float, help="beam search's GNMT length penalty alpha")
+    p.add_argument("--min-length-ratio", type=float,
+                   help="no end of a sentence's translation before this x its source's tokens")
+    p.add_argument("--max-length", type=int, help="target tokens per sentence (default: relative to the source)")
     p.add_argument("--model", help="checkpoint folder (default: the served translator's)")
     p.add_argument("--config", help="Serve config whose translator settings to use (default: deploy/serve_config.yaml)")
 
@@ -26,7 +34,8 @@ def run(args) -> int:
     from service.engine.types import RequestRejected
     from service.models import ModelUnavailable
 
-    check_decoding_flags(no_repeat_ngram=args.no_repeat_ngram)
+    check_decoding_flags(no_repeat_ngram=args.no_repeat_ngram, length_penalty=args.length_penalty,
+                         min_length_ratio=args.min_length_ratio)
     from_stdin = not args.text
     if args.text:
         lines = args.text
@@ -45,8 +54,11 @@ def run(args) -> int:
         raise CommandError("no text given")
     try:
         translator = local.load_translator(local.translator_spec(args.model, config=args.config))
-        result = local.translate(translator, texts, target_lang=args.to, beam_size=args.beam,
-                                 no_repeat_ngram=args.no_repeat_ngram)
+        options = {k: v for k, v in (("length_penalty", args.length_penalty),
+                                     ("min_length_ratio", args.min_length_ratio),
+                                     ("max_length", args.max_length)) if v is not None}
+        result = local.translate(translator, texts, target_lang=args.to, source_lang=args.source,
+                                 beam_size=args.beam, no_repeat_ngram=args.no_repeat_ngram, **options)
     except (ModelUnavailable, RequestRejected, OSError, ValueError) as e:
         raise CommandError(str(e)) from e
     outputs = iter(result.translations)
