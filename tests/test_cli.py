@@ -210,6 +210,15 @@ def test_generate_streams_the_greedy_continuation(standin, capsys):
     assert m and int(m[1]) == len(ids) and int(m[2]) == len(new)
 
 
+def test_generate_ends_where_a_stop_text_would_begin(standin, capsys):
+    assert main([*GENERATE, "--max-tokens", "12", "Once upon a time"]) == 0
+    full = capsys.readouterr().out[:-1]
+    at = next(i for i in range(len(full) // 2, len(full) - 2) if full[i:i + 3].strip())
+    stop = full[at:at + 3]
+    assert main([*GENERATE, "--max-tokens", "12", "--stop", "never in it", "--stop", stop, "Once upon a time"]) == 0
+    assert capsys.readouterr().out == full[:full.index(stop)] + "\n"  # the stop text itself is not printed
+
+
 def test_generate_chat_wraps_the_prompt_in_the_template_and_reads_stdin(standin, capsys, monkeypatch):
     import jinja2
 

@@ -1,4 +1,4 @@
-"""attnserve generate "prompt" [--chat] [--max-tokens N] [--temperature T] [--top-p P] [--seed S]
+"""attnserve generate "prompt" [--chat] [--max-tokens N] [--temperature T] [--top-p P] [--seed S] [--stop TEXT]
 [--dtype D] [--quantization Q] [--device D] [--threads N] [--eager] [--config FILE]
 
 Streams a completion from SmolLM2 to the terminal, without Ray: the generator is built from the Serve
@@ -31,6 +31,8 @@ def add_arguments(p):
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this times the top one's probability")
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the output where this text would begin (not printed); repeatable")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], help="default: as served")
     p.add_argument("--quantization", choices=[*QUANTIZATIONS, "auto"], help="default: as served")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default: as served")
@@ -55,7 +57,7 @@ def stream_engine(engine, prompt_ids: list[int], params, stats: dict | None = No
         async def submit():
             names = {"max_new_tokens": "--max-tokens", "prompt_ids": "the prompt", "top_p": "--top-p",
                      "top_k": "--top-k", "min_p": "--min-p", "temperature": "--temperature",
-                     "repetition_penalty": "--repetition-penalty", "seed": "--seed"}
+                     "repetition_penalty": "--repetition-penalty", "seed": "--seed", "stop": "--stop"}
             return engine.submit(GenerateRequest(list(prompt_ids), params, field_names=names))
 
         events = loop.run_until_complete(submit())
@@ -145,7 +147,7 @@ def run(args) -> int:
         params = SamplingParams(
             max_new_tokens=max_tokens,
             temperature=args.temperature, top_k=max(args.top_k, 0), top_p=args.top_p, min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty, seed=args.seed)
+            repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
         for delta in stream_engine(engine, ids, params, stats):
             sys.stdout.write(delta)
             sys.stdout.flush()
