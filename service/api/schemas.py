@@ -214,6 +214,12 @@ class DetokenizeBody(Strict):
     tokens: list[int] = Field(max_length=MAX_TOKENS * 16)
 
 
+def _decoding_bounds(name: str) -> dict:
+    """A translation decoding option's bounds as Field arguments (model/translation.py holds them for every path)."""
+    lo, hi = DECODING_LIMITS[name]
+    return {"ge": lo, "le": hi}
+
+
 class TranslateBody(Strict):
     """POST /v1/translate: one text or a list; the source language is detected when omitted."""
 
@@ -224,13 +230,10 @@ class TranslateBody(Strict):
     # upper bounds: ApiLimits and the translator's slots and positions, checked together in the route
     beam_size: int = Field(DEFAULT_BEAM_SIZE, ge=1)
     max_length: int | None = Field(None, ge=1)
-    length_penalty: float = Field(DEFAULT_LENGTH_PENALTY, ge=DECODING_LIMITS["length_penalty"][0],
-                                  le=DECODING_LIMITS["length_penalty"][1])
-    no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, ge=DECODING_LIMITS["no_repeat_ngram"][0],
-                                 le=DECODING_LIMITS["no_repeat_ngram"][1],
+    length_penalty: float = Field(DEFAULT_LENGTH_PENALTY, **_decoding_bounds("length_penalty"))
+    no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, **_decoding_bounds("no_repeat_ngram"),
                                  description="forbid repeating any n-gram of this size in an output (0 = off)")
-    min_length_ratio: float = Field(DEFAULT_MIN_LENGTH_RATIO, ge=DECODING_LIMITS["min_length_ratio"][0],
-                                    le=DECODING_LIMITS["min_length_ratio"][1],
+    min_length_ratio: float = Field(DEFAULT_MIN_LENGTH_RATIO, **_decoding_bounds("min_length_ratio"),
                                     description="no end of a sentence's translation before this many times its "
                                                 "source's tokens")
 

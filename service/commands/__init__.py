@@ -10,12 +10,14 @@ class CommandError(Exception):
         self.code = code
 
 
-def check_decoding_flags(**options) -> None:
+def check_decoding_flags(**options) -> dict:
     """The translator's decoding bounds (model/translation.py) for command-line flags, checked before a model
-    loads; None = not given."""
+    loads -> the options given (None = not given: the request's default applies)."""
     from model.translation import DecodingOptionError, check_decoding_options
 
+    given = {k: v for k, v in options.items() if v is not None}
     try:
-        check_decoding_options(**{k: v for k, v in options.items() if v is not None})
+        check_decoding_options(**given)
     except DecodingOptionError as e:
         raise CommandError(f"--{e.field.replace('_', '-')}: {e}") from None
+    return given

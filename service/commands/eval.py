@@ -39,8 +39,8 @@ def run(args) -> int:
         raise CommandError(f"--beams takes comma-separated beam sizes in 1..32, got {args.beams!r}")
     if args.limit is not None and args.limit < 1:
         raise CommandError(f"--limit must be >= 1, got {args.limit}")
-    check_decoding_flags(length_penalty=args.length_penalty, no_repeat_ngram=args.no_repeat_ngram,
-                         min_length_ratio=args.min_length_ratio)
+    options = check_decoding_flags(length_penalty=args.length_penalty, no_repeat_ngram=args.no_repeat_ngram,
+                                   min_length_ratio=args.min_length_ratio)
     out = Path(args.out) if args.out else paths.REPO_ROOT / "docs" / "translate_eval.json"
     if out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
         raise CommandError(f"--out {out} cannot be written (a folder, or under a file)")
@@ -49,9 +49,6 @@ def run(args) -> int:
         translator = local.load_translator(local.translator_spec(checkpoint))
     except (ModelUnavailable, OSError, ValueError) as e:
         raise CommandError(str(e)) from e
-    options = {name: value for name, value in (("no_repeat_ngram", args.no_repeat_ngram),
-                                               ("length_penalty", args.length_penalty),
-                                               ("min_length_ratio", args.min_length_ratio)) if value is not None}
 
     def translate(texts: list[str], target_lang: str, beam_size: int, done) -> list[str]:
         """The translator behind /v1/translate, with the served decoding defaults; done(n) as texts finish."""

@@ -34,8 +34,10 @@ def run(args) -> int:
     from service.engine.types import RequestRejected
     from service.models import ModelUnavailable
 
-    check_decoding_flags(no_repeat_ngram=args.no_repeat_ngram, length_penalty=args.length_penalty,
-                         min_length_ratio=args.min_length_ratio)
+    options = check_decoding_flags(no_repeat_ngram=args.no_repeat_ngram, length_penalty=args.length_penalty,
+                                   min_length_ratio=args.min_length_ratio)
+    if args.max_length is not None:  # its bound is the engine's positions: checked there
+        options["max_length"] = args.max_length
     from_stdin = not args.text
     if args.text:
         lines = args.text
@@ -54,11 +56,8 @@ def run(args) -> int:
         raise CommandError("no text given")
     try:
         translator = local.load_translator(local.translator_spec(args.model, config=args.config))
-        options = {k: v for k, v in (("length_penalty", args.length_penalty),
-                                     ("min_length_ratio", args.min_length_ratio),
-                                     ("max_length", args.max_length)) if v is not None}
         result = local.translate(translator, texts, target_lang=args.to, source_lang=args.source,
-                                 beam_size=args.beam, no_repeat_ngram=args.no_repeat_ngram, **options)
+                                 beam_size=args.beam, **options)
     except (ModelUnavailable, RequestRejected, OSError, ValueError) as e:
         raise CommandError(str(e)) from e
     outputs = iter(result.translations)
