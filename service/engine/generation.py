@@ -35,7 +35,7 @@ from service.engine.decoder_runner import DecoderRunner
 from service.engine.generation_output import OutputProcessor
 from service.engine.logprobs import prompt_logprobs, sampled_logprobs
 from service.engine.loop import EngineLoop
-from service.engine.prefix_reuse import MIN_REUSE, PrefixIndex
+from service.engine.prefix_reuse import PrefixIndex
 from service.engine.sampling import make_generator, sample_next
 from service.engine.sequence import Sequence
 from service.engine.slot_table import Move
@@ -79,12 +79,12 @@ class GenerationEngine(EngineLoop):
         self.vocab_size = model.cfg.vocab_size
         self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_ids)
         self.output = OutputProcessor(self.eos_ids, self.sink, name)
-        self.prefixes = PrefixIndex(MIN_REUSE)
+        self.prefixes = PrefixIndex()
         self.prefix_tokens_reused = 0  # prompt tokens whose K/V were copied, not prefilled
 
     def _prepare(self) -> None:
         # the start's warm-up writes over free slots: what they held before a restart is gone
-        self.prefixes = PrefixIndex(MIN_REUSE)
+        self.prefixes = PrefixIndex()
         super()._prepare()
 
     @property
@@ -335,9 +335,8 @@ class GenerationEngine(EngineLoop):
         """The threads a step may borrow while no other engine on the host is busy: `decode_threads` for a
         step that decodes, `prefill_threads` for one that only prefills; None = the engine's own."""
         want = self.config.decode_threads if step.decode else self.config.prefill_threads
-        if step.decode and len(step.decode) > BORROW_DECODE_ROWS:
-            return None
-        if want is None or want <= torch.get_num_threads() or self.busy.others_busy():
+        if (want is None or len(step.decode) > BORROW_DECODE_ROWS or want <= torch.get_num_threads()
+                or self.busy.others_busy()):
             return None
         return want
 
@@ -396,16 +395,13 @@ class GenerationEngine(EngineLoop):
 
     # --- after a step (event loop) -------------------------------------------------------------
     def _deliver(self, rows: list[Sequence]) -> None:
-        finished = False
         for seq in rows:
             self.output.flush(seq)
             if seq.done is not None:
                 self._finish(seq, *seq.done)
                 self.prefixes.freed_slot(seq.slot, seq.cached_ids)
                 self.scheduler.release(seq)
-                finished = True
-        if finished:
-            self.scheduler.drop_released()
+        self.scheduler.drop_released()
 
     def _fail_plan(self, step: _Step, error: Exception) -> None:
         """Fail every request the step touched, all its choices (those waiting for a fork too)."""

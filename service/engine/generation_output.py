@@ -83,7 +83,7 @@ class OutputProcessor:
             return False
         more = any(s.finish_reason is None for s in seq.group)
         usage = Usage(prompt_tokens=len(seq.prompt), completion_tokens=len(seq.output),
-                      cached_tokens=seq.group[0].n_reused if seq.group else seq.n_reused)
+                      cached_tokens=seq.group[0].n_reused)
         cum = seq.cum_logprob if seq.params.logprobs is not None else None
         seq.queue.put_nowait(GenerationEvent(text=text, token_ids=token_ids or [], finish_reason=reason,
                                              usage=usage, index=seq.index, logprobs=logprobs,

@@ -126,7 +126,6 @@ class EngineLoop:
 
     # --- schedule ----------------------------------------------------------------------------
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while not self._stopping:
             try:
                 if not self.scheduler.has_work:
@@ -136,7 +135,7 @@ class EngineLoop:
                 # one turn of the event loop first: callers that the last _deliver woke (a finished request's
                 # client sending its next one) submit now and are admitted by this plan, not one step later
                 await asyncio.sleep(0)
-                await self._turn(loop)
+                await self._turn()
             except Exception as e:  # a bug outside the step (planning, delivery, a hook, a metrics sink):
                 # without this the task would end and every request, current or later, would wait forever
                 log.exception("engine %s failed between steps", self.name)
@@ -155,7 +154,7 @@ class EngineLoop:
         except TimeoutError:
             pass
 
-    async def _turn(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _turn(self) -> None:
         await self.scheduler.wait_for_batch()
         plan = self._plan()
         if plan is None:
@@ -163,7 +162,7 @@ class EngineLoop:
             return
         self.hooks.on_plan(plan)
         try:
-            result = await loop.run_in_executor(self._pool, self._step, plan)
+            result = await self._loop.run_in_executor(self._pool, self._step, plan)
         except Exception as e:  # a bug or a model error: fail this step's requests, keep serving
             log.exception("engine %s step failed", self.name)
             self._fail_plan(plan, e)

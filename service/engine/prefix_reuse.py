@@ -25,7 +25,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class PrefixIndex:
-    def __init__(self, min_tokens: int):
+    def __init__(self, min_tokens: int = MIN_REUSE):
         self.min_tokens = min_tokens
         self.freed: dict[int, list[int]] = {}  # free slot -> the tokens whose K/V it still holds
 

@@ -82,11 +82,10 @@ class TranslationEngine(EngineLoop):
         super().__init__(config, name, sink, Seq2SeqRunner(model, config), "sentences")
         self.model = model
         self.cfg = model.cfg
-        self.max_tgt = self.runner.max_tgt
 
     @property
     def max_positions(self) -> int:
-        return self.max_tgt
+        return self.runner.max_tgt
 
     @property
     def max_beam_size(self) -> int:
@@ -96,7 +95,7 @@ class TranslationEngine(EngineLoop):
     @property
     def max_length(self) -> int:
         """Most target tokens per sentence (the cache's positions, one for the start token)."""
-        return self.max_tgt - 1
+        return self.runner.max_tgt - 1
 
     @property
     def max_source_len(self) -> int:
@@ -203,8 +202,6 @@ class TranslationEngine(EngineLoop):
 
     # --- after a step (event loop) -------------------------------------------------------------
     def _deliver(self, done: list[_Sentence]) -> None:
-        if not done:
-            return
         for s in done:
             self.scheduler.release(s)
             request = s.request
