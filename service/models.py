@@ -19,6 +19,7 @@ from service.api.backends import Backends
 from service.config import DEFAULT_TRANSLATOR_DIR, GENERATOR_ID, TRANSLATOR_ID, ModelSpec, ServiceConfig
 from service.engine.config import EngineConfig
 from service.frontend.generator import GeneratorFrontend
+from service.startup import Startup
 
 if TYPE_CHECKING:
     from service.frontend.translator import TranslationFrontend
@@ -31,10 +32,8 @@ class ModelUnavailable(RuntimeError):
 @functools.lru_cache(maxsize=1)
 def cpu_has_native_bf16() -> bool:
     """True when bf16 is the faster CPU dtype here: native bf16 instructions and a measured bf16 matmul
-    clearly faster than fp32 (model/cpu_features.py has the figures of this project's hosts). Measured once
-    per host and kept, as `quantization: auto` is: replicas starting side by side, or the CLI beside a
-    running service, measure on a busy CPU and must not choose different dtypes (bf16 rounding changes
-    which tokens win)."""
+    clearly faster than fp32 (model/cpu_features.py). Measured once per host (`measured_once`): bf16
+    rounding changes which tokens win, so the CLI and every replica must choose alike."""
     from model.cpu_features import cpu_flags, has_bf16_instructions, prefers_bf16
 
     if not has_bf16_instructions(cpu_flags()):
@@ -48,7 +47,8 @@ def cpu_has_native_bf16() -> bool:
 
 def measured_once(path: Path, answers, measure) -> str:
     """`measure()`'s answer (one of `answers`), kept in `path` for every later start on this host: replicas
-    starting side by side measure on a busy CPU, and must not choose differently."""
+    (or the CLI beside a running service) starting side by side measure on a busy CPU, and must not choose
+    differently."""
     from model.file_lock import file_lock
 
     with file_lock(path.with_suffix(".lock")):
@@ -76,7 +76,8 @@ def select_device(device: str, dtype: str, *, cuda_available: bool, ray_gpu_ids:
     return device, dtype
 
 
-def _placement(spec: ModelSpec) -> tuple[str, str]:
+def engine_config(spec: ModelSpec) -> EngineConfig:
+    """The spec's engine settings on the device and dtype this replica was given."""
     import torch
 
     gpu_ids = None
@@ -89,12 +90,8 @@ def _placement(spec: ModelSpec) -> tuple[str, str]:
         pass
     cuda = torch.cuda.is_available()
     native_bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)  # emulated bf16 is slow
-    return select_device(spec.device, spec.dtype, cuda_available=cuda, ray_gpu_ids=gpu_ids,
-                         bf16_supported=native_bf16, cpu_bf16=cpu_has_native_bf16())
-
-
-def engine_config(spec: ModelSpec) -> EngineConfig:
-    device, dtype = _placement(spec)
+    device, dtype = select_device(spec.device, spec.dtype, cuda_available=cuda, ray_gpu_ids=gpu_ids,
+                                  bf16_supported=native_bf16, cpu_bf16=cpu_has_native_bf16())
     return EngineConfig.from_dict({**spec.engine, "device": device, "dtype": dtype})
 
 
@@ -115,7 +112,7 @@ def load_generator(spec: ModelSpec, sink=None, log=print) -> GeneratorFrontend:
 
         d = ensure_smollm2(dtype="bfloat16" if cfg.dtype == "bfloat16" else "float32", log=log)
     model, tok = load_checkpoint(d, dtype=cfg.torch_dtype), load_tokenizer(d)
-    quantize_generator(model, tok, spec.quantization, cfg, log=log, weights=d / WEIGHTS_FILE)
+    quantize_generator(model, tok, spec.quantization, cfg, d / WEIGHTS_FILE, log=log)
     eos = tok.stop_ids() if hasattr(tok, "stop_ids") else {tok.eos_id} - {None}
     engine = GenerationEngine(model, tok, cfg, eos_ids=eos, name=GENERATOR_ID, sink=sink)
     return GeneratorFrontend(engine, tok, name=GENERATOR_ID,
@@ -141,25 +138,23 @@ def resolve_quantization(mode: str, cfg: EngineConfig) -> str:
     return measured_once(path, QUANTIZATIONS, lambda: choose_quantization(cfg.torch_dtype, cfg.compile))
 
 
-def quantize_generator(model, tok, mode: str, cfg: EngineConfig, log=print, weights: Path | None = None) -> str:
-    """`weights`: the checkpoint's file; its calibration maxima are then kept across starts (keyed by the
+def quantize_generator(model, tok, mode: str, cfg: EngineConfig, weights: Path, log=print) -> None:
+    """`weights`: the checkpoint's file; its calibration maxima are kept across starts (keyed by the
     file's path, size and time, the mode, dtype and the quantization code)."""
     from model.quantize import CALIBRATION_TEXT, quantize_decoder
     from service.engine.aot_package import code_hash, digest
     from service.engine.compiled import use_persistent_cache
 
     mode = resolve_quantization(mode, cfg)
-    if mode != "none":
-        t0 = time.perf_counter()
-        maxima = None
-        if weights is not None:
-            st = weights.resolve().stat()
-            key = (str(weights.resolve()), st.st_size, st.st_mtime_ns, mode, cfg.dtype, code_hash(),
-                   hashlib.sha256(CALIBRATION_TEXT.read_bytes()).hexdigest())
-            maxima = use_persistent_cache() / "calibration" / f"{mode}-{digest(key)}.safetensors"
-        n = quantize_decoder(model, tok, mode, maxima=maxima)
-        log(f"attnserve: generator linears in {mode}: {n} layers in {time.perf_counter() - t0:.1f} s")
-    return mode
+    if mode == "none":
+        return
+    t0 = time.perf_counter()
+    st = weights.resolve().stat()
+    key = (str(weights.resolve()), st.st_size, st.st_mtime_ns, mode, cfg.dtype, code_hash(),
+           hashlib.sha256(CALIBRATION_TEXT.read_bytes()).hexdigest())
+    maxima = use_persistent_cache() / "calibration" / f"{mode}-{digest(key)}.safetensors"
+    n = quantize_decoder(model, tok, mode, maxima=maxima)
+    log(f"attnserve: generator linears in {mode}: {n} layers in {time.perf_counter() - t0:.1f} s")
 
 
 def load_translator(spec: ModelSpec, sink=None) -> TranslationFrontend:
@@ -193,6 +188,7 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Bac
     load_errors = (ModelUnavailable, CheckpointError, FileNotFoundError, OSError, ImportError, ValueError,
                    torch.OutOfMemoryError)
     single_threaded_caller()  # engines parallelise on their own threads (see cpu_runtime)
+    startup = startup or Startup()
     backends = Backends()
     for name, spec, loader, attr in ((TRANSLATOR_ID, cfg.translator, load_translator, "translator"),
                                      (GENERATOR_ID, cfg.generator, functools.partial(load_generator, log=log),
@@ -200,21 +196,18 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Bac
         if not spec.enabled:
             backends.unavailable[name] = "disabled in the service config"
             continue
-        if startup is not None:
-            startup.set(f"loading the {attr} weights", name, "loading weights")
+        startup.set(f"loading the {attr} weights", name, "loading weights")
         t0 = time.perf_counter()
         try:
             backend = loader(spec, sink)
         except load_errors as e:
             backends.unavailable[name] = str(e)
             log(f"attnserve: {name} not served: {e}")
-            if startup is not None:
-                startup.model(name, f"unavailable: {e}")
+            startup.model(name, f"unavailable: {e}")
             continue
         setattr(backends, attr, backend)
-        if startup is not None:
-            seconds = max(time.perf_counter() - t0, 1e-6)
-            model = backend.engine.model  # quantized linears keep their packed weights as buffers
-            mb = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / 2**20
-            startup.model(name, f"weights loaded: {mb:.0f} MB in {seconds:.1f} s ({mb / seconds:.0f} MB/s)")
+        seconds = max(time.perf_counter() - t0, 1e-6)
+        model = backend.engine.model  # quantized linears keep their packed weights as buffers
+        mb = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / 2**20
+        startup.model(name, f"weights loaded: {mb:.0f} MB in {seconds:.1f} s ({mb / seconds:.0f} MB/s)")
     return backends
