@@ -94,8 +94,7 @@ def translate(translator, texts: list[str], *, progress: Callable[[int], None] |
 
     engine = translator.engine
     threads = engine.config.threads or default_threads()
-    build = engine.config.compile and not engine.runner.compiled_steps_built(threads)
-    if build:
+    if engine.config.compile and not engine.runner.compiled_steps_built(threads):
         print("attnserve: compiling the translator's steps for this host (once; later runs load them from "
               "$ATTNSERVE_HOME/compile)", file=sys.stderr, flush=True)
 

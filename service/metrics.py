@@ -140,8 +140,6 @@ class EngineMetrics:
         r.observe("e2e_request_latency_seconds", (model,), e2e_s)
 
 
-
-
 def count_http(model: str, route: str, status: int) -> None:
     _recorder.inc("http_requests", (model or "none", route, str(status)))
 

@@ -57,9 +57,8 @@ def start_prefill_build(cfg: ServiceConfig, generator) -> subprocess.Popen | Non
     lacks it; None where there is nothing to build."""
     from model.quantize import quantization_of
 
-    engine = getattr(generator, "engine", None)
-    compiled = getattr(engine, "compiled", None)
-    if compiled is None or not compiled.prefill_pending:
+    engine = generator.engine
+    if engine.compiled is None or not engine.compiled.prefill_pending:
         return None
     # as the replica resolved it: the child then keys its packages as the replica does
     return _child("generator", dataclasses.replace(cfg.generator, device=engine.config.device,

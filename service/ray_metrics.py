@@ -34,14 +34,11 @@ class RayRecorder:
         from ray import serve
         from ray.serve import metrics as serve_metrics
 
+        kinds = {"counter": serve_metrics.Counter, "gauge": serve_metrics.Gauge, "histogram": serve_metrics.Histogram}
         self._metrics = {}
-        for s in SPECS:
-            if s.kind == "histogram":
-                m = serve_metrics.Histogram(PREFIX + s.name, s.help, boundaries=list(s.buckets), tag_keys=s.labels)
-            else:
-                m = {"counter": serve_metrics.Counter, "gauge": serve_metrics.Gauge}[s.kind](
-                    PREFIX + s.name, s.help, tag_keys=s.labels)
-            self._metrics[s.name] = m
+        for s in SPECS:  # as metrics._prometheus_metric
+            extra = {"boundaries": list(s.buckets)} if s.kind == "histogram" else {}
+            self._metrics[s.name] = kinds[s.kind](PREFIX + s.name, s.help, tag_keys=s.labels, **extra)
         try:
             self.application = serve.get_replica_context().app_name
         except Exception:  # not inside a replica (a tool that records from a driver)

@@ -63,10 +63,9 @@ class ReadyFirstRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         ready = [r for r in candidate_replicas if (r.routing_stats or {}).get("ready")]
         pool = ready or candidate_replicas
-        # fewest in flight from here first. Serve's cached queue lengths go stale after
-        # ~10 s idle, and a burst then probes every replica at once and sees the same lengths (64 streams
-        # at once put 40 on one 32-slot replica, 24 on the other). The request is counted on the first
-        # rank now, before any await, so the next one of the burst already sees it.
+        # fewest in flight from here first: Serve's cached queue lengths go stale when idle, and a burst
+        # would see the same lengths everywhere. The request is counted on the first rank now, before
+        # any await, so the next one of the burst already sees it.
         now = time.monotonic()
         self._sweep(now)
         rid = pending_request.metadata.internal_request_id if pending_request is not None else None

@@ -86,7 +86,7 @@ class ApiKeyAuth:
 
     async def __call__(self, scope, receive, send):
         keys = self.keys() if scope["type"] == "http" else None
-        path = scope.get("path", "") if keys is not None else ""
+        path = scope.get("path", "")
         if keys is None or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             return await self.app(scope, receive, send)
         token = _bearer(scope.get("headers") or [])

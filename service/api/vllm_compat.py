@@ -15,13 +15,6 @@ from service.api.schemas import DetokenizeBody, TokenizeBody
 router = APIRouter(tags=["vllm"])
 
 
-def _version() -> str:
-    try:
-        return version("attnserve")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
-
-
 @router.post("/tokenize")
 async def tokenize(body: TokenizeBody, request: Request):
     """`{prompt}` or `{messages, add_generation_prompt}` -> `{count, max_model_len, tokens, token_strs}`."""
@@ -44,7 +37,10 @@ async def detokenize(body: DetokenizeBody, request: Request):
 
 @router.get("/version", tags=["ops"])
 async def server_version():
-    return {"version": _version()}
+    try:
+        return {"version": version("attnserve")}
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return {"version": "unknown"}
 
 
 @router.get("/health", tags=["ops"])

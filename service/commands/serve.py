@@ -69,14 +69,12 @@ def run(args) -> int:
         pid_file().parent.mkdir(parents=True, exist_ok=True)
         pid_file().write_text(str(os.getpid()))
         base = ray_local.http_base(http["host"], http["port"]) + ray_local.attnserve_route(config)
-        if not watch_startup(base, stop, t0):
-            print("shutting down Serve and Ray ...", flush=True)
-            return 0
-        print(f"  API      {base}/v1  (OpenAI-compatible; native /v1/generate, /v1/translate)\n"
-              f"  docs     {base}/docs\n  metrics  {base}/metrics\n  page     {base}/\n"
-              f"Ctrl-C to stop.\nattnserve ready in {time.monotonic() - t0:.0f} s", flush=True)
-        while not stop.wait(1.0):
-            pass
+        if watch_startup(base, stop, t0):  # False: stopped while starting
+            print(f"  API      {base}/v1  (OpenAI-compatible; native /v1/generate, /v1/translate)\n"
+                  f"  docs     {base}/docs\n  metrics  {base}/metrics\n  page     {base}/\n"
+                  f"Ctrl-C to stop.\nattnserve ready in {time.monotonic() - t0:.0f} s", flush=True)
+            while not stop.wait(1.0):
+                pass
         print("shutting down Serve and Ray ...", flush=True)
         return 0
     except (RuntimeError, TimeoutError) as e:

@@ -22,7 +22,6 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-
     if args.action == "export-marian":
         if args.model is not None:
             raise CommandError("export-marian: exports the translator (its folder: --model DIR); "
