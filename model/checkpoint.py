@@ -37,10 +37,6 @@ def build_model(config: DecoderConfig | Seq2SeqConfig) -> nn.Module:
     return EncoderDecoder(config)
 
 
-def architecture_of(config) -> str:
-    return "decoder" if isinstance(config, DecoderConfig) else "seq2seq"
-
-
 def _save_tensors(state: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -57,14 +53,15 @@ def save_checkpoint(model: nn.Module, directory: str | Path, *, tokenizer=None,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     cfg = model.cfg
-    meta = {"architecture": architecture_of(cfg), "config": cfg.to_dict(), **(extra or {})}
+    arch = "decoder" if isinstance(cfg, DecoderConfig) else "seq2seq"
+    meta = {"architecture": arch, "config": cfg.to_dict(), **(extra or {})}
     (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
     state = {}
-    seen: dict[int, str] = {}
+    seen: set[int] = set()
     for name, t in model.state_dict().items():
         if t.data_ptr() in seen:  # tied weights are stored once
             continue
-        seen[t.data_ptr()] = name
+        seen.add(t.data_ptr())
         t = t.detach()
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
@@ -85,7 +82,7 @@ def save_checkpoint(model: nn.Module, directory: str | Path, *, tokenizer=None,
     return d
 
 
-def read_config(directory: str | Path) -> tuple[str, DecoderConfig | Seq2SeqConfig, dict]:
+def read_config(directory: str | Path) -> tuple[DecoderConfig | Seq2SeqConfig, dict]:
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"checkpoint config missing: {path}")
@@ -102,7 +99,7 @@ def read_config(directory: str | Path) -> tuple[str, DecoderConfig | Seq2SeqConf
         cfg = ARCHITECTURES[arch].from_dict(meta.get("config", {}))
     except (TypeError, ValueError, ZeroDivisionError) as e:  # ZeroDivisionError: a size of 0 divides
         raise CheckpointError(f"{path}: bad config: {e}") from None
-    return arch, cfg, meta
+    return cfg, meta
 
 
 def load_state(model: nn.Module, weights: str | Path) -> None:
@@ -118,8 +115,10 @@ def load_state(model: nn.Module, weights: str | Path) -> None:
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{weights}: cannot read safetensors ({e})") from None
     expected = model.state_dict()
-    tied = {n for n, t in expected.items()
-            if any(t.data_ptr() == o.data_ptr() and m != n for m, o in expected.items()) and n not in state}
+    shared: dict[int, list[str]] = {}  # names the config ties share one parameter, stored once
+    for name, t in expected.items():
+        shared.setdefault(t.data_ptr(), []).append(name)
+    tied = {n for names in shared.values() if len(names) > 1 for n in names if n not in state}
     missing = sorted(set(expected) - set(state) - tied)
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -128,11 +127,7 @@ def load_state(model: nn.Module, weights: str | Path) -> None:
         if tuple(t.shape) != tuple(expected[name].shape):
             raise CheckpointError(f"{weights}: tensor {name} has shape {tuple(t.shape)}, "
                                   f"config expects {tuple(expected[name].shape)}")
-    # names the config ties share one parameter: two different tensors for it mean the config is wrong
-    shared: dict[int, list[str]] = {}
-    for name, t in expected.items():
-        shared.setdefault(t.data_ptr(), []).append(name)
-    for names in shared.values():
+    for names in shared.values():  # two different tensors for one tied parameter: the config is wrong
         given = [n for n in names if n in state]
         if any(not torch.equal(state[given[0]], state[n]) for n in given[1:]):
             raise CheckpointError(f"{weights}: the config ties {' and '.join(given)}, but the file holds different "
@@ -167,7 +162,7 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None,
     d = Path(directory)
     if not d.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {d}")
-    _, cfg, _ = read_config(d)
+    cfg, _ = read_config(d)
     previous = torch.get_default_dtype()
     if dtype is not None and dtype.is_floating_point:
         torch.set_default_dtype(dtype)  # build in the target dtype: no transient fp32 copy of the weights

@@ -69,7 +69,6 @@ class DecoderConfig(_Config):
         return self.head_dim or self.d_model // self.n_heads
 
 
-
 @dataclass(frozen=True)
 class Seq2SeqConfig(_Config):
     vocab_size: int = 16000
@@ -97,7 +96,6 @@ class Seq2SeqConfig(_Config):
     @property
     def dim_head(self) -> int:
         return self.d_model // self.n_heads
-
 
 
 # --- presets -----------------------------------------------------------------------------------

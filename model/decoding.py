@@ -183,7 +183,7 @@ class BeamState:
         self.step += 1
         return parents
 
-    def push(self, tok: int, logits: torch.Tensor | None = None) -> list[int]:
+    def push(self, tok: int, logits: torch.Tensor) -> list[int]:
         """Greedy (k == 1) step with the argmax token already chosen (the engine takes the argmax of
         every greedy row in one op). `logits` (V,) are needed only when the argmax is banned."""
         out = self.seqs[0]

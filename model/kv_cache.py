@@ -58,9 +58,9 @@ class KVCache:
     def context(self, slots: torch.Tensor | list[int], positions: torch.Tensor) -> CacheContext:
         """Per-forward view: which slots the batch rows use and how far to read."""
         slots_t = torch.as_tensor(slots, dtype=torch.long, device=self.k.device)  # (B,)
-        if positions.numel() and int(positions.max()) >= self.max_len:
-            raise ValueError(f"position {int(positions.max())} beyond cache max_len {self.max_len}")
         length = int(positions.max()) + 1 if positions.numel() else 0
+        if length > self.max_len:
+            raise ValueError(f"position {length - 1} beyond cache max_len {self.max_len}")
         first = int(slots_t[0]) if len(slots_t) else 0
         contiguous = bool(len(slots_t)) and torch.equal(
             slots_t, torch.arange(first, first + len(slots_t), device=slots_t.device))

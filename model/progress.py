@@ -143,8 +143,8 @@ class PlainProgress:
             if self.printed_n != self.n:
                 self._print(time.monotonic())
 
-    def line(self, now: float | None = None) -> str:
-        elapsed = (now if now is not None else time.monotonic()) - self.start_t
+    def line(self, now: float) -> str:
+        elapsed = now - self.start_t
         known = bool(self.total) and self.n < self.total + 0.5
         fmt = ("{desc}: " if self.desc else "") + (LINE_FORMAT if known else LINE_FORMAT_NO_TOTAL)
         text = tqdm.format_meter(self.n, self.total if known else None, elapsed, prefix=self.desc, unit=self.unit,

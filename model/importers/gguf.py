@@ -174,11 +174,6 @@ def _open(path: Path):
     return reader
 
 
-def read_metadata(reader) -> dict:
-    """All scalar/array metadata as Python values."""
-    return {k: f.contents() for k, f in reader.fields.items()}
-
-
 # the keys we read, by the kind of value they must hold; llama.cpp refuses a key of another type too
 _INT_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
              "attention.head_count_kv", "rope.dimension_count", "vocab_size")
@@ -326,7 +321,7 @@ def load_gguf(path: str | Path, show_progress: bool = False) -> GGUFModel:
     try:
         reader = _open(path)
         check_metadata_types(reader, path)
-        meta = read_metadata(reader)
+        meta = {k: f.contents() for k, f in reader.fields.items()}  # all metadata as Python values
         cfg = config_from_metadata(meta, path)
         g = _tensors(reader, path, show_progress)
         if "output.weight" in g:

@@ -82,11 +82,6 @@ class LengthModel:
         mean = max((l_zh + l_en / self.c) / 2, 1.0)
         return (l_en - self.c * l_zh) / math.sqrt(self.s2 * mean)
 
-    def cost(self, l_zh: int, l_en: int) -> float:
-        """-log P(|delta| at least this large) under a standard normal."""
-        p = math.erfc(abs(self.delta(l_zh, l_en)) / math.sqrt(2))
-        return -math.log(max(p, 1e-300))
-
 
 @dataclass(frozen=True)
 class Bead:
@@ -132,7 +127,8 @@ def align(zh_lens: list[int], en_lens: list[int], lm: LengthModel, *,
                     continue
                 lz, le = zc[i] - zc[i - di], ec[j] - ec[j - dj]
                 mean = (lz + le / c) / 2
-                d = abs(le - c * lz) / sqrt(s2 * (mean if mean > 1 else 1.0))
+                d = abs(le - c * lz) / sqrt(s2 * (mean if mean > 1 else 1.0))  # |lm.delta|, inlined: the hot loop
+                # the bead's length cost: -log P(|delta| at least this large) under a standard normal
                 cost = prev + prior - log(max(erfc(d * 0.7071067811865476), 1e-300))
                 if cost < b_ij:
                     b_ij, arg = cost, (di, dj)

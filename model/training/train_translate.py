@@ -219,13 +219,8 @@ def collate(examples, idx, pad: int, multiple: int = 1):
 
 # --- resumable state, without pickle ------------------------------------------------------------
 
-def cpu_weights(model) -> dict[str, torch.Tensor]:
-    """The model's state dict as contiguous CPU tensors (what safetensors writes), from any device."""
-    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-
-
 def save_state(run: Path, model, opt, meta: dict, weights: dict[str, torch.Tensor]) -> None:
-    """The resumable state: `weights` (cpu_weights(model)), Adam's moments, the RNG states, `meta`."""
+    """The resumable state: `weights` (the model's, on CPU), Adam's moments, the RNG states, `meta`."""
     from safetensors.torch import save_file
 
     tensors = {f"model.{k}": v for k, v in weights.items()}
@@ -270,11 +265,15 @@ def load_state(run: Path, model, opt) -> dict:
     return meta
 
 
+def snapshots(run: Path) -> list[Path]:
+    """The run's kept weight snapshots, oldest first."""
+    return sorted((run / "snapshots").glob("step-*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))
+
+
 def average_snapshots(run: Path, model, last: int) -> list[str]:
     from safetensors.torch import load_file
 
-    snaps = sorted((run / "snapshots").glob("step-*.safetensors"),
-                   key=lambda p: int(p.stem.split("-")[1]))[-last:]
+    snaps = snapshots(run)[-last:]
     if not snaps:
         return []
     avg = None
@@ -527,7 +526,7 @@ def warm_start(model, ckpt: Path) -> dict:
     from model.checkpoint import load_state as load_weights
     from model.checkpoint import read_config
 
-    _, ckpt_cfg, extra = read_config(ckpt)
+    ckpt_cfg, extra = read_config(ckpt)
     if ckpt_cfg.d_ff != model.cfg.d_ff:
         widen_feed_forward(model, ckpt / "model.safetensors")
     else:
@@ -574,15 +573,14 @@ def widen_feed_forward(model, weights: Path) -> None:
 def checkpoint(run: Path, model, opt, meta: dict, cfg: TrainConfig) -> None:
     from safetensors.torch import save_file
 
-    weights = cpu_weights(model)
+    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_state(run, model, opt, meta, weights)
     snaps = run / "snapshots"
     snaps.mkdir(exist_ok=True)
     snap = snaps / f"step-{meta['step']}.safetensors"
     save_file(weights, str(snap.with_suffix(".tmp")))  # a kill mid-write leaves no torn snapshot to average
     snap.with_suffix(".tmp").replace(snap)
-    old = sorted(snaps.glob("step-*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))
-    for p in old[: -cfg.avg_last]:
+    for p in snapshots(run)[: -cfg.avg_last]:
         p.unlink()
 
 

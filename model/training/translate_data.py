@@ -456,7 +456,6 @@ def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
                 train.append(p)
                 sources.append(source)
                 c["kept_train"] += 1
-        return c["kept_train"]
 
     add(hk["train"], "hk")
     add(ted["train"], "ted")
@@ -500,11 +499,11 @@ def _long_enough(text: str) -> bool:
     return len(_CJK.findall(text)) >= 6 or len(text.split()) >= 4
 
 
-def _step_order(item: tuple[str, int]) -> tuple[int, str]:
+def _step_order(item: tuple[str, int]) -> int:
     """Counts in the order of the pipeline: read, alignment, selection, drops, splits, kept."""
     order = ("read", "files", "paragraphs", "length_model", "bead_", "selected_", "dropped_", "train_dropped",
              "talks_", "kept_")
-    return next((i for i, p in enumerate(order) if item[0].startswith(p)), len(order)), ""
+    return next((i for i, p in enumerate(order) if item[0].startswith(p)), len(order))
 
 
 def prepare(out: Path | None = None, wheel_path: Path | None = None,
