@@ -157,8 +157,7 @@ def _weights_left_uninitialised():
                 setattr(nn.init, name, fn)
 
 
-def load_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None,
-                    device: str | torch.device = "cpu") -> nn.Module:
+def load_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None) -> nn.Module:
     d = Path(directory)
     if not d.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {d}")
@@ -174,7 +173,7 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None,
     load_state(model, d / WEIGHTS_FILE)
     if dtype is not None:
         model.to(dtype)
-    return model.to(device).eval()
+    return model.eval()
 
 
 def load_tokenizer(directory: str | Path):

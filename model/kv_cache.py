@@ -44,7 +44,7 @@ class KVCache:
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, max_len: int, head_dim: int,
                  *, cross_len: int = 0, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
-        self.n_layers, self.n_slots, self.max_len = n_layers, n_slots, max_len
+        self.n_slots, self.max_len = n_slots, max_len
         shape = (n_layers, n_slots, n_kv_heads, max_len, head_dim)
         self.k = cache_buffer(shape, dtype, device)  # (NL, S, Hkv, L, D)
         self.v = cache_buffer(shape, dtype, device)

@@ -208,7 +208,7 @@ def _read_hf_weights(d: Path) -> dict[str, torch.Tensor]:
                         "not read: it needs unpickling)")
 
 
-def import_hf(directory: str | Path, *, dtype: torch.dtype | None = None):
+def import_hf(directory: str | Path):
     """A Hugging Face Llama / GPT-2 folder -> our DecoderLM (eval mode)."""
     from model.decoder import DecoderLM
 
@@ -224,6 +224,4 @@ def import_hf(directory: str | Path, *, dtype: torch.dtype | None = None):
             raise HFFormatError(f"{d}: tensor for {name} has shape {tuple(t.shape)}, config implies "
                                 f"{tuple(expected[name].shape)}")
     model.load_state_dict(sd, strict=False)
-    if dtype is not None:
-        model.to(dtype)
     return model.eval()
