@@ -133,3 +133,18 @@ def test_untied_weights_under_a_tying_config_are_refused(tmp_path):
     state["lm_head.weight"] = state[emb].clone()  # the same values: a file that stored the tie twice
     save_file(state, str(d / "model.safetensors"))
     load_checkpoint(d)
+
+
+def test_a_tied_weight_missing_under_every_name_is_refused(tmp_path):
+    """Leaving out one name of a tied pair is how the tie is stored; leaving out all of them would leave the
+    shared parameter as uninitialised memory."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    d = save_checkpoint(DecoderLM(TINY_LLAMA), tmp_path / "m")
+    state = load_file(str(d / "model.safetensors"))
+    emb = next(n for n in state if "emb" in n)
+    del state[emb]
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="missing tensors"):
+        load_checkpoint(d)
