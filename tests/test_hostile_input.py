@@ -172,3 +172,24 @@ def test_a_failing_transport_receive_is_a_disconnect_not_a_crash():
             await asyncio.sleep(0.02)
         assert engine.stats().running == 0 and engine.stats().slots_used == 0
     run(main, backends(with_translator=False))
+
+
+def test_a_response_format_schema_nested_near_the_parser_limit_is_a_400():
+    """A schema the body parser just takes (nested a little less than its recursion limit) is serialized
+    again, deeper in the stack, to measure it: that must be a 400 naming the schema, not a RecursionError
+    (a 500). Every depth around the limit, as the stack's depth where the request is read varies."""
+    def body(depth: int) -> bytes:
+        schema = b'{"items":' * depth + b"{}" + b"}" * depth
+        return (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "response_format": '
+                b'{"type": "json_schema", "json_schema": {"name": "deep", "schema": ' + schema + b"}}}")
+
+    async def main(c):
+        got = {}
+        for depth in range(700, 1000, 2):
+            r = await c.post("/v1/chat/completions", content=body(depth), headers={"content-type": "application/json"})
+            got.setdefault((r.status_code, r.json()["error"]["param"]), []).append(depth)
+        return got
+
+    got = run(main, backends(with_translator=False))
+    assert {status for status, _ in got} == {400}, got
+    assert {param for _, param in got} <= {"body", "response_format", "response_format.json_schema"}, got

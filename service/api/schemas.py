@@ -134,7 +134,10 @@ class JsonSchemaFormat(Strict):
 
     @model_validator(mode="after")
     def _bounded(self) -> JsonSchemaFormat:
-        size = len(json.dumps(self.schema_))
+        try:
+            size = len(json.dumps(self.schema_))
+        except RecursionError:  # the body parser took it, but serializing it here, deeper in the stack, fails
+            raise ValueError("schema is nested too deeply") from None
         if size > SCHEMA_MAX_CHARS:
             raise ValueError(f"schema is {size} characters as JSON; the limit is {SCHEMA_MAX_CHARS}")
         return self
