@@ -36,6 +36,13 @@ CASES = [
     ("/v1/generate", _raw('{"prompt": "a", "top_p": Infinity}'), 400, "top_p", "finite"),
     ("/v1/generate", _raw('{"prompt": "a", "repetition_penalty": -Infinity}'), 400, "repetition_penalty", "finite"),
     ("/v1/translate", _raw('{"text": "a", "length_penalty": NaN}'), 400, "length_penalty", "finite"),
+    # inside a response_format schema too: json.loads reads them, and the grammar would take NaN as null
+    ("/v1/chat/completions", _raw('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
+                                  '"json_schema", "json_schema": {"name": "x", "schema": {"enum": [NaN]}}}}'), 400,
+     "response_format.json_schema", "NaN"),
+    ("/v1/completions", _raw('{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": '
+                             '"x", "schema": {"type": "number", "maximum": 1e400}}}}'), 400,
+     "response_format.json_schema", "Infinity"),
     ("/v1/generate", {"prompt": "a", "temperature": -1}, 400, "temperature", "greater than"),
     ("/v1/generate", {"prompt": "a", "max_tokens": -5}, 400, "max_tokens", "greater than"),
     ("/v1/generate", {"prompt": "a", "max_tokens": 10**30}, 400, "max_tokens", "less than"),

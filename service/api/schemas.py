@@ -135,9 +135,11 @@ class JsonSchemaFormat(Strict):
     @model_validator(mode="after")
     def _bounded(self) -> JsonSchemaFormat:
         try:
-            size = len(json.dumps(self.schema_))
+            size = len(json.dumps(self.schema_, allow_nan=False))
         except RecursionError:  # the body parser took it, but serializing it here, deeper in the stack, fails
             raise ValueError("schema is nested too deeply") from None
+        except ValueError:  # json.loads reads them into `Any`; the grammar would take them as null
+            raise ValueError("schema holds NaN or Infinity, which are not JSON numbers") from None
         if size > SCHEMA_MAX_CHARS:
             raise ValueError(f"schema is {size} characters as JSON; the limit is {SCHEMA_MAX_CHARS}")
         return self
