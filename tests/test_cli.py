@@ -262,6 +262,16 @@ def test_generate_seeded_sampling_repeats_and_bad_requests_are_refused(standin, 
     assert "not UTF-8" in capsys.readouterr().err
 
 
+def test_generate_refuses_a_seed_or_penalty_no_request_could_carry(standin, capsys):
+    """A seed torch cannot take was a traceback; a NaN repetition penalty ran and printed blanks (exit 0).
+    Both are one line naming the flag, with exit 2, as /v1/generate answers 400."""
+    for flag, value in (("--seed", str(2**70)), ("--seed", "-1"), ("--repetition-penalty", "nan")):
+        for extra in ([], ["--temperature", "1"]):
+            assert main([*GENERATE, *extra, "--max-tokens", "4", flag, value, "abc"]) == 2, (flag, value)
+            out, err = capsys.readouterr()
+            assert f"attnserve generate: {flag} must be" in err and "Traceback" not in err and out == "", err
+
+
 def test_generate_runs_the_served_generator(standin, capsys, monkeypatch):
     """With no options `attnserve generate` builds the Serve config's generator (dtype, quantization and
     compiled step as served) and says what /v1/completions says for the same prompt."""

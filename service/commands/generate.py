@@ -101,6 +101,7 @@ def run(args) -> int:
     from model.quantize import quantization_of
     from service import local
     from service.api.native import DEFAULT_MAX_TOKENS
+    from service.api.schemas import SEED_MAX
     from service.engine.cpu_runtime import single_threaded_caller
     from service.engine.types import EngineError, SamplingParams
     from service.models import ModelUnavailable, load_generator
@@ -113,6 +114,8 @@ def run(args) -> int:
         raise CommandError(f"--temperature must be in [0, 2], got {args.temperature}")
     if args.top_k < -1:
         raise CommandError(f"--top-k must be >= -1 (0 or -1: off), got {args.top_k}")
+    if args.seed is not None and not 0 <= args.seed <= SEED_MAX:  # /v1/generate's bounds; torch takes 64 bits
+        raise CommandError(f"--seed must be in [0, {SEED_MAX}], got {args.seed}")
     try:
         prompt = args.prompt if args.prompt is not None else sys.stdin.read() if sys.stdin is not None else ""
         prompt.encode("utf-8")  # bytes that were not UTF-8 come as lone surrogates

@@ -134,7 +134,7 @@ class GenerationEngine(EngineLoop):
             raise reject("top_k", f"{{}} must be >= 0, got {p.top_k}")
         if not 0 <= p.min_p <= 1:
             raise reject("min_p", f"{{}} must be in [0, 1], got {p.min_p}")
-        if p.repetition_penalty <= 0:
+        if not p.repetition_penalty > 0:  # NaN too: the command line passes floats unchecked
             raise reject("repetition_penalty", f"{{}} must be > 0, got {p.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(p, name) <= 2.0:
