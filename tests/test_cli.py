@@ -393,6 +393,17 @@ def test_translate_reads_stdin_and_refuses_nothing_or_a_missing_model(capsys, re
     assert "text[1] is empty" in capsys.readouterr().err
 
 
+@needs_shipped
+def test_translate_refusals_name_the_flag_not_the_request_field(capsys, restore_torch):
+    """Bounds the translator checks (slots, positions, a direction) are refused naming the flag given, as
+    --no-repeat-ngram's are, not /v1/translate's field (beam_size, max_length, target_lang)."""
+    for argv, flag in ((["--beam", "0"], "--beam"), (["--beam", "33"], "--beam"),
+                       (["--max-length", "0"], "--max-length"), (["--from", "en", "--to", "en"], "--to")):
+        assert main(["translate", *argv, "hello"]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"attnserve translate: {flag}: ") and err.count("\n") == 1, err
+
+
 def test_translate_passes_every_decoding_option_to_the_request(monkeypatch, capsys):
     """--from, --length-penalty, --min-length-ratio and --max-length reach the request as /v1/translate's
     fields; left out, the request's defaults apply; out of bounds, exit 2 naming the flag before a model loads."""

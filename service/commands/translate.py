@@ -10,6 +10,9 @@ import sys
 from model.translation import DEFAULT_BEAM_SIZE, DEFAULT_NO_REPEAT_NGRAM
 from service.commands import CommandError, check_decoding_flags
 
+# the request's fields (RequestRejected.param) as this command's flags
+_FLAGS = {"beam_size": "--beam", "max_length": "--max-length", "source_lang": "--from", "target_lang": "--to"}
+
 
 def add_arguments(p):
     p.add_argument("text", nargs="*", help="texts to translate (default: one per line on stdin; blank lines stay "
@@ -58,7 +61,10 @@ def run(args) -> int:
         translator = local.load_translator(local.translator_spec(args.model, config=args.config))
         result = local.translate(translator, texts, target_lang=args.to, source_lang=args.source,
                                  beam_size=args.beam, **options)
-    except (ModelUnavailable, RequestRejected, OSError, ValueError) as e:
+    except RequestRejected as e:  # bounds only the translator knows: name the flag, as check_decoding_flags does
+        flag = _FLAGS.get(e.param)
+        raise CommandError(f"{flag}: {e}" if flag else str(e)) from e
+    except (ModelUnavailable, OSError, ValueError) as e:
         raise CommandError(str(e)) from e
     outputs = iter(result.translations)
     for t in lines:
