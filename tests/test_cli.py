@@ -404,6 +404,17 @@ def test_translate_refusals_name_the_flag_not_the_request_field(capsys, restore_
         assert err.startswith(f"attnserve translate: {flag}: ") and err.count("\n") == 1, err
 
 
+def test_translate_stdin_that_is_not_utf8_is_refused_naming_where(monkeypatch, capsys):
+    """The byte is counted from the start of stdin (not from the decoder's current 8 KB chunk) and its line
+    is named, whatever error handler the locale gives stdin; nothing loads."""
+    data = b"Good morning.\n" * 1000 + "café\n".encode("latin-1")
+    for errors in ("strict", "surrogateescape"):  # a UTF-8 locale / C.UTF-8
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors=errors))
+        assert main(["translate", "--model", "/nonexistent"]) == 2
+        err = capsys.readouterr().err
+        assert "stdin is not UTF-8 text (invalid continuation byte at byte 14003, line 1001)" in err, (errors, err)
+
+
 def test_translate_passes_every_decoding_option_to_the_request(monkeypatch, capsys):
     """--from, --length-penalty, --min-length-ratio and --max-length reach the request as /v1/translate's
     fields; left out, the request's defaults apply; out of bounds, exit 2 naming the flag before a model loads."""

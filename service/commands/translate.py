@@ -5,6 +5,7 @@ Runs the engine behind `/v1/translate` in this process (service/local.py), with 
 settings from the Serve config: the same text gives the same translation here and over HTTP.
 """
 
+import io
 import sys
 
 from model.translation import DEFAULT_BEAM_SIZE, DEFAULT_NO_REPEAT_NGRAM
@@ -77,7 +78,15 @@ def run(args) -> int:
 def _stdin_lines() -> list[str]:
     if sys.stdin is None:
         raise CommandError("no text given")
-    try:
+    raw = getattr(sys.stdin, "buffer", None)
+    if raw is None:  # already text (a StringIO)
         return [line.rstrip("\r\n") for line in sys.stdin]
+    # the bytes decoded here, not by sys.stdin: its decoder counts from the chunk it is on, and under
+    # C.UTF-8 it lets the bytes through as surrogates
+    data = raw.read()
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise CommandError(f"stdin is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        line = data.count(b"\n", 0, e.start) + 1
+        raise CommandError(f"stdin is not UTF-8 text ({e.reason} at byte {e.start}, line {line})") from None
+    return [line.rstrip("\r\n") for line in io.StringIO(text, newline="\n")]  # lines end at \n, as sys.stdin's
