@@ -262,6 +262,13 @@ def test_generate_seeded_sampling_repeats_and_bad_requests_are_refused(standin, 
     assert "not UTF-8" in capsys.readouterr().err
 
 
+def test_generate_with_one_new_token_claims_no_rate(standin, capsys):
+    """One token is all prefill: its decode time is 0, and the line said "= 1000000000.0 tok/s"."""
+    assert main([*GENERATE, "--max-tokens", "1", "abc"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"\[prompt 3 tokens in [\d.]+ s; 1 new tokens in 0.00 s\]", err) and "tok/s" not in err, err
+
+
 def test_generate_refuses_a_seed_or_penalty_no_request_could_carry(standin, capsys):
     """A seed torch cannot take was a traceback; a NaN repetition penalty ran and printed blanks (exit 0).
     Both are one line naming the flag, with exit 2, as /v1/generate answers 400."""

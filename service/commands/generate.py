@@ -157,7 +157,8 @@ def run(args) -> int:
     except EngineError as e:  # a rejection (the field named) or a failed step
         raise CommandError(str(e)) from e
     sys.stdout.write("\n")
-    n = stats.get("tokens", 0)
-    print(f"[prompt {len(ids)} tokens in {stats['prefill_s']:.2f} s; {n} new tokens in {stats['decode_s']:.2f} s"
-          f" = {n / max(stats['decode_s'], 1e-9):.1f} tok/s]", file=sys.stderr)
+    n, decode_s = stats.get("tokens", 0), stats["decode_s"]
+    rate = f" = {n / decode_s:.1f} tok/s" if decode_s > 0 else ""  # one token: it came with the prefill, no decode
+    print(f"[prompt {len(ids)} tokens in {stats['prefill_s']:.2f} s; {n} new tokens in {decode_s:.2f} s{rate}]",
+          file=sys.stderr)
     return 0
