@@ -118,7 +118,9 @@ def _is_zh_not_bracket(c: str | None) -> bool:
 
 
 def _is_converted_mark(c: str | None) -> bool:
-    return c is not None and c in "，。：；？！、"
+    # after the first pass a full-width neighbour is one this call converted (quotes and "……" too): a bracket
+    # left ASCII then changes as a later call, which sees that mark in the input, would change it
+    return c is not None and c in FULLWIDTH_MARKS and c not in "（）"
 
 
 def _chinese_pass(text: str, bracket_context) -> str:
@@ -173,9 +175,12 @@ def _chinese_pass(text: str, bracket_context) -> str:
         if _pair_is_zh(chars, a, b, _is_zh):
             chars[a], chars[b] = "‘", "’"
 
-    # , . : ; ? !
-    for i, c in enumerate(chars):
-        if c not in ASCII_TO_FULL or protected[i]:
+    # , . : ; ? !  ("..." is the ellipsis rule's: next pass, when its neighbours may have become Chinese).
+    # A converted mark is Chinese context for the marks beside it: swept both ways, a run converts in one pass
+    dots = {i for m in re.finditer(r"\.{3,}", "".join(chars)) for i in range(m.start(), m.end())}
+    for i in (*range(n), *reversed(range(n))):
+        c = chars[i]
+        if c not in ASCII_TO_FULL or protected[i] or i in dots:
             continue
         prev, nxt = chars[i - 1] if i else "", chars[i + 1] if i + 1 < n else ""
         if prev.isdigit() and nxt.isdigit():

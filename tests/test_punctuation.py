@@ -1,6 +1,8 @@
 """Punctuation of translations (full-width in Chinese, ASCII in English) and non-destructive input
 normalisation: expectations written out by hand, not derived from the code."""
 
+import random
+
 import pytest
 
 from model.punctuation import (
@@ -107,3 +109,16 @@ def test_normalise_input_folds_width_of_letters_and_digits_only():
     assert normalise_input("a\u3000b\u00a0c \t d\u200be\ufeff") == "a b c de"
     assert normalise_input("…") == "…"
     assert normalise_input("e\u0301") == "é"  # NFC composes
+
+
+def test_chinese_punctuation_is_idempotent_on_random_mark_soup():
+    """The module promises idempotence; brackets next to quotes converted in the same call, and runs of marks
+    converted one from the other, took more than one call before."""
+    rng = random.Random(0)
+    alphabet = list('我们好说(),.:;?!"\' ab1……“”（）') + ["..."]
+    for _ in range(5000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 16)))
+        once = to_chinese_punctuation(text)
+        assert to_chinese_punctuation(once) == once, text
+    assert to_chinese_punctuation('("我') == "（“我"
+    assert to_chinese_punctuation("我说(...)") == "我说（……）"
