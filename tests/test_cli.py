@@ -126,11 +126,16 @@ def test_bad_arguments_and_configs_are_one_line_before_anything_starts(home, tmp
                         (["stop", "--timeout", "-5"], "--timeout must be > 0"),
                         (["generate", "--system", "be brief", "hi"], "--system needs --chat"),
                         (["generate", "--max-tokens", "0", "hi"], "--max-tokens must be >= 1"),
+                        (["generate", "--threads", "0", "hi"], "--threads must be >= 1"),
                         (["data", "sample", "translate", "--n", "-1"], "--n must be >= 1"),
                         (["weights", "export-marian", "--out", str(a_file)], "is a file")):
         assert main(argv) == 2, argv
         out, err = capsys.readouterr()
         assert words in err, (argv, out, err)
+    # a runtime failure (no such checkpoint): exit 1, the same one line on stderr
+    assert main(["weights", "export-marian", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 1
+    out, err = capsys.readouterr()
+    assert "attnserve weights: export-marian: no checkpoint at" in err and not out
 
 
 def test_ctrl_c_is_a_message_and_exit_130(capsys, monkeypatch):

@@ -114,6 +114,8 @@ def run(args) -> int:
         raise CommandError(f"--temperature must be in [0, 2], got {args.temperature}")
     if args.top_k < -1:
         raise CommandError(f"--top-k must be >= -1 (0 or -1: off), got {args.top_k}")
+    if args.threads is not None and args.threads < 1:
+        raise CommandError(f"--threads must be >= 1, got {args.threads}")
     if args.seed is not None and not 0 <= args.seed <= SEED_MAX:  # /v1/generate's bounds; torch takes 64 bits
         raise CommandError(f"--seed must be in [0, {SEED_MAX}], got {args.seed}")
     try:

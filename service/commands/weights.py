@@ -71,18 +71,16 @@ def _export_marian(args) -> int:
         raise CommandError("export-marian: --out DIR is required")
     src = Path(args.model_dir) if args.model_dir else SHIPPED_TRANSLATOR
     if not (src / "config.json").is_file():
-        print(f"no checkpoint at {src} (expected config.json + model.safetensors; the shipped translator "
-              "appears at weights/attnserve-zh-en once trained)")
-        return 1
+        raise CommandError(f"export-marian: no checkpoint at {src} (expected config.json + model.safetensors)",
+                           code=1)
     try:
         model = load_checkpoint(src)
         if not isinstance(model, EncoderDecoder):
-            print(f"{src} is not an encoder-decoder checkpoint; only translators export to Marian")
-            return 1
+            raise CommandError(f"export-marian: {src} is not an encoder-decoder checkpoint; only translators "
+                               "export to Marian", code=1)
         out = export_marian(model, load_tokenizer(src), args.out, dtype=getattr(torch, args.dtype))
     except (CheckpointError, MarianExportError) as e:
-        print(f"cannot export {src}: {e}")
-        return 1
+        raise CommandError(f"export-marian: cannot export {src}: {e}", code=1) from None
     print(f"wrote {out}: load with transformers.MarianMTModel.from_pretrained({str(out)!r}); "
           f"CTranslate2: python -m benchmarks.ct2_convert {out} OUT_CT2")
     return 0
