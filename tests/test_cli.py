@@ -380,8 +380,11 @@ def test_translate_with_the_shipped_model_one_line_per_text(capsys, restore_torc
 def test_translate_reads_stdin_and_refuses_nothing_or_a_missing_model(capsys, restore_torch, monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "stdin", io.StringIO("The meeting is on Tuesday.\n\n   \nPrices rose in May.\u2028"
                                                   "Sales fell.\n"))
+    monkeypatch.setenv("ATTNSERVE_PROGRESS", "lines")
     assert main(["translate", "--beam", "1", "--to", "zh"]) == 0
-    lines = capsys.readouterr().out.split("\n")
+    out, err = capsys.readouterr()
+    assert "translate: 2/2 (100%)" in err  # progress on stderr, stdout only the translations
+    lines = out.split("\n")
     # one output line per input line (a Unicode line separator inside one is not a new line): blank stay blank
     assert len(lines) == 5 and lines[1:3] == ["", ""] and lines[4] == ""
     assert CJK.search(lines[0]) and CJK.search(lines[3])
@@ -435,7 +438,8 @@ def test_translate_passes_every_decoding_option_to_the_request(monkeypatch, caps
 
     seen = []
 
-    def spy(translator, texts, **request):
+    def spy(translator, texts, progress, **request):  # progress: the command's bar, not a request field
+        progress(len(texts))
         seen.append(request)
         return mock.Mock(translations=[f"<{t}>" for t in texts])
 

@@ -8,6 +8,7 @@ settings from the Serve config: the same text gives the same translation here an
 import io
 import sys
 
+from model.progress import progress
 from model.translation import DEFAULT_BEAM_SIZE, DEFAULT_NO_REPEAT_NGRAM
 from service.commands import CommandError, check_decoding_flags
 
@@ -60,8 +61,10 @@ def run(args) -> int:
         raise CommandError("no text given")
     try:
         translator = local.load_translator(local.translator_spec(args.model, config=args.config))
-        result = local.translate(translator, texts, target_lang=args.to, source_lang=args.source,
-                                 beam_size=args.beam, **options)
+        # a file on stdin can take minutes: the texts done on stderr (stdout keeps the translations)
+        with progress(desc="translate", total=len(texts), unit="text", disable=len(texts) < 2) as bar:
+            result = local.translate(translator, texts, target_lang=args.to, source_lang=args.source,
+                                     beam_size=args.beam, progress=lambda n: bar.update(n - bar.n), **options)
     except RequestRejected as e:  # bounds only the translator knows: name the flag, as check_decoding_flags does
         flag = _FLAGS.get(e.param)
         raise CommandError(f"{flag}: {e}" if flag else str(e)) from e
