@@ -125,3 +125,15 @@ def test_eval_passes_decoding_options_to_the_translator(data, tmp_path, monkeypa
     seen.clear()
     assert cli.main(args) == 0
     assert seen == [{}] * 2
+
+
+def test_an_empty_split_is_an_error_that_says_so_not_a_traceback(data, tmp_path, monkeypatch, capsys):
+    # `data prepare --heldout-sentences` large enough puts every talk in ted_test and leaves ted_dev empty
+    (data / "ted_dev.tsv").write_text("", encoding="utf-8")
+    monkeypatch.setattr(local, "load_translator", lambda spec: "stand-in engine")
+    monkeypatch.setattr(local, "translate", _fake_translate)
+    out = tmp_path / "r.json"
+    args = ["eval", "translate", "--model", "x", "--data", str(data), "--split", "ted_dev", "--out", str(out)]
+    assert cli.main(args) != 0
+    assert "ted_dev.tsv holds no pairs" in capsys.readouterr().err
+    assert not out.exists()

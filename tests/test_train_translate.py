@@ -125,6 +125,16 @@ def test_a_recipe_with_back_translation_refuses_to_train_without_the_synthetic_p
         train(path, run, data_dir=data, export_to=tmp_path / "export")
 
 
+def test_a_recipe_scoring_an_empty_split_refuses_before_training_not_at_its_first_evaluation(tiny_run, tmp_path):
+    path, cfg, data, run = tiny_run
+    (data / "ted_dev.tsv").write_text("", encoding="utf-8")  # every talk went to ted_test
+    cfg.update(max_steps=3, eval_minutes=0, eval_sentences=2, eval_splits=["dev", "ted_dev"])
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="ted_dev.tsv holds no pairs"):
+        train(path, run, data_dir=data, export_to=tmp_path / "export")
+    assert not (run / "state.json").exists()
+
+
 def test_compiled_loss_matches_the_eager_loss_and_gradient_across_batch_shapes():
     """`compile_loss` (the recipes' default) runs token_loss through inductor with dynamic shapes."""
     from model.training.train_translate import token_loss

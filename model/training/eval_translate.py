@@ -44,7 +44,7 @@ def evaluate(checkpoint: str | Path, out: str | Path | None = None, *, translate
              limit: int | None = None, split: str = "test", data_dir: Path | None = None) -> dict:
     import sacrebleu
 
-    pairs = translate_data.read_split(split, data_dir)[:limit]
+    pairs = translate_data.read_heldout(split, data_dir)[:limit]
     report = {"checkpoint": str(checkpoint), "split": split, f"{split}_pairs": len(pairs), "results": {}, "samples": {}}
     bar = progress(desc=f"eval {split}", total=2 * len(beams) * len(pairs), unit="sentence")
     for direction, tgt in (("zh2en", "en"), ("en2zh", "zh")):

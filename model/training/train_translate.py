@@ -356,7 +356,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
             f.write(line + "\n")
 
     train_pairs, sources = translate_data.training_pairs(data_dir, {*cfg.upsample, *cfg.one_way})
-    dev_pairs = {split: translate_data.read_split(split, data_dir) for split in cfg.eval_splits}
+    dev_pairs = {split: translate_data.read_heldout(split, data_dir) for split in cfg.eval_splits}
     spm_path = run / "spm.model"
     if init_from and not resuming:  # warm start: the checkpoint's own vocabulary
         shutil.copyfile(Path(init_from) / SentencePieceTokenizer.FILE, spm_path)

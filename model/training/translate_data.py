@@ -590,6 +590,16 @@ def upsample(pairs: list, sources: list[str], times: dict[str, int]) -> list:
     return [p for p, s in zip(pairs, sources, strict=True) for _ in range(times.get(s, 1))]
 
 
+def read_heldout(name: str, directory: Path | None = None) -> list[tuple[str, str]]:
+    """A held-out split to score: an empty one (every talk went to ted_test) is an error here, where BLEU
+    over no sentences would fail deep inside sacreBLEU, and inside training only at its first evaluation."""
+    pairs = read_split(name, directory)
+    if not pairs:
+        raise ValueError(f"{(directory or data_dir()) / f'{name}.tsv'} holds no pairs to score: rerun "
+                         "`attnserve data prepare translate` (fewer --heldout-sentences), or score another split")
+    return pairs
+
+
 def read_split(name: str, directory: Path | None = None) -> list[tuple[str, str]]:
     path = (directory or data_dir()) / f"{name}.tsv"
     if not path.is_file():
