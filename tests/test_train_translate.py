@@ -321,6 +321,18 @@ def test_cooldown_decays_the_lr_linearly_to_zero_at_max_steps_and_needs_max_step
         TrainConfig.load(path)
 
 
+@pytest.mark.parametrize("avg_last", [0, -2])
+def test_avg_last_below_one_is_refused_not_an_average_of_every_snapshot(tmp_path, avg_last):
+    # snapshots[-0:] is every snapshot and snapshots[:-0] prunes none: "avg_last": 0, read as "no averaging",
+    # kept every snapshot of the run and exported their average, step 1's included
+    from model.training.train_translate import TrainConfig
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"avg_last": avg_last}))
+    with pytest.raises(ValueError, match="avg_last must be >= 1"):
+        TrainConfig.load(path)
+
+
 def test_a_finished_run_exports_into_its_run_folder_not_over_the_shipped_model(tiny_run, tmp_path, monkeypatch):
     from model import paths
 
