@@ -135,6 +135,33 @@ def test_a_recipe_scoring_an_empty_split_refuses_before_training_not_at_its_firs
     assert not (run / "state.json").exists()
 
 
+def test_a_run_hands_sigterm_and_sigint_back_as_it_found_them(tiny_run, tmp_path, monkeypatch):
+    # while it trains, either signal stops it at the end of a step, state saved; afterwards the caller's
+    # handlers apply again (else Ctrl-C and a SIGTERM would only set a flag nobody reads any more)
+    import signal
+
+    from model.training import train_translate as tt
+
+    path, cfg, data, run = tiny_run
+    cfg["max_steps"] = 2
+    path.write_text(json.dumps(cfg))
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        train(path, run, data_dir=data, export_to=tmp_path / "export")
+        assert {s: signal.getsignal(s) for s in before} == before
+
+        def disk_full(*args):
+            raise OSError("No space left on device")
+
+        monkeypatch.setattr(tt, "checkpoint", disk_full)  # and where the run fails after its steps
+        with pytest.raises(OSError, match="No space"):
+            train(path, tmp_path / "run2", data_dir=data, export_to=tmp_path / "export2")
+        assert {s: signal.getsignal(s) for s in before} == before
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 def test_compiled_loss_matches_the_eager_loss_and_gradient_across_batch_shapes():
     """`compile_loss` (the recipes' default) runs token_loss through inductor with dynamic shapes."""
     from model.training.train_translate import token_loss

@@ -402,84 +402,88 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
 
     loss_of = compiled_loss(log) if cfg.compile_loss else token_loss
     stop = {"flag": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
-    signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
-    model.train()
-    last_ckpt = last_eval = time.time()
-    clock = RunClock(meta["train_seconds"])
-    win_tokens, win_t, win_loss, win_n = 0, time.time(), 0.0, 0
-    bar = progress(desc="train", unit="step", initial=meta["step"], total=stop_step(meta, cfg))
-    figures = {"loss": "-", "tok/s": "-"} | last_dev_bleu(run)  # the bar's postfix, from the first log line
-    while not stop["flag"]:
-        rng = random.Random(cfg.seed * 1000 + meta["epoch"])
-        batches = make_batches(examples, cfg.batch_tokens, rng, cfg.shape_multiple)
-        seen = meta.get("epoch_batches")  # the batch list the position counts in (absent in older runs)
-        # the batching's own settings too: another shape_multiple can give as many batches, of other examples
-        current = [len(examples), len(batches), cfg.batch_tokens, cfg.shape_multiple]
-        if seen and seen != current and meta["batch_in_epoch"]:
-            # other data or batching since the checkpoint: keep the epoch's fraction, not an index into
-            # a different list
-            pos = round(meta["batch_in_epoch"] * len(batches) / seen[1])
-            log(event="epoch_rebatched", step=meta["step"], examples=[seen[0], len(examples)],
-                batches=[seen[1], len(batches)], batch_in_epoch=[meta["batch_in_epoch"], pos])
-            meta["batch_in_epoch"] = pos
-        meta["epoch_batches"] = current
-        while meta["batch_in_epoch"] < len(batches) and not stop["flag"]:
-            if finished(meta, cfg):
-                stop["flag"] = True  # already done (e.g. a resume or warm start at the limit)
-                break
-            idx = batches[meta["batch_in_epoch"]]
-            src, tgt_in, tgt_out = (t.to(dev) for t in collate(examples, idx, mcfg.pad_id, cfg.shape_multiple))
-            step = meta["step"] + 1
-            lr = scheduled_lr(step, cfg, mcfg.d_model, meta.get("warm_start_step"))
-            for g in opt.param_groups:
-                g["lr"] = lr
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                logits = model(src, tgt_in)
-            loss = loss_of(logits, tgt_out, mcfg.pad_id, cfg.label_smoothing)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
-            opt.step()
-            ntok = int((src != mcfg.pad_id).sum() + (tgt_out != mcfg.pad_id).sum())
-            meta.update(step=step, batch_in_epoch=meta["batch_in_epoch"] + 1, tokens=meta["tokens"] + ntok)
-            win_tokens += ntok
-            win_loss += loss.item()
-            win_n += 1
-            bar.update(1)
-            stalled = clock.tick()
-            if stalled:
-                log(event="stalled", step=step, seconds=round(stalled), note="not counted as training time")
-                win_t += stalled  # nor in the pace the log and the progress bar's total come from
-            meta["train_seconds"] = clock.seconds
-            if step % cfg.log_every == 0:
-                now = time.time()
-                pace = max(now - win_t, 1e-6)
-                log(step=step, epoch=meta["epoch"], loss=round(win_loss / win_n, 4), lr=round(lr, 6),
-                    tok_per_s=round(win_tokens / pace), hours=round(clock.seconds / 3600, 3))
-                bar.total = stop_step(meta, cfg, steps_per_s=win_n / pace)
-                figures.update({"loss": round(win_loss / win_n, 3), "tok/s": round(win_tokens / pace)})
-                bar.set_postfix(figures)
-                win_tokens, win_t, win_loss, win_n = 0, now, 0.0, 0
-            if time.time() - last_ckpt > cfg.ckpt_minutes * 60:
-                checkpoint(run, model, opt, meta, cfg)
-                last_ckpt = time.time()
-            if time.time() - last_eval > cfg.eval_minutes * 60:
-                bleu = {k: v for split, pairs in dev_pairs.items()
-                        for k, v in dev_bleu(model, tok, pairs, cfg.eval_sentences, split).items()}
-                log(step=step, event="eval", **bleu)
-                figures.update(bleu_figures(bleu))
-                bar.set_postfix(figures)
-                last_eval = time.time()
-            if finished(meta, cfg):
-                stop["flag"] = True
-        if meta["batch_in_epoch"] >= len(batches):
-            meta.update(epoch=meta["epoch"] + 1, batch_in_epoch=0)
-    bar.close()
-    checkpoint(run, model, opt, meta, cfg)
-    log(event="stopped", step=meta["step"], hours=round(meta["train_seconds"] / 3600, 3))
-    if finished(meta, cfg) or export_to:
-        export(run, model, tok, cfg, meta, export_to, log)
+    # while the run lasts, either signal stops it at the end of a step (state saved); the caller's handlers after
+    previous = {s: signal.signal(s, lambda *_: stop.update(flag=True)) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        model.train()
+        last_ckpt = last_eval = time.time()
+        clock = RunClock(meta["train_seconds"])
+        win_tokens, win_t, win_loss, win_n = 0, time.time(), 0.0, 0
+        bar = progress(desc="train", unit="step", initial=meta["step"], total=stop_step(meta, cfg))
+        figures = {"loss": "-", "tok/s": "-"} | last_dev_bleu(run)  # the bar's postfix, from the first log line
+        while not stop["flag"]:
+            rng = random.Random(cfg.seed * 1000 + meta["epoch"])
+            batches = make_batches(examples, cfg.batch_tokens, rng, cfg.shape_multiple)
+            seen = meta.get("epoch_batches")  # the batch list the position counts in (absent in older runs)
+            # the batching's own settings too: another shape_multiple can give as many batches, of other examples
+            current = [len(examples), len(batches), cfg.batch_tokens, cfg.shape_multiple]
+            if seen and seen != current and meta["batch_in_epoch"]:
+                # other data or batching since the checkpoint: keep the epoch's fraction, not an index into
+                # a different list
+                pos = round(meta["batch_in_epoch"] * len(batches) / seen[1])
+                log(event="epoch_rebatched", step=meta["step"], examples=[seen[0], len(examples)],
+                    batches=[seen[1], len(batches)], batch_in_epoch=[meta["batch_in_epoch"], pos])
+                meta["batch_in_epoch"] = pos
+            meta["epoch_batches"] = current
+            while meta["batch_in_epoch"] < len(batches) and not stop["flag"]:
+                if finished(meta, cfg):
+                    stop["flag"] = True  # already done (e.g. a resume or warm start at the limit)
+                    break
+                idx = batches[meta["batch_in_epoch"]]
+                src, tgt_in, tgt_out = (t.to(dev) for t in collate(examples, idx, mcfg.pad_id, cfg.shape_multiple))
+                step = meta["step"] + 1
+                lr = scheduled_lr(step, cfg, mcfg.d_model, meta.get("warm_start_step"))
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                    logits = model(src, tgt_in)
+                loss = loss_of(logits, tgt_out, mcfg.pad_id, cfg.label_smoothing)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+                opt.step()
+                ntok = int((src != mcfg.pad_id).sum() + (tgt_out != mcfg.pad_id).sum())
+                meta.update(step=step, batch_in_epoch=meta["batch_in_epoch"] + 1, tokens=meta["tokens"] + ntok)
+                win_tokens += ntok
+                win_loss += loss.item()
+                win_n += 1
+                bar.update(1)
+                stalled = clock.tick()
+                if stalled:
+                    log(event="stalled", step=step, seconds=round(stalled), note="not counted as training time")
+                    win_t += stalled  # nor in the pace the log and the progress bar's total come from
+                meta["train_seconds"] = clock.seconds
+                if step % cfg.log_every == 0:
+                    now = time.time()
+                    pace = max(now - win_t, 1e-6)
+                    log(step=step, epoch=meta["epoch"], loss=round(win_loss / win_n, 4), lr=round(lr, 6),
+                        tok_per_s=round(win_tokens / pace), hours=round(clock.seconds / 3600, 3))
+                    bar.total = stop_step(meta, cfg, steps_per_s=win_n / pace)
+                    figures.update({"loss": round(win_loss / win_n, 3), "tok/s": round(win_tokens / pace)})
+                    bar.set_postfix(figures)
+                    win_tokens, win_t, win_loss, win_n = 0, now, 0.0, 0
+                if time.time() - last_ckpt > cfg.ckpt_minutes * 60:
+                    checkpoint(run, model, opt, meta, cfg)
+                    last_ckpt = time.time()
+                if time.time() - last_eval > cfg.eval_minutes * 60:
+                    bleu = {k: v for split, pairs in dev_pairs.items()
+                            for k, v in dev_bleu(model, tok, pairs, cfg.eval_sentences, split).items()}
+                    log(step=step, event="eval", **bleu)
+                    figures.update(bleu_figures(bleu))
+                    bar.set_postfix(figures)
+                    last_eval = time.time()
+                if finished(meta, cfg):
+                    stop["flag"] = True
+            if meta["batch_in_epoch"] >= len(batches):
+                meta.update(epoch=meta["epoch"] + 1, batch_in_epoch=0)
+        bar.close()
+        checkpoint(run, model, opt, meta, cfg)
+        log(event="stopped", step=meta["step"], hours=round(meta["train_seconds"] / 3600, 3))
+        if finished(meta, cfg) or export_to:
+            export(run, model, tok, cfg, meta, export_to, log)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
     return run
 
 
