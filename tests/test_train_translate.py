@@ -58,6 +58,21 @@ def test_tiny_training_run_drops_loss_and_resumes(tiny_run, tmp_path):
         train(path, run, data_dir=data, resume=True, avg_last=1)
 
 
+def test_a_kill_between_the_state_and_its_json_at_the_first_checkpoint_still_resumes(tiny_run, tmp_path):
+    path, cfg, data, run = tiny_run
+    cfg["max_steps"] = 10
+    path.write_text(json.dumps(cfg))
+    train(path, run, data_dir=data, export_to=tmp_path / "export")
+    (run / "state.json").unlink()  # state.safetensors, with its metadata, committed; state.json not yet written
+    with pytest.raises(FileExistsError, match="--resume"):  # a new run would overwrite the committed state
+        train(path, run, data_dir=data, export_to=tmp_path / "export")
+    cfg["max_steps"] = 20
+    path.write_text(json.dumps(cfg))
+    train(path, run, data_dir=data, resume=True, export_to=tmp_path / "export")
+    assert [r for r in _log(run) if r.get("event") == "resumed"][-1]["step"] == 10
+    assert [r["step"] for r in _log(run) if "loss" in r] == [10, 20]
+
+
 def test_warm_start_from_a_shipped_checkpoint_continues_its_step_count(tiny_run, tmp_path):
     path, cfg, data, run = tiny_run
     train(path, run, data_dir=data, export_to=tmp_path / "export")  # 150 steps, exported (averaged)

@@ -335,13 +335,16 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
         cfg = dataclasses.replace(cfg, avg_last=avg_last)
     run = Path(run_dir or paths.home() / "runs" / "translate" / Path(config_path).stem)
     run.mkdir(parents=True, exist_ok=True)
-    resuming = (resume or export_only) and (run / "state.json").is_file()
-    if not resuming and (run / "state.json").is_file():
+    # the tensors' file commits a state (save_state), before state.json is written: a kill between the two
+    # renames of a run's first checkpoint leaves no state.json
+    has_state = (run / "state.safetensors").is_file()
+    resuming = (resume or export_only) and has_state
+    if not resuming and has_state:
         # a new run here would mix its snapshots (and maybe its vocabulary) with the old run's
-        raise FileExistsError(f"{run} already holds a training run (state.json): pass --resume to continue it, "
-                              "or --run-dir to start a new run elsewhere")
+        raise FileExistsError(f"{run} already holds a training run (state.safetensors): pass --resume to continue "
+                              "it, or --run-dir to start a new run elsewhere")
     if export_only and not resuming:  # else an untrained model would be exported
-        raise FileNotFoundError(f"{run} holds no training run (state.json) to export")
+        raise FileNotFoundError(f"{run} holds no training run (state.safetensors) to export")
     torch.set_num_threads(cfg.threads)
     if cfg.bf16 == "auto":
         from model.cpu_features import prefers_bf16
