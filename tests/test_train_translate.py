@@ -73,6 +73,18 @@ def test_a_kill_between_the_state_and_its_json_at_the_first_checkpoint_still_res
     assert [r["step"] for r in _log(run) if "loss" in r] == [10, 20]
 
 
+def test_resuming_with_another_models_config_says_which_not_a_traceback(tiny_run, tmp_path):
+    path, cfg, data, run = tiny_run
+    cfg["max_steps"] = 2
+    path.write_text(json.dumps(cfg))
+    train(path, run, data_dir=data, export_to=tmp_path / "export")
+    cfg.update(max_steps=4, model={**cfg["model"], "d_ff": 128})  # a run folder from another config
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="does not fit the config's model.*ff.fc.weight"):  # the CLI's one line
+        train(path, run, data_dir=data, resume=True, export_to=tmp_path / "export")
+    assert json.loads((run / "state.json").read_text())["step"] == 2
+
+
 def test_warm_start_from_a_shipped_checkpoint_continues_its_step_count(tiny_run, tmp_path):
     path, cfg, data, run = tiny_run
     train(path, run, data_dir=data, export_to=tmp_path / "export")  # 150 steps, exported (averaged)

@@ -253,7 +253,12 @@ def load_state(run: Path, model, opt) -> dict:
         kept = (f.metadata() or {}).get("state")
     # runs saved before the metadata moved into the tensors' file have it in state.json only
     meta = json.loads(kept) if kept is not None else json.loads((run / "state.json").read_text())
-    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    try:
+        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    except RuntimeError as e:  # a run folder of another recipe: say so in the CLI's one line, not a traceback
+        first = next((line.strip(" .") for line in str(e).splitlines()[1:] if line.strip()), str(e))
+        raise ValueError(f"{path} does not fit the config's model ({first}): resume with the config the run "
+                         "was trained with, or pass --run-dir to start a new run") from None
     for n, p in model.named_parameters():
         if f"opt.{n}.exp_avg" in tensors:
             opt.state[p] = {"step": torch.tensor(meta["opt_step"]),
