@@ -375,15 +375,16 @@ def test_cooldown_decays_the_lr_linearly_to_zero_at_max_steps_and_needs_max_step
         TrainConfig.load(path)
 
 
-@pytest.mark.parametrize("avg_last", [0, -2])
-def test_avg_last_below_one_is_refused_not_an_average_of_every_snapshot(tmp_path, avg_last):
-    # snapshots[-0:] is every snapshot and snapshots[:-0] prunes none: "avg_last": 0, read as "no averaging",
-    # kept every snapshot of the run and exported their average, step 1's included
+@pytest.mark.parametrize("key,value", [("avg_last", 0), ("avg_last", -2), ("log_every", 0), ("warmup_steps", 0),
+                                       ("batch_tokens", 0), ("threads", 0)])
+def test_counts_below_one_are_refused_when_the_recipe_loads(tmp_path, key, value):
+    # avg_last 0, read as "no averaging", kept every snapshot and exported their average (snapshots[-0:]);
+    # log_every and warmup_steps 0 divided by zero at the first step, after the data had been encoded
     from model.training.train_translate import TrainConfig
 
     path = tmp_path / "c.json"
-    path.write_text(json.dumps({"avg_last": avg_last}))
-    with pytest.raises(ValueError, match="avg_last must be >= 1"):
+    path.write_text(json.dumps({key: value}))
+    with pytest.raises(ValueError, match=f"{key} must be >= 1"):
         TrainConfig.load(path)
 
 
