@@ -6,8 +6,10 @@ with `load(dir)`. Control tokens from the vocabulary (`<|endoftext|>`, `<|im_sta
 `<|im_end|>`, ...) are special tokens: matched whole in the text, never split into bytes.
 
 Pre-tokenization is the GPT-2 regex + byte-level mapping, as `transformers` builds it for a GGUF
-with `tokenizer.ggml.model = gpt2` (our test oracle). SmolLM2's vocabulary has no multi-digit
-tokens, so digits come out one per token, as in the original tokenizer.
+with `tokenizer.ggml.model = gpt2` (our test oracle). Where `tokenizer.ggml.pre` names one of
+llama.cpp's digit-first pre-tokenizers (SmolLM2's "smollm", which transformers' GGUF loader does not
+know), every digit is split off first, as llama.cpp and SmolLM2's own tokenizer.json (Digits, then
+ByteLevel) do.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 CONTROL = 3  # llama.cpp token type of control (special) tokens
+# llama.cpp's `tokenizer.ggml.pre` values that split off each digit (\p{N}) before the GPT-2 regex
+DIGITS_FIRST_PRE = ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b")
 CONFIG_FILE = "tokenizer_config.json"
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -67,7 +71,10 @@ class BPETokenizer:
             vocab[t if ty == CONTROL or set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))] = i
         merges = [tuple(m.split(" ")) for m in tok["merges"]]
         tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        # without the digit split, spaces before a digit lose their merge: "a  1" -> a Ġ Ġ 1, not a ĠĠ 1
+        tk.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                            if tok.get("pre") in DIGITS_FIRST_PRE else byte_level)
         tk.decoder = decoders.ByteLevel()
         tk.post_processor = processors.ByteLevel(trim_offsets=False)
         specials = [t for t, ty in zip(tokens, types, strict=True) if ty == CONTROL]

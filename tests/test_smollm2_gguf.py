@@ -77,13 +77,15 @@ def test_missing_tensor_is_named(tmp_path, tiny):
 
 # --- tokenizer and chat on a tiny vocabulary ------------------------------------------------------
 
-def tiny_tokenizer():
+def tiny_tokenizer(pre=None):
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     chars = list(bytes_to_unicode().values())
-    merges = ["h e", "l l", "he ll", "Ġ w", "Ġw o"]
+    merges = ["h e", "l l", "he ll", "Ġ w", "Ġw o", "Ġ Ġ"]
     tokens = specials + chars + [m.replace(" ", "") for m in merges]
     meta = {"model": "gpt2", "tokens": tokens, "token_type": [3, 3, 3] + [1] * (len(tokens) - 3),
             "merges": merges, "bos_token_id": 1, "eos_token_id": 2, "padding_token_id": 2, "unknown_token_id": 0}
+    if pre:
+        meta["pre"] = pre
     return BPETokenizer.from_gguf_metadata(meta, "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
                                                  "{{ m['content'] }}<|im_end|>\n{% endfor %}")
 
@@ -100,6 +102,15 @@ def test_bpe_merges_specials_and_round_trip(tmp_path):
     back = BPETokenizer.load(tmp_path)
     assert back.encode("hello <|im_end|> 你好") == tok.encode("hello <|im_end|> 你好")
     assert back.chat_template == tok.chat_template and back.eos_id == 2 and back.vocab_size == tok.vocab_size
+
+
+def test_smollm_pre_splits_digits_off_before_the_gpt2_regex():
+    """llama.cpp reads tokenizer.ggml.pre = "smollm" (SmolLM2's file) as a digit split, then the GPT-2 regex, as
+    SmolLM2's own tokenizer.json does (Digits, then ByteLevel): spaces before a digit stay one run."""
+    spelled = [[tok.id_to_token(i) for i in tok.encode("a  1,   2")] for tok in (tiny_tokenizer("smollm"),
+                                                                                 tiny_tokenizer())]
+    assert spelled[0] == ["a", "ĠĠ", "1", ",", "ĠĠ", "Ġ", "2"]
+    assert spelled[1] == ["a", "Ġ", "Ġ", "1", ",", "ĠĠ", "Ġ", "2"]  # "gpt2" and no pre: the GPT-2 regex alone
 
 
 def test_chat_render_and_errors():

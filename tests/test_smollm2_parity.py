@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 from engine_util import stream_model
+from tokenizers import pre_tokenizers
 
 from model.chat import render_chat
 from model.importers.hf import export_hf, import_hf
@@ -51,6 +52,12 @@ def pair():
     ours, tok = load_checkpoint(d, dtype=torch.float32), load_tokenizer(d)
     g = gguf_path()
     hf_tok = transformers.AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name)
+    # transformers' GGUF loader has no entry for this file's pre-tokenizer ("smollm"): add the digit split that
+    # llama.cpp and SmolLM2's own tokenizer.json apply, or spaces before a digit ("  3") tokenize differently
+    backend = hf_tok.backend_tokenizer
+    assert isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel)
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     backend.pre_tokenizer])
     hf = transformers.AutoModelForCausalLM.from_pretrained(g.parent, gguf_file=g.name, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # compare full 64-token continuations
     hf.generation_config.pad_token_id = tok.pad_id
