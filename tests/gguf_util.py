@@ -14,9 +14,10 @@ def permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, model: DecoderLM, *, arch="llama", qtypes=None, skip=(), tokenizer=None):
+def write_tiny_gguf(path, model: DecoderLM, *, arch="llama", qtypes=None, skip=(), tokenizer=None, more=None):
     """Write `model` as a llama.cpp-style GGUF. qtypes: tensor name -> quantization type (default F32);
-    tokenizer: byte-level BPE metadata (tokens, token_type, merges, eos_token_id), none by default."""
+    tokenizer: byte-level BPE metadata (tokens, token_type, merges, eos_token_id), none by default;
+    more: called with the GGUFWriter to add further metadata."""
     c = model.cfg
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.n_layers)
@@ -28,6 +29,8 @@ def write_tiny_gguf(path, model: DecoderLM, *, arch="llama", qtypes=None, skip=(
     w.add_rope_freq_base(c.rope_theta)
     w.add_layer_norm_rms_eps(c.norm_eps)
     w.add_vocab_size(c.vocab_size)
+    if more:
+        more(w)
     if tokenizer:
         w.add_tokenizer_model("gpt2")
         w.add_token_list(tokenizer["tokens"])

@@ -69,6 +69,26 @@ def test_truncated_file_is_named(tmp_path, tiny):
         gguf_to_decoder(path)
 
 
+@pytest.mark.parametrize("scaling", [
+    lambda w: w.add_rope_scaling_factor(4.0),  # llama.cpp reads a factor without a type as linear scaling
+    lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), w.add_rope_scaling_factor(2.0)),
+    lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0)),
+    lambda w: w.add_float32("llama.rope.scale_linear", 2.0),  # the older key llama.cpp still reads
+])
+def test_rope_scaling_is_refused_not_ignored(tmp_path, tiny, scaling):
+    with pytest.raises(GGUFImportError, match="RoPE scaling"):
+        gguf_to_decoder(write_tiny_gguf(tmp_path / "s.gguf", tiny, more=scaling))
+
+
+@pytest.mark.parametrize("scaling", [
+    lambda w: w.add_rope_scaling_factor(1.0),
+    lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.NONE), w.add_rope_scaling_factor(4.0)),
+])
+def test_rope_scaling_that_changes_nothing_imports(tmp_path, tiny, scaling):
+    model, _ = gguf_to_decoder(write_tiny_gguf(tmp_path / "s.gguf", tiny, more=scaling))
+    assert torch.equal(model.state_dict()["embed.weight"], tiny.state_dict()["embed.weight"])
+
+
 def test_missing_tensor_is_named(tmp_path, tiny):
     path = write_tiny_gguf(tmp_path / "m.gguf", tiny, skip={"blk.1.ffn_gate.weight"})
     with pytest.raises(GGUFImportError, match="blk.1.ffn_gate.weight"):

@@ -224,6 +224,12 @@ def config_from_metadata(meta: dict, path: Path) -> DecoderConfig:
     context = int(need("context_length"))
     if not 0 < context <= MAX_CONTEXT:  # the RoPE table is allocated for the whole context
         raise GGUFImportError(f"{path}: context_length {context} outside 1..{MAX_CONTEXT}")
+    # llama.cpp scales positions by this factor (linear unless the type says otherwise, "none": not at all); our
+    # RoPE does not, so such a model would import with every position but the first rotated wrongly
+    factor = float(meta.get(f"{arch}.rope.scaling.factor") or meta.get(f"{arch}.rope.scale_linear") or 0.0)
+    scaling = meta.get(f"{arch}.rope.scaling.type", "linear")
+    if scaling != "none" and factor not in (0.0, 1.0):
+        raise GGUFImportError(f"{path}: RoPE scaling {scaling!r} (factor {factor}) is not supported")
     eps = float(need("attention.layer_norm_rms_epsilon"))
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     for key, value in (("attention.layer_norm_rms_epsilon", eps), ("rope.freq_base", theta)):
