@@ -32,6 +32,13 @@ def test_tokenize_prompt_and_messages():
     run(main)
 
 
+def test_a_messages_text_parts_join_with_line_breaks_as_in_vllm():
+    from service.api.schemas import ChatMessage
+
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    assert ChatMessage.model_validate({"role": "user", "content": parts}).text() == "Hi\nthere"
+
+
 def test_detokenize_round_trips():
     async def main(c):
         ids = (await c.post("/tokenize", json={"prompt": "Round,trip!"})).json()["tokens"]

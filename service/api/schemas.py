@@ -77,7 +77,7 @@ class ChatMessage(Strict):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content)  # as vLLM joins a message's text parts
 
 
 class Sampling(Strict):
