@@ -60,6 +60,10 @@ class BPETokenizer:
 
         if tok.get("model") != "gpt2":
             raise ValueError(f"tokenizer model {tok.get('model')!r} is not byte-level BPE ('gpt2')")
+        pre = tok.get("pre")
+        if pre not in (None, "default", "gpt2", *DIGITS_FIRST_PRE):  # another regex (llama-bpe, qwen2, ...)
+            raise ValueError(f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported: one of 'gpt2', "
+                             f"'default', {', '.join(map(repr, DIGITS_FIRST_PRE))}")
         spelling = bytes_to_unicode()
         alphabet = set(spelling.values())
         tokens = list(tok["tokens"])

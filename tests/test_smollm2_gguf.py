@@ -132,6 +132,11 @@ def test_smollm_pre_splits_digits_off_before_the_gpt2_regex():
                                                                                  tiny_tokenizer())]
     assert spelled[0] == ["a", "ĠĠ", "1", ",", "ĠĠ", "Ġ", "2"]
     assert spelled[1] == ["a", "Ġ", "Ġ", "1", ",", "ĠĠ", "Ġ", "2"]  # "gpt2" and no pre: the GPT-2 regex alone
+    assert tiny_tokenizer("gpt2").encode("a  1") == tiny_tokenizer().encode("a  1")
+    # a pre-tokenizer with a regex of its own (Llama 3's, Qwen2's) is refused, not tokenized with GPT-2's
+    for pre in ("llama-bpe", "qwen2"):
+        with pytest.raises(ValueError, match=f"pre-tokenizer '{pre}'"):
+            tiny_tokenizer(pre)
 
 
 def test_chat_render_and_errors():
