@@ -87,6 +87,18 @@ def test_unsupported_layouts_are_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(HFFormatError, match="mamba"):
         import_hf(tmp_path)
+    from model.importers.hf import config_from_hf
+
+    llama = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "intermediate_size": 16}
+    config_from_hf(llama)  # silu by default
+    with pytest.raises(HFFormatError, match="activation 'gelu'"):
+        config_from_hf({**llama, "hidden_act": "gelu"})
+    gpt2 = {"model_type": "gpt2", "vocab_size": 8, "n_embd": 8, "n_layer": 1, "n_head": 2}
+    config_from_hf(gpt2)
+    for odd in ({"scale_attn_weights": False}, {"scale_attn_by_inverse_layer_idx": True}):
+        with pytest.raises(HFFormatError, match="attention scaling"):
+            config_from_hf({**gpt2, **odd})
     export_hf(DecoderLM(TINY_LLAMA), tmp_path)
     from safetensors.torch import load_file, save_file
 

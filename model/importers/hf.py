@@ -65,6 +65,8 @@ def config_from_hf(c: dict, where: str = "config.json") -> DecoderConfig:
             if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
                 raise HFFormatError(f"{where}: RoPE scaling {scaling.get('rope_type') or scaling.get('type')!r} "
                                     "is not supported")
+            if c.get("hidden_act", "silu") != "silu":  # our SwiGLU gates with SiLU only
+                raise HFFormatError(f"{where}: Llama activation {c['hidden_act']!r} is not supported (only silu)")
             heads = c["num_attention_heads"]
             return DecoderConfig(
                 vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
@@ -81,6 +83,9 @@ def config_from_hf(c: dict, where: str = "config.json") -> DecoderConfig:
             act = c.get("activation_function", "gelu_new")
             if act not in ("gelu_new", "gelu_pytorch_tanh"):
                 raise HFFormatError(f"{where}: GPT-2 activation {act!r} is not supported (only tanh GELU)")
+            # our attention always scales by 1/sqrt(head dim), and by nothing else
+            if not c.get("scale_attn_weights", True) or c.get("scale_attn_by_inverse_layer_idx", False):
+                raise HFFormatError(f"{where}: GPT-2 attention scaling other than 1/sqrt(head dim) is not supported")
             d = c["n_embd"]
             return DecoderConfig(
                 vocab_size=c["vocab_size"], d_model=d, n_layers=c["n_layer"], n_heads=c["n_head"],
