@@ -132,10 +132,6 @@ def test_bad_arguments_and_configs_are_one_line_before_anything_starts(home, tmp
         assert main(argv) == 2, argv
         out, err = capsys.readouterr()
         assert words in err, (argv, out, err)
-    # a runtime failure (no such checkpoint): exit 1, the same one line on stderr
-    assert main(["weights", "export-marian", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 1
-    out, err = capsys.readouterr()
-    assert "attnserve weights: export-marian: no checkpoint at" in err and not out
 
 
 def test_ctrl_c_is_a_message_and_exit_130(capsys, monkeypatch):

@@ -188,4 +188,5 @@ def test_cli_export_without_checkpoint_is_a_clear_error(tmp_path, capsys):
     from service.cli import main
 
     assert main(["weights", "export-marian", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 1
-    assert "no checkpoint" in capsys.readouterr().out
+    out, err = capsys.readouterr()  # one line on stderr, as every command's errors
+    assert "attnserve weights: export-marian: no checkpoint at" in err and not out
