@@ -76,10 +76,9 @@ class TrainConfig:
         bad = {k: v for k, v in self.one_way.items() if v not in LANGS}
         if bad:
             raise ValueError(f"TrainConfig.one_way: a language must be one of {list(LANGS)}, got {bad}")
-        if self.avg_last < 1:  # snapshots[-0:] is all of them: 0 would keep and average every snapshot
-            raise ValueError(f"TrainConfig.avg_last must be >= 1 (1: the last snapshot as it is), got {self.avg_last}")
-        for name in ("batch_tokens", "log_every", "warmup_steps", "threads"):
-            if getattr(self, name) < 1:  # log_every divides the step count; warmup_steps the lr
+        # avg_last 0 would keep and average every snapshot (snapshots[-0:]); log_every and warmup_steps divide
+        for name in ("avg_last", "batch_tokens", "log_every", "warmup_steps", "threads"):
+            if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.cooldown_steps < 0:
             raise ValueError(f"TrainConfig.cooldown_steps must be >= 0, got {self.cooldown_steps}")

@@ -226,9 +226,13 @@ class EngineLoop:
     def _fail_all(self, error: Exception) -> None:
         raise NotImplementedError
 
+    def _limit_s(self, deadline_s: float | None) -> float | None:
+        """A request's time limit: its own, else the engine's default (None: none)."""
+        return deadline_s if deadline_s is not None else self.config.default_deadline_s
+
     def _deadline(self, deadline_s: float | None, now: float) -> float | None:
-        """When a request submitted at `now` times out: its own limit, else the engine's default."""
-        limit = deadline_s if deadline_s is not None else self.config.default_deadline_s
+        """When a request submitted at `now` times out."""
+        limit = self._limit_s(deadline_s)
         return now + limit if limit is not None else None
 
     def _kv_used(self) -> int:

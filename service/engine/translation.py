@@ -158,8 +158,7 @@ class TranslationEngine(EngineLoop):
         for sentence, why in sched.sweep(now):
             request = sentence.request
             if why == "timeout":
-                limit = request.batch.deadline_s
-                limit = self.config.default_deadline_s if limit is None else limit  # as _deadline chose it
+                limit = self._limit_s(request.batch.deadline_s)
                 self._end(request, "timeout", error=TimeoutError(f"translation exceeded its deadline of {limit} s"))
         sched.admit()
         if not sched.running:
