@@ -66,7 +66,10 @@ _ZH_LIST_NUMBER = re.compile(r"\s*[一二三四五六七八九十]{1,3}")
 _ENDS_BEFORE_CLOSE = "，。！？；…,.!?;"  # a quote right after these closes a quotation
 _ELLIPSIS = re.compile(r"\.{3,}|…+")
 _SPACE = re.compile(r"\s+")
-_INVISIBLE = re.compile(r"[\u200b-\u200d\u2060\ufeff\u00ad]")
+# pictographs and what joins or styles them (ZWJ sequences, VS16, keycaps; skin tones lie inside the first range)
+EMOJI_CHARS = "\U0001F000-\U0001FAFF\u2300-\u23FF\u2600-\u27BF\u2B00-\u2BFF\uFE0F\u200D\u20E3"
+# zero-width characters, but not a joiner inside an emoji sequence ("👨‍👩‍👧" is one picture)
+_INVISIBLE = re.compile(f"[\u200b\u200c\u2060\ufeff\u00ad]|\u200d(?![{EMOJI_CHARS}])")
 
 
 def normalise_input(text: str) -> str:

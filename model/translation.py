@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import re
 
-from model.punctuation import ASCII_TO_FULL, is_link, normalise_input, postprocess, split_links, without_protected
+from model.punctuation import (
+    ASCII_TO_FULL,
+    EMOJI_CHARS,
+    is_link,
+    normalise_input,
+    postprocess,
+    split_links,
+    without_protected,
+)
 
 LANGS = ("en", "zh")
 TAGS = {"en": "<2en>", "zh": "<2zh>"}
@@ -83,10 +91,21 @@ def split_sentences(text: str) -> list[str]:
 _CLAUSE_END = re.compile(r"[，、；：]\s*|[,;:]\s+|\s+[-–—]+\s+")  # not 1,000 / 12:30 / https://
 
 
+_EDGE_EMOJI = re.compile(f"([{EMOJI_CHARS}\\s]*)(.*?)([{EMOJI_CHARS}\\s]*)", re.DOTALL)
+
+
 def pieces(sentence: str, fits) -> list[str]:
-    """What the model translates one by one: the sentence cut around URLs and e-mail addresses (they pass through
-    as they are: `needs_translation` is False for them), and any piece too long cut at clauses."""
-    return [q for p in split_links(sentence) for q in ([p] if is_link(p) else split_long(p, fits))]
+    """What the model translates one by one: the sentence cut around URLs and e-mail addresses and off the
+    emoji that open or close it (they pass through as they are: `needs_translation` is False for them; the
+    model's vocabulary hardly holds emoji), and any piece too long cut at clauses."""
+    out = []
+    for p in split_links(sentence):
+        if is_link(p):
+            out.append(p)
+            continue
+        for q in (q.strip() for q in _EDGE_EMOJI.fullmatch(p).groups()):
+            out += split_long(q, fits) if q else []
+    return out
 
 
 def split_long(sentence: str, fits) -> list[str]:

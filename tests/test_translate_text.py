@@ -116,6 +116,20 @@ def test_urls_and_addresses_are_pieces_of_their_own():
 
 
 
+def test_emoji_opening_or_closing_a_sentence_are_pieces_of_their_own():
+    """The model's vocabulary hardly holds emoji: at a sentence's edges they pass through, ZWJ sequences whole;
+    inside a sentence they stay (cutting it there would translate two fragments)."""
+    family = "\U0001F468\u200d\U0001F469\u200d\U0001F467"  # one picture, joined by ZWJs
+    (sentence,) = split_text(f"{family} is my family \u2764\ufe0f")[0]
+    assert sentence == f"{family} is my family \u2764\ufe0f"  # normalising keeps the joiners inside emoji
+    assert pieces(sentence, lambda s: True) == [family, "is my family", "\u2764\ufe0f"]
+    assert not needs_translation(family, "zh") and not needs_translation("\u2764\ufe0f", "en")
+    assert pieces("Great job \U0001F44D, see you.", lambda s: True) == ["Great job \U0001F44D, see you."]
+    assert pieces("\U0001F600", lambda s: True) == ["\U0001F600"]
+    assert split_text("a\u200db")[0] == ["ab"]  # a joiner outside emoji is still dropped
+    assert join_sentences(["\U0001F600", "你好", "\U0001F600"], "zh") == "\U0001F600你好\U0001F600"
+
+
 def test_links_and_code_calls_start_where_their_run_of_characters_starts():
     """A match may not start inside a run of its own characters (which keeps scanning a long run without "@"
     or "(" linear): whole addresses and calls are still found."""
