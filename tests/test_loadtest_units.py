@@ -213,3 +213,16 @@ def test_prompt_set_is_chat_messages():
     prompts = datasets.load_prompts()
     assert len(prompts) >= 20
     assert all(m[0]["role"] == "user" and m[0]["content"].strip() for m in prompts)
+
+
+def test_host_that_locust_would_send_elsewhere_is_refused():
+    """urlparse reads `http://evil.com\\@127.0.0.1` as loopback, but requests (Locust's client) sends to
+    evil.com: a backslash in the authority must not pass the loopback rule, even with --allow-remote."""
+    import requests
+
+    sneaky = "http://example.com\\@127.0.0.1:8000"
+    assert requests.Request("GET", sneaky + "/v1/models").prepare().url.startswith("http://example.com/")
+    for url in (sneaky, "http://example.com\\@localhost", "http://127.0.0.1\\:8000"):
+        for allow_remote in (False, True):
+            with pytest.raises(cli.UsageError, match="bad --host"):
+                cli.check_host(url, allow_remote=allow_remote)
