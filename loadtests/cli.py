@@ -62,6 +62,8 @@ def parse_users(text: str) -> list[int]:
         raise UsageError(f"bad --users {text!r}: use a number or a comma list like 1,4,16") from None
     if not users or any(u < 1 for u in users):
         raise UsageError(f"--users must be positive integers, got {text!r}")
+    if len(set(users)) != len(users):  # each point has its own users-N folder; a repeat would append to it
+        raise UsageError(f"--users {text!r} names a user count more than once")
     return users
 
 

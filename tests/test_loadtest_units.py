@@ -236,3 +236,14 @@ def test_host_with_a_bad_port_is_a_usage_error(tmp_path, capsys):
         assert cli.run(_args(["--host", url, "--results-dir", str(tmp_path)])) == 2
         assert "bad --host" in capsys.readouterr().err
     assert cli.check_host("http://127.0.0.1:8000", allow_remote=False) == "http://127.0.0.1:8000"
+
+
+def test_sweep_refuses_a_repeated_user_count(tmp_path, capsys):
+    """Both runs of `--users 4,4` would write users-4/: the second appends to the first's requests.jsonl and
+    its summary mixes both runs (a window spanning the two)."""
+    free = f"http://127.0.0.1:{free_port()}"
+    assert cli.run(_args(["sweep", "--users", "1,4,4", "--host", free, "--results-dir", str(tmp_path)])) == 2
+    assert "more than once" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(cli.UsageError, match="more than once"):  # compare_llamacpp's lists too
+        cli.parse_users("16,64,16")
