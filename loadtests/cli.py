@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from loadtests.datasets import by_direction, read_jsonl
 from loadtests.records import read_records
 from loadtests.scenarios import SCENARIOS
 from loadtests.summary import Summary, format_table, summarize
@@ -105,6 +106,23 @@ def check_answers(url: str) -> None:
     except httpx.HTTPError as e:
         raise UsageError(f"nothing answers at {url} ({type(e).__name__}): start the service first "
                          f"(`make serve`)") from None
+
+
+def check_translate_file(path: str) -> None:
+    """UsageError unless `path` is a JSONL of {text, target_lang} with sentences for both directions: the
+    translate scenarios pick one at random, and one without sentences would raise inside Locust, where
+    nothing records it as a failure."""
+    if not Path(path).is_file():
+        raise UsageError(f"--translate-file {path} does not exist")
+    try:
+        sentences = by_direction(read_jsonl(path))
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"--translate-file {path} is not a JSONL of {{text, source_lang, target_lang}} with "
+                         f"target_lang en or zh ({type(e).__name__}: {e})") from None
+    for target, texts in sentences.items():
+        if not texts:
+            raise UsageError(f"--translate-file {path} has no sentence to translate into {target}: the "
+                             "translate scenarios send both directions")
 
 
 def check_results_dir(path: str) -> None:
@@ -249,8 +267,8 @@ def run(args: argparse.Namespace) -> int:
                                  ("--temperature", args.temperature, 0)):
             if not value >= low:
                 raise UsageError(f"{name} must be >= {low}, got {value}")
-        if args.translate_file and not Path(args.translate_file).is_file():
-            raise UsageError(f"--translate-file {args.translate_file} does not exist")
+        if args.translate_file:
+            check_translate_file(args.translate_file)
         check_results_dir(args.results_dir)
         check_answers(args.host)
     except UsageError as e:

@@ -247,3 +247,25 @@ def test_sweep_refuses_a_repeated_user_count(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(cli.UsageError, match="more than once"):  # compare_llamacpp's lists too
         cli.parse_users("16,64,16")
+
+
+def test_translate_file_must_hold_both_directions(tmp_path, capsys):
+    """The translate scenarios pick zh->en or en->zh at random; with no sentence for one direction that task
+    raised inside Locust, which recorded nothing for it: the summary showed half the load and 0% errors."""
+    free = f"http://127.0.0.1:{free_port()}"
+    one_way = tmp_path / "one.jsonl"
+    one_way.write_text('{"text": "Prices rose in May.", "source_lang": "en", "target_lang": "zh"}\n')
+    not_jsonl = tmp_path / "bad.jsonl"
+    not_jsonl.write_text("Prices rose in May.\n")
+    french = tmp_path / "fr.jsonl"
+    french.write_text('{"text": "Prices rose in May.", "source_lang": "en", "target_lang": "fr"}\n')
+    res = tmp_path / "results"
+    for path, says in ((one_way, "into en"), (not_jsonl, "not a JSONL"), (french, "not a JSONL")):
+        argv = ["--scenario", "translate", "--translate-file", str(path), "--host", free, "--results-dir", str(res)]
+        assert cli.run(_args(argv)) == 2
+        assert says in capsys.readouterr().err, path
+    assert not res.exists()
+    both = tmp_path / "both.jsonl"
+    both.write_text(one_way.read_text() + '{"text": "五月物价上涨。", "source_lang": "zh", "target_lang": "en"}\n')
+    assert cli.run(_args(["--translate-file", str(both), "--host", free, "--results-dir", str(res)])) == 2
+    assert "nothing answers" in capsys.readouterr().err  # the file passed; only the missing service stops it
