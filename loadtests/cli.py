@@ -249,9 +249,15 @@ def write_summaries(path: Path, rows: list[tuple[str, Summary]]) -> None:
 
 
 def new_results_dir(parent: str | Path, tag: str) -> Path:
-    path = Path(parent) / f"{time.strftime('%Y%m%d-%H%M%S')}-{tag}"
-    path.mkdir(parents=True, exist_ok=False)
-    return path
+    base = f"{time.strftime('%Y%m%d-%H%M%S')}-{tag}"
+    for i in range(1, 1000):  # another run may have started within the same second: never share its folder
+        path = Path(parent) / (base if i == 1 else f"{base}-{i}")
+        try:
+            path.mkdir(parents=True, exist_ok=False)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{Path(parent) / base} and 998 numbered variants exist")
 
 
 def run(args: argparse.Namespace) -> int:

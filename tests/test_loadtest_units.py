@@ -269,3 +269,13 @@ def test_translate_file_must_hold_both_directions(tmp_path, capsys):
     both.write_text(one_way.read_text() + '{"text": "五月物价上涨。", "source_lang": "zh", "target_lang": "en"}\n')
     assert cli.run(_args(["--translate-file", str(both), "--host", free, "--results-dir", str(res)])) == 2
     assert "nothing answers" in capsys.readouterr().err  # the file passed; only the missing service stops it
+
+
+def test_results_dirs_started_in_the_same_second_do_not_collide(tmp_path, monkeypatch):
+    """Two runs of one scenario started within a second (a script, two shells) named the same folder: the
+    second died with FileExistsError instead of running."""
+    monkeypatch.setattr(cli.time, "strftime", lambda fmt, *a: "20250101-120000")
+    first = cli.new_results_dir(tmp_path, "run-chat-stream")
+    second = cli.new_results_dir(tmp_path, "run-chat-stream")
+    assert first != second and first.is_dir() and second.is_dir()
+    assert second.name.startswith(first.name)
