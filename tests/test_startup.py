@@ -182,3 +182,30 @@ def test_replica_freezes_the_heap_its_models_built(tmp_path):
         asyncio.run(run())
     finally:
         gc.unfreeze()
+
+
+def test_startup_gate_keeps_ops_paths_open_under_a_route_prefix():
+    """Under a Serve route prefix the proxy keeps the full path in the scope and puts the prefix in
+    `root_path`: /readyz, /healthz and /metrics must still answer while the replica loads, and /readyz
+    must say which phase it is in (not the gate's generic 503)."""
+    import asyncio
+
+    from service.api.app import create_app
+    from service.api.backends import Backends
+
+    startup = Startup()
+    startup.set("loading the generator weights", "m", "loading weights")
+    app = create_app(Backends(), startup=startup, api_keys=[])
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, root_path="/batched")
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return [await c.get(p) for p in ("/batched/readyz", "/batched/healthz", "/batched/metrics")], \
+                await c.post("/batched/v1/generate", json={"prompt": "hi"})
+
+    (ready, health, metrics), gen = asyncio.run(main())
+    assert ready.status_code == 503 and ready.json()["phase"] == "loading the generator weights", ready.text
+    assert ready.headers["retry-after"] and ready.json()["models"] == {"m": "loading weights"}
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert metrics.status_code == 200
+    assert gen.status_code == 503 and gen.headers["retry-after"] == str(RETRY_AFTER_S)

@@ -104,7 +104,11 @@ class StartupGate:
 
     async def __call__(self, scope, receive, send):
         state = self.startup()
-        path = scope.get("path", "")
+        # the path below the mount: under a Serve route prefix the proxy keeps the prefix in "path" (and
+        # in "root_path"), so "/prefix/readyz" must match "/readyz" as Starlette's routing does
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+            path = path[len(root):] or "/"
         if (scope["type"] != "http" or state.ready or path in self.open_paths
                 or path.startswith(self.open_prefixes)):
             return await self.app(scope, receive, send)
