@@ -640,6 +640,38 @@ def test_serve_config_errors_start_nothing(tmp_path, capsys):
     assert "Serve config not found" in capsys.readouterr().err
 
 
+
+def test_stop_reaches_a_serve_still_starting_ray(home, capsys, monkeypatch):
+    """`attnserve stop` while `serve` starts Ray and deploys (tens of seconds on two cores) must find it:
+    its pid is on record from before Ray starts, and a SIGTERM then (Ray's own handler is installed by
+    ray.init) still ends it through the clean shutdown."""
+    from service import ray_local, startup
+
+    seen, calls = [], []
+
+    def start_ray(*a, **k):
+        seen.append(("start_ray", (home / "serve.pid").is_file()))
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # as ray.init does
+
+    def deploy(config, stop=None, **k):
+        seen.append(("deploy", (home / "serve.pid").is_file()))
+        os.kill(os.getpid(), signal.SIGTERM)  # `attnserve stop` meanwhile
+        assert stop is not None and stop.wait(10)
+
+    monkeypatch.setattr(ray_local, "start_ray", start_ray)
+    monkeypatch.setattr(ray_local, "deploy", deploy)
+    monkeypatch.setattr(ray_local, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(startup, "watch_startup", lambda *a, **k: False)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert main(["serve", "--port", str(free_port())]) == 0
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert seen == [("start_ray", True), ("deploy", True)]
+    assert calls == ["shutdown"] and not (home / "serve.pid").exists()
+    assert "shutting down Serve and Ray" in capsys.readouterr().out
+
 @pytest.mark.ray
 def test_serve_answers_then_stop_shuts_serve_and_ray_down(home, tmp_path, capsys):
     import psutil

@@ -55,19 +55,26 @@ def run(args) -> int:
 
     on_stop_signals()
     t0 = time.monotonic()
+    # recorded before Ray starts: `attnserve stop` must reach a serve still starting Ray or deploying
+    pid_file().parent.mkdir(parents=True, exist_ok=True)
+    pid_file().write_text(str(os.getpid()))
     print(f"[{0.0:6.1f} s] starting Ray (loopback, object store {args.object_store_mb} MB) ...", flush=True)
     try:
         ray_local.start_ray(args.num_cpus, args.object_store_mb * 2**20, log_to_driver=args.access_log)
     except (RuntimeError, ValueError, ConnectionError) as e:  # Ray's refusals (resources, an object store too small)
+        pid_file().unlink(missing_ok=True)
         raise CommandError(f"Ray did not start: {e}", 1) from e
+    except BaseException:  # a stop (ray.init's SIGTERM handler exits) or Ctrl-C while Ray starts
+        pid_file().unlink(missing_ok=True)
+        raise
     try:
+        # ray.init installs a SIGTERM handler that exits at once, and Ray's core worker one that aborts
+        # the process (`attnserve stop` ended a serving terminal with "Aborted"): take the signals back,
+        # before deploying, so that a stop meanwhile ends the wait for the deploy
+        on_stop_signals()
         print(f"[{time.monotonic() - t0:6.1f} s] deploying {args.config} ...", flush=True)
         ray_local.deploy(config, stop=stop)
-        # Ray's core worker installs its own SIGTERM handler (it logs "SIGTERM received" and aborts the
-        # process), so `attnserve stop` ended a serving terminal with "Aborted": take the signals back
-        on_stop_signals()
-        pid_file().parent.mkdir(parents=True, exist_ok=True)
-        pid_file().write_text(str(os.getpid()))
+        on_stop_signals()  # (as above, should deploying have set them again)
         base = ray_local.http_base(http["host"], http["port"]) + ray_local.attnserve_route(config)
         if watch_startup(base, stop, t0):  # False: stopped while starting
             print(f"  API      {base}/v1  (OpenAI-compatible; native /v1/generate, /v1/translate)\n"
