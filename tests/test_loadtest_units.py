@@ -279,3 +279,25 @@ def test_results_dirs_started_in_the_same_second_do_not_collide(tmp_path, monkey
     second = cli.new_results_dir(tmp_path, "run-chat-stream")
     assert first != second and first.is_dir() and second.is_dir()
     assert second.name.startswith(first.name)
+
+
+def test_overload_records_an_admitted_answer_that_is_not_json_as_wrong_not_lost():
+    """The overload harness counts every request it sends: a 200 whose body is not the expected JSON is an
+    admitted, wrong answer (it raised before, and the gather that collects the tasks dropped it)."""
+    import asyncio
+
+    import httpx
+
+    from loadtests.reliability.overload import BODY, one_request
+
+    bodies = [b"not json", b'{"usage": {}}', b'{"usage": {"completion_tokens": %d}}' % BODY["max_tokens"]]
+
+    async def main():
+        records: list = []
+        for body in bodies:
+            transport = httpx.MockTransport(lambda req, body=body: httpx.Response(200, content=body))
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:1") as c:
+                await one_request(c, records)
+        return records
+
+    assert [(r[0], r[3]) for r in asyncio.run(main())] == [(200, False), (200, False), (200, True)]

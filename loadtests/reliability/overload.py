@@ -35,11 +35,15 @@ BODY = {"prompt": "hello world", "max_tokens": 32, "ignore_eos": True, "temperat
 MAX_IN_FLIGHT = 2000  # client-side bound on outstanding requests
 
 
-async def _one(c: httpx.AsyncClient, records: list) -> None:
+async def one_request(c: httpx.AsyncClient, records: list) -> None:
+    """Send BODY once -> (status or error name, seconds, Retry-After sent, a complete answer) in `records`."""
     t0 = time.monotonic()
     try:
         r = await c.post("/v1/generate", json=BODY)
-        ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == BODY["max_tokens"]
+        try:
+            ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == BODY["max_tokens"]
+        except (ValueError, KeyError, TypeError):  # admitted but malformed: a wrong answer, not a lost record
+            ok = False
         records.append((r.status_code, time.monotonic() - t0, "retry-after" in r.headers, ok))
     except httpx.HTTPError as e:
         records.append((type(e).__name__, time.monotonic() - t0, False, False))
@@ -51,7 +55,7 @@ async def calibrate(url: str, concurrency: int, seconds: float) -> float:
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         async def worker():
             while time.monotonic() < end:
-                await _one(c, records)
+                await one_request(c, records)
         t0 = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.monotonic() - t0
@@ -75,7 +79,7 @@ async def offer(url: str, rate: float, seconds: float, rss_samples: list) -> lis
                 next_rss += 1.0
             if now >= next_at:
                 if len(tasks) < MAX_IN_FLIGHT:
-                    t = asyncio.create_task(_one(c, records))
+                    t = asyncio.create_task(one_request(c, records))
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
                 else:
@@ -107,6 +111,8 @@ async def run(url: str, args) -> dict:
     concurrency = args.max_slots + args.max_waiting
     await calibrate(url, concurrency, 3)  # warm-up
     rate = await calibrate(url, concurrency, args.calibrate_s)
+    if rate <= 0:  # nothing answered 200 while calibrating: there is no rate to offer a multiple of
+        raise RuntimeError(f"calibration over {args.calibrate_s} s completed no request")
     rss: list = []
     records = await offer(url, rate * args.factor, args.duration_s, rss)
     return summarize(rate, args.factor, args.duration_s, records, rss)
