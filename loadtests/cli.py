@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import ipaddress
+import itertools
 import math
 import os
 import re
@@ -250,14 +251,13 @@ def write_summaries(path: Path, rows: list[tuple[str, Summary]]) -> None:
 
 def new_results_dir(parent: str | Path, tag: str) -> Path:
     base = f"{time.strftime('%Y%m%d-%H%M%S')}-{tag}"
-    for i in range(1, 1000):  # another run may have started within the same second: never share its folder
+    for i in itertools.count(1):  # another run may have started within the same second: never share its folder
         path = Path(parent) / (base if i == 1 else f"{base}-{i}")
         try:
             path.mkdir(parents=True, exist_ok=False)
             return path
         except FileExistsError:
             continue
-    raise FileExistsError(f"{Path(parent) / base} and 998 numbered variants exist")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -61,11 +61,10 @@ def run(args) -> int:
     print(f"[{0.0:6.1f} s] starting Ray (loopback, object store {args.object_store_mb} MB) ...", flush=True)
     try:
         ray_local.start_ray(args.num_cpus, args.object_store_mb * 2**20, log_to_driver=args.access_log)
-    except (RuntimeError, ValueError, ConnectionError) as e:  # Ray's refusals (resources, an object store too small)
+    except BaseException as e:  # also a stop (ray.init's SIGTERM handler exits) or Ctrl-C while Ray starts
         pid_file().unlink(missing_ok=True)
-        raise CommandError(f"Ray did not start: {e}", 1) from e
-    except BaseException:  # a stop (ray.init's SIGTERM handler exits) or Ctrl-C while Ray starts
-        pid_file().unlink(missing_ok=True)
+        if isinstance(e, (RuntimeError, ValueError, ConnectionError)):  # Ray's refusals (resources, object store)
+            raise CommandError(f"Ray did not start: {e}", 1) from e
         raise
     try:
         # ray.init installs a SIGTERM handler that exits at once, and Ray's core worker one that aborts
