@@ -34,14 +34,16 @@ _LATIN_WORD = re.compile(r"[A-Za-z]+")
 class DecodingOptionError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
-        self.field = field
+        self.field = field  # as the caller named it
 
 
-def check_decoding_options(**options: float) -> None:
-    """Raise DecodingOptionError naming the first option outside DECODING_LIMITS."""
-    for name, value in options.items():
-        lo, hi = DECODING_LIMITS[name]
+def check_decoding_options(names: dict[str, str], **options: float) -> None:
+    """Raise DecodingOptionError naming the first option outside DECODING_LIMITS as `names` maps it (an option
+    missing from `names` keeps its own name)."""
+    for option, value in options.items():
+        lo, hi = DECODING_LIMITS[option]
         if not lo <= value <= hi:
+            name = names.get(option, option)
             raise DecodingOptionError(name, f"{name} must be in [{lo}, {hi}], got {value}")
 
 

@@ -397,7 +397,7 @@ def test_translate_reads_stdin_and_refuses_nothing_or_a_missing_model(capsys, re
     assert main(["translate", "caf\udce9"]) == 2  # an argument's bytes that were not UTF-8
     assert "text[0] is not UTF-8 text" in capsys.readouterr().err
     assert main(["translate", "--no-repeat-ngram", "20", "hello"]) == 2
-    assert "--no-repeat-ngram: no_repeat_ngram must be in [0, 16], got 20" in capsys.readouterr().err
+    assert "--no-repeat-ngram must be in [0, 16], got 20" in capsys.readouterr().err
     assert main(["translate", "--model", str(tmp_path / "none"), "hello"]) == 2
     assert "attnserve translate:" in capsys.readouterr().err
     assert main(["translate", "hello", "   "]) == 2  # as /v1/translate: 400 naming the empty text
@@ -408,11 +408,13 @@ def test_translate_reads_stdin_and_refuses_nothing_or_a_missing_model(capsys, re
 def test_translate_refusals_name_the_flag_not_the_request_field(capsys, restore_torch):
     """Bounds the translator checks (slots, positions, a direction) are refused naming the flag given, as
     --no-repeat-ngram's are, not /v1/translate's field (beam_size, max_length, target_lang)."""
-    for argv, flag in ((["--beam", "0"], "--beam"), (["--beam", "33"], "--beam"),
-                       (["--max-length", "0"], "--max-length"), (["--from", "en", "--to", "en"], "--to")):
+    for argv, message in ((["--beam", "0"], "--beam must be in [1, "), (["--beam", "33"], "--beam must be in [1, "),
+                          (["--max-length", "0"], "--max-length must be in [1, "),
+                          (["--from", "en", "--to", "en"], "--to must differ from --from")):
         assert main(["translate", *argv, "hello"]) == 2, argv
         err = capsys.readouterr().err
-        assert err.startswith(f"attnserve translate: {flag}: ") and err.count("\n") == 1, err
+        assert err.startswith(f"attnserve translate: {message}") and err.count("\n") == 1, err
+        assert "beam_size" not in err and "max_length" not in err and "_lang" not in err, err
 
 
 def test_translate_stdin_that_is_not_utf8_is_refused_naming_where(monkeypatch, capsys):
@@ -436,6 +438,7 @@ def test_translate_passes_every_decoding_option_to_the_request(monkeypatch, caps
 
     def spy(translator, texts, progress, **request):  # progress: the command's bar, not a request field
         progress(len(texts))
+        assert request.pop("field_names")["beam_size"] == "--beam"  # refusals name the flags
         seen.append(request)
         return mock.Mock(translations=[f"<{t}>" for t in texts])
 
@@ -454,7 +457,7 @@ def test_translate_passes_every_decoding_option_to_the_request(monkeypatch, caps
     seen.clear()
     for flag, value in (("--length-penalty", "2.5"), ("--min-length-ratio", "-0.1")):
         assert main(["translate", "--model", "x", flag, value, "hello"]) == 2
-        assert f"{flag}: " in capsys.readouterr().err
+        assert f"attnserve translate: {flag} must be in " in capsys.readouterr().err
     assert seen == []
 
 

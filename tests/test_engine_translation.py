@@ -187,6 +187,15 @@ def test_overload_and_rejections():
             with pytest.raises(RequestRejected, match=option) as e:
                 await translate(engine, TranslateRequest(["a"], **{option: value}))
             assert e.value.param == option
+        # the client's names of the fields, where they differ from ours, are the ones its rejections give
+        names = {"beam_size": "--beam", "length_penalty": "--alpha", "source_lang": "--from", "target_lang": "--to"}
+        for fields, message in (({"beam_size": 99}, "--beam must be in [1, "),
+                                ({"length_penalty": 2.5}, "--alpha must be in [0.0, 2.0], got 2.5"),
+                                ({"target_lang": "fr"}, "--to must be one of ['en', 'zh'], got 'fr'"),
+                                ({"source_lang": "en", "target_lang": "en"}, "--to must differ from --from")):
+            with pytest.raises(RequestRejected) as e:
+                await translate(engine, TranslateRequest(["a"], field_names=names, **fields))
+            assert str(e.value).startswith(message) and e.value.param == message.split()[0], str(e.value)
         # a request arriving while the queue has room is queued whole, however many sentences it has: more
         # than the free slots + max_waiting is no reason to refuse it (the CLI sends the same texts one by one)
         first = asyncio.create_task(translate(engine, TranslateRequest(["the cat"] * 9, target_lang="zh",

@@ -17,7 +17,7 @@ def check_decoding_flags(**options) -> dict:
 
     given = {k: v for k, v in options.items() if v is not None}
     try:
-        check_decoding_options(**given)
+        check_decoding_options({k: f"--{k.replace('_', '-')}" for k in given}, **given)
     except DecodingOptionError as e:
-        raise CommandError(f"--{e.field.replace('_', '-')}: {e}") from None
+        raise CommandError(str(e)) from None
     return given

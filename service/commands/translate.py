@@ -12,8 +12,10 @@ from model.progress import progress
 from model.translation import DEFAULT_BEAM_SIZE, DEFAULT_NO_REPEAT_NGRAM
 from service.commands import CommandError, check_decoding_flags
 
-# the request's fields (RequestRejected.param) as this command's flags
-_FLAGS = {"beam_size": "--beam", "max_length": "--max-length", "source_lang": "--from", "target_lang": "--to"}
+# the request's fields as this command's flags: the translator's refusals name the flag
+_FLAGS = {"beam_size": "--beam", "max_length": "--max-length", "source_lang": "--from", "target_lang": "--to",
+         "length_penalty": "--length-penalty", "no_repeat_ngram": "--no-repeat-ngram",
+         "min_length_ratio": "--min-length-ratio"}
 
 
 def add_arguments(p):
@@ -64,11 +66,9 @@ def run(args) -> int:
         # a file on stdin can take minutes: the texts done on stderr (stdout keeps the translations)
         with progress(desc="translate", total=len(texts), unit="text", disable=len(texts) < 2) as bar:
             result = local.translate(translator, texts, target_lang=args.to, source_lang=args.source,
-                                     beam_size=args.beam, progress=lambda n: bar.update(n - bar.n), **options)
-    except RequestRejected as e:  # bounds only the translator knows: name the flag, as check_decoding_flags does
-        flag = _FLAGS.get(e.param)
-        raise CommandError(f"{flag}: {e}" if flag else str(e)) from e
-    except (ModelUnavailable, OSError, ValueError) as e:
+                                     beam_size=args.beam, progress=lambda n: bar.update(n - bar.n),
+                                     field_names=_FLAGS, **options)
+    except (RequestRejected, ModelUnavailable, OSError, ValueError) as e:
         raise CommandError(str(e)) from e
     outputs = iter(result.translations)
     for t in lines:

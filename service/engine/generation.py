@@ -19,6 +19,7 @@ sampling and it stops when the JSON is complete (service/engine/structured.py); 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import weakref
 from collections.abc import AsyncIterator
@@ -48,6 +49,7 @@ from service.engine.types import (
     GenerationEvent,
     RequestRejected,
     TokenLogprob,
+    rejection,
 )
 
 
@@ -109,10 +111,7 @@ class GenerationEngine(EngineLoop):
         can run here, its prompt and output within the context."""
         p, n = req.params, len(req.prompt_ids)
 
-        def reject(field: str, message: str) -> RequestRejected:
-            name = req.field_names.get(field, field)
-            return RequestRejected(message.replace("{}", name), name)
-
+        reject = functools.partial(rejection, req.field_names)
         if n == 0:
             raise reject("prompt_ids", "{} is empty")
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= self.vocab_size:

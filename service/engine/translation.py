@@ -12,6 +12,7 @@ their slots) and runs ONE decoder forward over every running hypothesis; each se
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -28,7 +29,7 @@ from service.engine.scheduler import Expiry
 from service.engine.seq2seq_runner import Seq2SeqRunner
 from service.engine.slot_table import Move
 from service.engine.stats import MetricsSink
-from service.engine.types import EngineError, RequestRejected, SourceBatch
+from service.engine.types import EngineError, RequestRejected, SourceBatch, rejection
 
 
 @dataclass(eq=False)
@@ -108,21 +109,21 @@ class TranslationEngine(EngineLoop):
 
     # --- submit ------------------------------------------------------------------------------
     def _sentences(self, batch: SourceBatch, request: _Request) -> list[_Sentence]:
+        reject = functools.partial(rejection, batch.field_names)
         if not 1 <= batch.beam_size <= self.max_beam_size:
-            raise RequestRejected(f"beam_size must be in [1, {self.max_beam_size}], got {batch.beam_size}",
-                                  "beam_size")
+            raise reject("beam_size", f"{{}} must be in [1, {self.max_beam_size}], got {batch.beam_size}")
         try:
-            check_decoding_options(length_penalty=batch.length_penalty, no_repeat_ngram=batch.no_repeat_ngram,
-                                   min_length_ratio=batch.min_length_ratio)
+            check_decoding_options(batch.field_names, length_penalty=batch.length_penalty,
+                                   no_repeat_ngram=batch.no_repeat_ngram, min_length_ratio=batch.min_length_ratio)
         except DecodingOptionError as e:
             raise RequestRejected(str(e), e.field) from None
         if batch.max_length is not None and not 1 <= batch.max_length <= self.max_length:
-            raise RequestRejected(f"max_length must be in [1, {self.max_length}], got {batch.max_length}", "max_length")
+            raise reject("max_length", f"{{}} must be in [1, {self.max_length}], got {batch.max_length}")
         out = []
         for i, src in enumerate(batch.sources):
             if not 2 <= len(src) <= self.max_source_len:
-                raise RequestRejected(f"source {i} has {len(src)} tokens; the translator takes 2 to "
-                                      f"{self.max_source_len} (tag and end token included)", "text")
+                raise reject("text", f"source {i} has {len(src)} tokens; the translator takes 2 to "
+                                     f"{self.max_source_len} (tag and end token included)")
             limit = batch.max_length or max_len_for(len(src), 1.5, 10, self.max_length)
             beam = BeamState(src, batch.beam_size, limit, self.cfg.bos_id, self.cfg.eos_id, self.cfg.pad_id,
                              alpha=batch.length_penalty, no_repeat_ngram=batch.no_repeat_ngram,

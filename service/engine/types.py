@@ -42,6 +42,13 @@ class RequestRejected(EngineError):
         self.param = param
 
 
+def rejection(names: dict[str, str], field: str, message: str) -> RequestRejected:
+    """RequestRejected naming `field` as the client named it (`names`: ours -> the client's, where they
+    differ); "{}" in `message` stands for that name."""
+    name = names.get(field, field)
+    return RequestRejected(message.replace("{}", name), name)
+
+
 class EngineStopped(EngineError):
     """The engine is shutting down: HTTP 503."""
 
@@ -92,6 +99,9 @@ class TranslationSettings:
     min_length_ratio: float = DEFAULT_MIN_LENGTH_RATIO  # no EOS before this x the source's pieces
     max_length: int | None = None  # target tokens per sentence; None = relative to the source
     deadline_s: float | None = None
+    # the client's names of these fields and of the request's, where they differ ("beam_size" -> "--beam"):
+    # rejections name the field the client sent
+    field_names: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

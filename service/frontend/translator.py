@@ -4,6 +4,7 @@ and `attnserve eval translate` alike (the steps: docs/architecture.md, "How a re
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from model.translation import (
     TAGS,
@@ -17,12 +18,12 @@ from model.translation import (
 )
 from service.engine.translation import TranslationEngine
 from service.engine.types import (
-    RequestRejected,
     SourceBatch,
     TranslateRequest,
     TranslationResult,
     TranslationSettings,
     Usage,
+    rejection,
 )
 
 
@@ -53,13 +54,14 @@ class TranslationFrontend:
         """Translate every text of the request (RequestRejected / EngineOverloaded / EngineStopped are
         raised before any work; TimeoutError past the deadline). Cancelling the awaiting task frees the
         request's slots."""
+        reject = functools.partial(rejection, req.field_names)
         if not req.texts:
-            raise RequestRejected("texts is empty", "text")
-        for name in ("source_lang", "target_lang"):
-            if getattr(req, name) not in (None, *TAGS):
-                raise RequestRejected(f"{name} must be one of {sorted(TAGS)}, got {getattr(req, name)!r}", name)
+            raise reject("text", "texts is empty")
+        for field in ("source_lang", "target_lang"):
+            if getattr(req, field) not in (None, *TAGS):
+                raise reject(field, f"{{}} must be one of {sorted(TAGS)}, got {getattr(req, field)!r}")
         if req.source_lang is not None and req.source_lang == req.target_lang:
-            raise RequestRejected("target_lang must differ from source_lang", "target_lang")
+            raise reject("target_lang", f"{{}} must differ from {req.field_names.get('source_lang', 'source_lang')}")
         max_src = self.engine.max_source_len
         sources: list[list[int]] = []
         # per text, per line, per sentence: its index in `sources`, or the text it passes through as
@@ -83,15 +85,15 @@ class TranslationFrontend:
                         continue
                     src = encode_source(self.tokenizer, sentence, tgt)
                     if len(src) > max_src:
-                        raise RequestRejected(f"text {i} has a sentence of {len(src) - 2} tokens; the translator "
-                                              f"takes at most {max_src - 2} tokens per sentence", "text")
+                        raise reject("text", f"text {i} has a sentence of {len(src) - 2} tokens; the translator "
+                                             f"takes at most {max_src - 2} tokens per sentence")
                     items.append(len(sources))
                     sources.append(src)
                 plan.append(items)
             plans.append(plan)
         if req.max_sentences is not None and len(sources) > req.max_sentences:
-            raise RequestRejected(f"the texts hold {len(sources)} sentences to translate; the limit is "
-                                  f"{req.max_sentences} per request", "text")
+            raise reject("text", f"the texts hold {len(sources)} sentences to translate; the limit is "
+                                 f"{req.max_sentences} per request")
         settings = {f.name: getattr(req, f.name) for f in dataclasses.fields(TranslationSettings)}
         outputs = await self.engine.run(SourceBatch(sources, **settings))
         usage = Usage(prompt_tokens=sum(map(len, sources)), completion_tokens=sum(map(len, outputs)))
