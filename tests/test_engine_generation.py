@@ -641,6 +641,44 @@ def test_a_step_raising_stopiteration_fails_its_requests_not_the_engine():
     assert len(ids) == 40
 
 
+def test_a_step_failing_before_its_slot_copies_leaves_no_request_on_copies_never_made():
+    """A step fails before its slot copies ran (here a hook raising as it starts): a request whose slot was to
+    receive K/V in that step (a reused prefix, while another prompt took the prefill budget) must not go on
+    over the slot as if the copy had been made. It fails with the step, or answers as it does alone; no
+    slot leaks and the next request is served."""
+    rng = random.Random(3)
+    old = GenerateRequest(prompt_ids=prompt(rng, 60), params=SamplingParams(max_new_tokens=3, ignore_eos=True))
+    shares = GenerateRequest(prompt_ids=old.prompt_ids[:8] + prompt(rng, 12),
+                             params=SamplingParams(max_new_tokens=10, ignore_eos=True))
+    seen = {}
+
+    class FailOnReuse(StepHooks):
+        def step_started(self, plan):
+            if plan.reuse and not seen:
+                seen["starved"] = all(s.prompt != shares.prompt_ids for s, _ in plan.prefill)
+                raise RuntimeError("kernel fault")
+
+    async def main(engine):
+        engine.hooks = FailOnReuse()
+        first = asyncio.create_task(collect(engine, old))
+        while engine.steps < 1:
+            await asyncio.sleep(0.0005)
+        try:
+            got = (await asyncio.wait_for(collect(engine, shares), 60))[1]
+        except EngineError:
+            got = "failed"
+        with pytest.raises(EngineError):
+            await first
+        after = (await asyncio.wait_for(collect(engine, shares), 60))[1]
+        return got, after, engine.stats()
+
+    alone = run(lambda e: collect(e, shares), prefill_chunk=8, prefill_budget=8)[1]
+    got, after, stats = run(main, prefill_chunk=8, prefill_budget=8)
+    assert seen == {"starved": True}  # the case: the reusing prompt got no budget in the failed step
+    assert got in ("failed", alone) and after == alone
+    assert stats.slots_used == 0 and stats.running == 0
+
+
 def test_start_and_stop_while_starting_wait_for_the_start():
     """A second start during the first one's preparation prepares nothing again and runs no second schedule;
     a stop during a start waits for it, then stops (no engine left running, no worker thread left)."""

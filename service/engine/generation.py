@@ -59,6 +59,7 @@ class _Step:
     decode: list[Sequence]  # sorted by slot
     moves: list[Move] = field(default_factory=list)  # compaction copies, applied first
     reuse: list[Move] = field(default_factory=list)  # cached prompt prefixes copied to new sequences, next
+    copied: bool = False  # set by the worker once both kinds of copy are done
 
 
 # A decode step borrows threads only this small (one or two streams): there a second core halves the time
@@ -266,6 +267,7 @@ class GenerationEngine(EngineLoop):
         with hooks.phase("slot copies"):
             self.scheduler.table.copy(step.moves)
             self.scheduler.table.copy(step.reuse)  # reads slots the compaction copies may have filled
+        step.copied = True
         rows: list[Sequence] = []  # sampled this step, in the order of `logits`
         scored: list[Sequence] = []  # prompts scored without generating (max_new_tokens 0)
         logits = []
@@ -403,8 +405,14 @@ class GenerationEngine(EngineLoop):
         self.scheduler.drop_released()
 
     def _fail_plan(self, step: _Step, error: Exception) -> None:
-        """Fail every request the step touched, all its choices (those waiting for a fork too)."""
-        for seq in [s for s, _ in step.prefill] + step.decode:
+        """Fail every request the step touched, all its choices (those waiting for a fork too), and, when it
+        failed before its copies were done, those whose slots the copies were to fill: their slots lack K/V
+        their `n_cached` counts."""
+        touched = [s for s, _ in step.prefill] + step.decode
+        if not step.copied:
+            dst = {d for _, d, _ in step.moves + step.reuse}
+            touched += [s for s in self.scheduler.running if s.slot in dst]
+        for seq in touched:
             for s in seq.group:
                 if s.finish_reason is None:
                     s.error = EngineError(f"engine {self.name} step failed: {type(error).__name__}: {error}")
