@@ -703,6 +703,33 @@ def test_start_and_stop_while_starting_wait_for_the_start():
     assert asyncio.run(main()) == (False, None) and len(warm_ups) == 2
 
 
+def test_a_start_while_a_stop_is_in_progress_waits_for_it_then_starts():
+    """start() called while stop() waits for the step in flight: once the stop is done the engine runs again
+    (one schedule, serving requests), not a stopped engine whose start returned as if it had started."""
+    engine = make_engine()
+    req = GenerateRequest(prompt_ids=TARGET.prompt_ids, params=SamplingParams(max_new_tokens=3, ignore_eos=True))
+
+    async def main():
+        await engine.start()
+        stream = engine.submit(TARGET)
+        await stream.__anext__()
+        stopping = asyncio.create_task(engine.stop())
+        await asyncio.sleep(0)  # the stop now waits for the schedule to end
+        assert not stopping.done()
+        await engine.start()
+        await stopping
+        with pytest.raises(EngineStopped):  # the request before the stop was failed by it
+            async for _ in stream:
+                pass
+        started = engine.started
+        _, ids, _ = await asyncio.wait_for(collect(engine, req), 30)
+        tasks = [t for t in asyncio.all_tasks() if t.get_name() == f"engine-{engine.name}"]
+        await engine.stop()
+        return started, len(ids), len(tasks)
+
+    assert asyncio.run(main()) == (True, 3, 1)
+
+
 def test_a_start_waiting_for_a_start_that_failed_fails_too():
     import time
 

@@ -43,6 +43,7 @@ class EngineLoop:
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop the engine serves on (set by start)
         self._wakeup: asyncio.Event | None = None
         self._starting: asyncio.Future | None = None  # set while start() prepares (compiles, warms up)
+        self._stopped: asyncio.Future | None = None  # set while stop() runs
         self._stopping = False
         self.steps = 0
         self.last_batch_size = 0
@@ -54,7 +55,10 @@ class EngineLoop:
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         """Prepare (compile, warm up) on the worker thread, then run the schedule. A second call while the
-        first prepares waits for it; `stop` meanwhile waits for it, then stops."""
+        first prepares waits for it; `stop` meanwhile waits for it, then stops. A call while a stop is in
+        progress starts again once the stop is done."""
+        if self._stopped is not None:
+            await asyncio.shield(self._stopped)
         if self._starting is not None:
             await asyncio.shield(self._starting)
             if self._task is None:
@@ -84,21 +88,29 @@ class EngineLoop:
 
     async def stop(self) -> None:
         """Finish the step in flight, then fail everything pending with EngineStopped."""
-        if self._starting is not None:
-            await asyncio.shield(self._starting)
-        if self._task is None:
+        if self._stopped is not None:
+            await asyncio.shield(self._stopped)
             return
-        self._stopping = True
-        self._wake()
+        self._stopped = asyncio.get_running_loop().create_future()
         try:
-            await self._task
+            if self._starting is not None:
+                await asyncio.shield(self._starting)
+            if self._task is None:
+                return
+            self._stopping = True
+            self._wake()
+            try:
+                await self._task
+            finally:
+                self.busy.set(False)
+                self._task = None
+                self._fail_all(EngineStopped(f"engine {self.name} stopped"))
+                if self._pool is not None:
+                    self._pool.shutdown(wait=True)
+                    self._pool = None
         finally:
-            self.busy.set(False)
-            self._task = None
-            self._fail_all(EngineStopped(f"engine {self.name} stopped"))
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+            self._stopped.set_result(None)
+            self._stopped = None
 
     @property
     def compiled(self) -> Any:
