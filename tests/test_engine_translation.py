@@ -352,3 +352,36 @@ def test_a_failed_step_fails_its_requests_with_an_engine_error_counted_once():
 
     ok, reasons = run(main)
     assert len(ok.translations) == 1 and reasons == ["error", "stop"]
+
+
+def test_every_request_is_counted_once_with_how_it_ended():
+    """Finished requests by reason, as vLLM counts them: a translation that completes, one past its deadline and
+    one whose client went away each count once, with their reason, in the sink and the engine's stats."""
+    from service.engine.stats import MetricsSink
+
+    class Sink(MetricsSink):
+        def __init__(self):
+            self.reasons = []
+
+        def on_finish(self, model, finish_reason, prompt_tokens, generation_tokens, e2e_s):
+            self.reasons.append(finish_reason)
+
+    async def main(engine):
+        engine.sink = Sink()
+        await translate(engine, TranslateRequest(TEXTS[:1], target_lang="zh"))
+        with pytest.raises(TimeoutError):
+            await translate(engine, TranslateRequest(TEXTS[:2], target_lang="zh", deadline_s=0.0))
+        task = asyncio.create_task(translate(engine, TranslateRequest(TEXTS * 3, target_lang="zh", beam_size=2)))
+        while engine.stats().slots_used == 0:
+            await asyncio.sleep(0.0005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if engine.stats().slots_used == 0 and engine.stats().waiting == 0:
+                break
+            await asyncio.sleep(0.005)
+        return engine.sink.reasons, engine.stats().requests_finished
+
+    reasons, finished = run(main)
+    assert reasons == ["stop", "timeout", "cancelled"] and finished == 3

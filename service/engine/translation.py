@@ -43,6 +43,7 @@ class _Request:
     completion_tokens: int = 0
     left: int = 0  # sentences not finished
     cancelled: bool = False
+    ended: bool = False  # counted as finished (`_end`)
 
 
 @dataclass(eq=False)
@@ -161,6 +162,8 @@ class TranslationEngine(EngineLoop):
             if why == "timeout":
                 limit = self._limit_s(request.batch.deadline_s)
                 self._end(request, "timeout", error=TimeoutError(f"translation exceeded its deadline of {limit} s"))
+            else:  # its client went away (its future cancelled), or another sentence of it failed (counted then)
+                self._end(request, "cancelled")
         sched.admit()
         if not sched.running:
             return None
@@ -215,14 +218,17 @@ class TranslationEngine(EngineLoop):
         self.scheduler.drop_released()
 
     def _end(self, request: _Request, reason: str, result: list | None = None, error: Exception | None = None):
-        """Settle a request's future (once) and count it as finished for `reason`."""
-        if request.future.done():
+        """Settle a request's future (unless its client cancelled it) and count it, once, as finished for
+        `reason`."""
+        if request.ended:
             return
-        if error is None:
-            request.future.set_result(result)
-            self.requests_finished += 1
-        else:
-            request.future.set_exception(error)
+        request.ended = True
+        if not request.future.done():
+            if error is None:
+                request.future.set_result(result)
+            else:
+                request.future.set_exception(error)
+        self.requests_finished += 1
         self.sink.on_finish(self.name, reason, request.prompt_tokens, request.completion_tokens,
                             time.monotonic() - request.t_submit)
 
