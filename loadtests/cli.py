@@ -33,6 +33,7 @@ from service.config import GENERATOR_ID
 REPO = Path(__file__).resolve().parent.parent
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 DEFAULT_HOST = "http://127.0.0.1:8000"
+LOCUST_STOP_S = 30.0  # for Locust to write its report after SIGTERM
 
 
 class UsageError(ValueError):
@@ -229,8 +230,7 @@ def run_once(args: argparse.Namespace, users: int, duration_s: float, out: Path,
                         tick()
         finally:
             if proc.poll() is None:  # timed out or interrupted: Locust must not outlive us
-                proc.kill()
-                proc.wait()
+                stop_locust(proc)
     records = read_records(out / "requests.jsonl")
     if not records:
         tail = (out / "locust.log").read_text(errors="replace")[-1500:]
@@ -238,6 +238,33 @@ def run_once(args: argparse.Namespace, users: int, duration_s: float, out: Path,
     summary = summarize(records, scenario=args.scenario, users=users)
     write_summaries(out / "summary.csv", [(args.label, summary)])
     return summary
+
+
+def stop_locust(proc: subprocess.Popen) -> None:
+    """SIGTERM first, so Locust writes its CSVs and report; killed if it does not stop in time."""
+    try:
+        proc.terminate()
+        proc.wait(timeout=LOCUST_STOP_S)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:  # also when a second Ctrl-C cuts the wait short
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def report_interrupted(args: argparse.Namespace, rows: list[tuple[str, Summary]], users: int, out: Path) -> int:
+    """Ctrl-C during the run at `users`: the table of what was measured, that run's part included -> 130."""
+    records = read_records(out / "requests.jsonl")
+    if records:
+        rows = [*rows, (args.label, summarize(records, scenario=args.scenario, users=users))]
+    if not rows:
+        print("attnserve loadtest: interrupted before any request finished; nothing was measured", file=sys.stderr)
+        return 130
+    print(format_table(rows))
+    cut = f"the users={users} row covers only the part that ran" if records else f"users={users} measured nothing"
+    print(f"attnserve loadtest: interrupted; {cut} (results: {out})", file=sys.stderr)
+    return 130
 
 
 def write_summaries(path: Path, rows: list[tuple[str, Summary]]) -> None:
@@ -284,12 +311,16 @@ def run(args: argparse.Namespace) -> int:
     shape = f"open loop {args.rate}/s" if args.rate > 0 else "closed loop"
     print(f"{args.scenario} against {args.host}, {shape}, {args.duration} per run -> {out}", file=sys.stderr)
     rows: list[tuple[str, Summary]] = []
+    interrupted_at = None
     with progress(desc=f"loadtest {args.mode}", total=len(users), unit="point") as bar:
         for u in users:
             sub = out if args.mode == "run" else out / f"users-{u}"
             bar.set_postfix({"users": u})
             try:
                 rows.append((args.label, run_once(args, u, duration_s, sub, tick=bar.refresh)))
+            except KeyboardInterrupt:  # Locust is stopped (run_once); reported once the bar is closed
+                interrupted_at = u
+                break
             except ValueError as e:
                 write_line(f"attnserve loadtest: {e}", file=sys.stderr)
                 return 1
@@ -298,6 +329,8 @@ def run(args: argparse.Namespace) -> int:
                            f"{duration_s:.0f} s run (see {sub / 'locust.log'})", file=sys.stderr)
                 return 1
             bar.update(1)
+    if interrupted_at is not None:
+        return report_interrupted(args, rows, interrupted_at, sub)
     print(format_table(rows))
     if args.mode == "sweep":
         from loadtests.plots import plot_sweep

@@ -301,3 +301,72 @@ def test_overload_records_an_admitted_answer_that_is_not_json_as_wrong_not_lost(
         return records
 
     assert [(r[0], r[3]) for r in asyncio.run(main())] == [(200, False), (200, False), (200, True)]
+
+
+def _fake_locust(monkeypatch, runs):
+    """Popen stand-in for Locust, one (requests it records, Ctrl-C lands while the CLI waits, it ignores
+    SIGTERM) per run; returns the processes started."""
+    import subprocess
+    from pathlib import Path
+
+    procs, plans = [], iter(runs)
+
+    class Locust:
+        def __init__(self, cmd, **kw):
+            n, self.ctrl_c, self.ignores_term = next(plans)
+            w = RecordWriter(Path(cmd[cmd.index("--records-file") + 1]))
+            for i in range(n):
+                w.write(_rec(i, i + 0.5, tokens=10))
+            w.close()
+            self.returncode, self.signals = None, []
+            procs.append(self)
+
+        def poll(self):
+            return self.returncode
+
+        def wait(self, timeout=None):
+            if self.returncode is None:
+                if not self.signals:
+                    if self.ctrl_c:
+                        raise KeyboardInterrupt
+                    self.returncode = 0  # its run ended
+                elif self.signals[-1] == "terminate" and self.ignores_term:
+                    raise subprocess.TimeoutExpired("locust", timeout)
+                else:
+                    self.returncode = -15 if self.signals[-1] == "terminate" else -9
+            return self.returncode
+
+        def terminate(self):
+            self.signals.append("terminate")
+
+        def kill(self):
+            self.signals.append("kill")
+
+    monkeypatch.setattr(cli.subprocess, "Popen", Locust)
+    monkeypatch.setattr(cli, "check_answers", lambda url: None)
+    return procs
+
+
+def _interrupted_run(argv):
+    try:
+        return cli.run(_args(argv))
+    except KeyboardInterrupt:  # as a failure, not the end of the test session
+        pytest.fail("Ctrl-C escaped `attnserve loadtest`")
+
+
+def test_ctrl_c_stops_locust_and_reports_what_was_measured(tmp_path, monkeypatch, capsys):
+    """Ctrl-C mid-sweep: Locust is asked to stop (SIGTERM: it writes its report), killed only if it lingers;
+    the table shows the points measured, the cut one included, and the exit status is the shell's for SIGINT."""
+    procs = _fake_locust(monkeypatch, [(4, False, False), (2, True, False)])
+    argv = ["sweep", "--users", "1,4,16", "--duration", "1s", "--results-dir", str(tmp_path)]
+    assert _interrupted_run(argv) == 130
+    out, err = capsys.readouterr()
+    assert [line.split()[1] for line in out.splitlines()[2:]] == ["1", "4"]  # the users column
+    assert "interrupted" in err and "users=4" in err and "Traceback" not in err
+    assert [p.signals for p in procs] == [[], ["terminate"]]  # 16 users never started
+
+    procs = _fake_locust(monkeypatch, [(0, True, True)])  # nothing recorded, and Locust ignores SIGTERM
+    assert _interrupted_run(["--duration", "1s", "--results-dir", str(tmp_path)]) == 130
+    out, err = capsys.readouterr()
+    assert out == "" and "nothing was measured" in err
+    assert procs[0].signals == ["terminate", "kill"] and procs[0].poll() is not None
