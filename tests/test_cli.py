@@ -530,6 +530,37 @@ def test_train_translate_runs_resumes_exports_and_the_export_translates(home, tm
     assert len(capsys.readouterr().out.splitlines()) == 1
 
 
+@pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_an_interrupted_training_run_saves_its_state_and_exits_non_zero_saying_how_to_resume(
+        home, tmp_path, capsys, restore_torch, monkeypatch, signame, code):
+    """Ctrl-C or a stop (nohup, a job's SIGTERM) ends the run at the end of a step, its state saved; the exit
+    status tells a supervisor the run was cut short, not finished."""
+    import signal
+
+    from model.training import train_translate as tt
+
+    _corpus(home / "data" / "translate")
+    lr = tt.scheduled_lr
+
+    def lr_then_signal(step, *args):
+        if step == 3:
+            signal.raise_signal(getattr(signal, signame))
+        return lr(step, *args)
+
+    monkeypatch.setattr(tt, "scheduled_lr", lr_then_signal)
+    run = tmp_path / "run"
+    cmd = ["train", "translate", "--config", _recipe(tmp_path / "tiny.json", 10), "--run-dir", str(run),
+           "--threads", "1"]
+    assert main(cmd) == code
+    assert json.loads((run / "state.json").read_text())["step"] == 3
+    err = capsys.readouterr().err
+    assert signame in err and f"--run-dir {run} --resume" in err
+    assert not (run / "export").exists()  # a cut run is not exported
+    monkeypatch.setattr(tt, "scheduled_lr", lr)
+    assert main([*cmd, "--resume"]) == 0
+    assert json.loads((run / "state.json").read_text())["step"] == 10
+
+
 def test_train_translate_without_data_says_how_to_get_it(home, tmp_path, capsys, restore_torch):
     rc = main(["train", "translate", "--config", _recipe(tmp_path / "tiny.json", 5), "--run-dir",
                str(tmp_path / "run"), "--export-to", str(tmp_path / "export")])

@@ -2,7 +2,8 @@
 
 As in "Attention Is All You Need": Adam(0.9, 0.98, 1e-9), inverse-sqrt warm-up, label smoothing,
 dropout, batches by token count. Resumable: model, optimizer, RNG and data position are saved (as
-safetensors + JSON, never pickle) every few minutes and on SIGTERM; `--resume` continues from there.
+safetensors + JSON, never pickle) every few minutes and on SIGTERM or SIGINT, which then raise
+`Interrupted` (the command exits 143 or 130); `--resume` continues from there.
 Logs JSON lines (loss, tokens/s, lr, dev BLEU) to `<run>/train.log`. At the end the last snapshots
 are averaged and exported as a checkpoint folder (`<run>/export` unless `export_to` names another).
 """
@@ -32,6 +33,14 @@ from model.training.run_clock import RunClock
 from model.translation import LANGS, TAGS, encode_source, other
 
 NO_STEP_LIMIT = 10**9  # max_steps by default: the hour limit ends the run
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM stopped a run before its limit, its state saved (raised once the run's work is done)."""
+
+    def __init__(self, signum: int, step: int, run: Path):
+        super().__init__(f"{signal.Signals(signum).name} stopped the run at step {step}; its state is saved")
+        self.signum, self.step, self.run = signum, step, run
 
 
 @dataclass
@@ -411,9 +420,10 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     log(event="start", params=n_params, examples=len(examples), config=dataclasses.asdict(cfg))
 
     loss_of = compiled_loss(log) if cfg.compile_loss else token_loss
-    stop = {"flag": False}
+    stop = {"flag": False, "signum": None}
     # while the run lasts, either signal stops it at the end of a step (state saved); the caller's handlers after
-    previous = {s: signal.signal(s, lambda *_: stop.update(flag=True)) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, lambda signum, _: stop.update(flag=True, signum=signum))
+                for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         model.train()
         last_ckpt = last_eval = time.time()
@@ -494,6 +504,8 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     finally:
         for s, handler in previous.items():
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
+    if stop["signum"] and not finished(meta, cfg):  # else a supervisor could not tell it from a finished run
+        raise Interrupted(stop["signum"], meta["step"], run)
     return run
 
 

@@ -1,5 +1,7 @@
 """attnserve train translate --config configs/translate.json [--resume] [--export-only] [--device cuda]"""
 
+import sys
+
 from service.commands import CommandError
 
 
@@ -22,7 +24,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from model.training.train_translate import train
+    from model.training.train_translate import Interrupted, train
 
     for flag, value in (("--threads", args.threads), ("--avg-last", args.avg_last)):
         if value is not None and value < 1:
@@ -33,4 +35,9 @@ def run(args) -> int:
               init_from=args.init_from, avg_last=args.avg_last, device=args.device)
     except (FileExistsError, FileNotFoundError, ValueError) as e:  # their messages say what to do
         raise CommandError(str(e)) from e
+    except Interrupted as e:  # the shell's status for the signal: a supervisor sees the run was cut short
+        again = f"attnserve train translate --config {args.config} --run-dir {e.run} --resume" + (
+            f" --export-to {args.export_to}" if args.export_to else "")
+        print(f"attnserve train: {e}; continue with `{again}`", file=sys.stderr)
+        return 128 + e.signum
     return 0
