@@ -13,6 +13,7 @@ from engine_util import CharTokenizer, run_engine, tiny_llama
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
 from service.engine.hooks import StepHooks
+from service.engine.stats import MetricsSink
 from service.engine.types import (
     EngineError,
     EngineOverloaded,
@@ -43,6 +44,12 @@ async def collect(engine, req):
         ids += ev.token_ids
         final = ev
     return text, ids, final
+
+
+async def collect_stream(stream):
+    """Read a stream to its end (raising its error)."""
+    async for _ in stream:
+        pass
 
 
 def run(coro_fn, **kw):
@@ -259,6 +266,72 @@ def test_stop_fails_pending_and_rejects_new():
         with pytest.raises(EngineStopped):
             engine.submit(GenerateRequest(prompt_ids=[9], params=SamplingParams()))
     asyncio.run(main())
+
+
+def test_stop_counts_each_pending_request_once_with_how_it_ended():
+    """Requests still running or waiting when the engine stops end with EngineStopped and are counted once each
+    as an "error" (as a failed step's are), a request of two choices once; one whose client already left counts
+    as "cancelled"; one finished before the stop is not counted again."""
+    class Ends(MetricsSink):
+        reasons: list[str] = []
+
+        def on_finish(self, model, finish_reason, prompt_tokens, generation_tokens, e2e_s):
+            self.reasons.append(finish_reason)
+
+    sink = Ends()
+    req = GenerateRequest(prompt_ids=[9] * 10, params=SamplingParams(max_new_tokens=100, ignore_eos=True))
+
+    async def main():
+        engine = GenerationEngine(tiny_llama(), TOK, EngineConfig(max_slots=3, max_seq_len=128),
+                                  eos_ids={TOK.eos_id}, sink=sink)
+        await engine.start()
+        await collect(engine, dataclasses.replace(req, params=SamplingParams(max_new_tokens=2, ignore_eos=True)))
+        running, left = engine.submit(dataclasses.replace(req, n=2)), engine.submit(req)
+        await running.__anext__()
+        await left.__anext__()
+        waiting = engine.submit(req)  # every slot is taken
+        await left.aclose()
+        await engine.stop()
+        for stream in (running, waiting):
+            with pytest.raises(EngineStopped):
+                await collect_stream(stream)
+        return engine.stats()
+
+    stats = asyncio.run(main())
+    assert sink.reasons[0] == "length" and sorted(sink.reasons[1:]) == ["cancelled", "error", "error"]
+    assert stats.requests_finished == 4 and stats.running == stats.waiting == stats.slots_used == 0
+
+
+def test_a_sink_raising_while_requests_are_failed_leaves_none_waiting():
+    """A fault between steps fails every pending request; a metrics sink that raises as they are counted must
+    not keep the rest from being told (they would wait forever) nor end the engine."""
+    class Failing(StepHooks):
+        failed = False
+
+        def on_plan(self, plan):
+            if not self.failed:
+                Failing.failed = True
+                raise RuntimeError("hook bug")
+
+    class Raising(MetricsSink):
+        def on_finish(self, model, finish_reason, prompt_tokens, generation_tokens, e2e_s):
+            if finish_reason == "error":
+                raise RuntimeError("sink bug")
+
+    req = GenerateRequest(prompt_ids=[9] * 10, params=SamplingParams(max_new_tokens=3, ignore_eos=True))
+    engine = GenerationEngine(tiny_llama(), TOK, EngineConfig(max_slots=1, max_seq_len=128), eos_ids={TOK.eos_id},
+                              sink=Raising())
+
+    async def main(e):
+        e.hooks = Failing()
+        streams = [e.submit(req), e.submit(req)]  # one running, one waiting when the first plan fails
+        for stream in streams:
+            with pytest.raises(EngineError, match="hook bug"):
+                await asyncio.wait_for(collect_stream(stream), 30)
+        return await asyncio.wait_for(collect(e, req), 30)
+
+    _, ids, final = run_engine(engine, main)
+    assert len(ids) == 3 and final.finish_reason == "length"
 
 
 def test_deadline_times_out():

@@ -385,3 +385,40 @@ def test_every_request_is_counted_once_with_how_it_ended():
 
     reasons, finished = run(main)
     assert reasons == ["stop", "timeout", "cancelled"] and finished == 3
+
+
+def test_stop_counts_each_pending_request_once_with_how_it_ended():
+    """Requests still running or waiting when the engine stops end with EngineStopped and are counted once each
+    as an "error" (as a failed step's are), a request of many sentences once; one whose client already left
+    counts as "cancelled"."""
+    from service.engine.stats import MetricsSink
+    from service.engine.types import EngineStopped
+
+    class Sink(MetricsSink):
+        def __init__(self):
+            self.reasons = []
+
+        def on_finish(self, model, finish_reason, prompt_tokens, generation_tokens, e2e_s):
+            self.reasons.append(finish_reason)
+
+    async def main():
+        engine = make_engine(max_slots=2)
+        engine.sink = Sink()
+        await engine.start()
+        # many sentences: some running, the rest waiting, for more steps than the stop lets run
+        tasks = [asyncio.create_task(translate(engine, TranslateRequest(texts, target_lang="zh", beam_size=1)))
+                 for texts in (TEXTS * 5, TEXTS[:1], TEXTS[1:2])]
+        while engine.stats().slots_used == 0:
+            await asyncio.sleep(0.0005)
+        tasks[2].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[2]
+        await engine.stop()
+        for task in tasks[:2]:
+            with pytest.raises(EngineStopped):
+                await task
+        return engine.sink.reasons, engine.stats()
+
+    reasons, stats = asyncio.run(main())
+    assert sorted(reasons) == ["cancelled", "error", "error"]
+    assert stats.requests_finished == 3 and stats.running == stats.waiting == stats.slots_used == 0

@@ -412,22 +412,17 @@ class GenerationEngine(EngineLoop):
         if not step.copied:
             dst = {d for _, d, _ in step.moves + step.reuse}
             touched += [s for s in self.scheduler.running if s.slot in dst]
+        failed = EngineError(f"engine {self.name} step failed: {type(error).__name__}: {error}")
         for seq in touched:
             for s in seq.group:
-                if s.finish_reason is None:
-                    s.error = EngineError(f"engine {self.name} step failed: {type(error).__name__}: {error}")
-                    self._finish(s, "error")
+                self._fail_unit(s, "error", failed)
                 self.scheduler.release(s)
         self.scheduler.drop_released()
 
-    def _fail_all(self, error: Exception) -> None:
-        told: set[int] = set()  # one error per stream: the choices of a request share it
-        for seq in self.scheduler.clear():
-            if seq.finish_reason is None:
-                seq.finish_reason = "error"
-                if id(seq.queue) not in told:
-                    told.add(id(seq.queue))
-                    seq.queue.put_nowait(error)
+    def _fail_unit(self, seq: Sequence, reason: str, error: Exception) -> None:
+        if seq.finish_reason is None:  # a choice already ended was counted then
+            seq.error = error
+            self._finish(seq, reason)
 
 
 def _abandon(group: list[Sequence]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -235,8 +236,20 @@ class EngineLoop:
     def _fail_plan(self, plan: Any, error: Exception) -> None:
         raise NotImplementedError
 
-    def _fail_all(self, error: Exception) -> None:
+    def _fail_unit(self, unit: Any, reason: str, error: Exception) -> None:
+        """End the request of `unit` (its slots released) for `reason` ("error": `error` raised to its caller),
+        counted once however many of its units end."""
         raise NotImplementedError
+
+    def _fail_all(self, error: Exception) -> None:
+        """Fail every pending request with `error`, each counted once as an "error" as a failed step's are (one
+        whose client has left: "cancelled"), so a stop or a fault leaves none out of the finished counts."""
+        now = time.monotonic()
+        for unit in self.scheduler.clear():
+            try:
+                self._fail_unit(unit, "cancelled" if unit.expired(now) == "cancelled" else "error", error)
+            except Exception:  # a sink that raises must not leave the other requests waiting forever
+                log.exception("engine %s: failing a request raised", self.name)
 
     def _limit_s(self, deadline_s: float | None) -> float | None:
         """A request's time limit: its own, else the engine's default (None: none)."""

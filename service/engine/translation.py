@@ -240,7 +240,5 @@ class TranslationEngine(EngineLoop):
             self._end(s.request, "error", error=failed)
         self.scheduler.drop_released()
 
-    def _fail_all(self, error: Exception) -> None:
-        for s in self.scheduler.clear():
-            if not s.request.future.done():
-                s.request.future.set_exception(error)
+    def _fail_unit(self, sentence: _Sentence, reason: str, error: Exception) -> None:
+        self._end(sentence.request, reason, error=error)
