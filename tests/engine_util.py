@@ -13,6 +13,8 @@ from model.bpe_tokenizer import BPETokenizer
 from model.config import TINY_LLAMA, TINY_SEQ2SEQ
 from model.decoder import DecoderLM
 from model.seq2seq import EncoderDecoder
+from service.engine.hooks import StepHooks
+from service.engine.stats import MetricsSink
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<2en>", "<2zh>"]
 
@@ -108,3 +110,32 @@ def stream_model(model, tokenizer, prompt_ids: list[int], params, stop_ids: set[
                        threads=threads)
     yield from stream_engine(GenerationEngine(model, tokenizer, cfg, eos_ids=stop_ids, name="cli"), prompt_ids,
                              params, stats)
+
+
+class EndsSink(MetricsSink):
+    """A metrics sink that records each finished request's reason, in order."""
+
+    def __init__(self):
+        self.reasons: list[str] = []
+
+    def on_finish(self, model, finish_reason, prompt_tokens, generation_tokens, e2e_s):
+        self.reasons.append(finish_reason)
+
+
+class FailOnce(StepHooks):
+    """Raises RuntimeError(message) the first time the engine calls `hook`: "on_plan" (a fault between steps,
+    on the event loop) or "step_started" (a fault inside the worker's step)."""
+
+    def __init__(self, hook: str, message: str):
+        self.hook, self.message, self.failed = hook, message, False
+
+    def _fail(self, hook: str) -> None:
+        if hook == self.hook and not self.failed:
+            self.failed = True
+            raise RuntimeError(self.message)
+
+    def on_plan(self, plan):
+        self._fail("on_plan")
+
+    def step_started(self, plan):
+        self._fail("step_started")

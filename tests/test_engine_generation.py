@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from engine_util import CharTokenizer, run_engine, tiny_llama
+from engine_util import CharTokenizer, EndsSink, FailOnce, run_engine, tiny_llama
 
 from service.engine.config import EngineConfig
 from service.engine.generation import GenerationEngine
@@ -272,13 +272,7 @@ def test_stop_counts_each_pending_request_once_with_how_it_ended():
     """Requests still running or waiting when the engine stops end with EngineStopped and are counted once each
     as an "error" (as a failed step's are), a request of two choices once; one whose client already left counts
     as "cancelled"; one finished before the stop is not counted again."""
-    class Ends(MetricsSink):
-        reasons: list[str] = []
-
-        def on_finish(self, model, finish_reason, prompt_tokens, generation_tokens, e2e_s):
-            self.reasons.append(finish_reason)
-
-    sink = Ends()
+    sink = EndsSink()
     req = GenerateRequest(prompt_ids=[9] * 10, params=SamplingParams(max_new_tokens=100, ignore_eos=True))
 
     async def main():
@@ -305,14 +299,6 @@ def test_stop_counts_each_pending_request_once_with_how_it_ended():
 def test_a_sink_raising_while_requests_are_failed_leaves_none_waiting():
     """A fault between steps fails every pending request; a metrics sink that raises as they are counted must
     not keep the rest from being told (they would wait forever) nor end the engine."""
-    class Failing(StepHooks):
-        failed = False
-
-        def on_plan(self, plan):
-            if not self.failed:
-                Failing.failed = True
-                raise RuntimeError("hook bug")
-
     class Raising(MetricsSink):
         def on_finish(self, model, finish_reason, prompt_tokens, generation_tokens, e2e_s):
             if finish_reason == "error":
@@ -323,7 +309,7 @@ def test_a_sink_raising_while_requests_are_failed_leaves_none_waiting():
                               sink=Raising())
 
     async def main(e):
-        e.hooks = Failing()
+        e.hooks = FailOnce("on_plan", "hook bug")
         streams = [e.submit(req), e.submit(req)]  # one running, one waiting when the first plan fails
         for stream in streams:
             with pytest.raises(EngineError, match="hook bug"):
@@ -384,18 +370,10 @@ def test_an_error_between_steps_fails_the_requests_and_the_engine_serves_on():
     """A bug outside the worker step (here a hook raising while the plan is made) must not end the engine's
     task silently: its requests fail with an engine error, and later requests are served."""
 
-    class Failing(StepHooks):
-        failed = False
-
-        def on_plan(self, plan):
-            if not self.failed:
-                Failing.failed = True
-                raise RuntimeError("hook bug")
-
     req = GenerateRequest(prompt_ids=TARGET.prompt_ids, params=SamplingParams(max_new_tokens=3, ignore_eos=True))
 
     async def main(engine):
-        engine.hooks = Failing()
+        engine.hooks = FailOnce("on_plan", "hook bug")
         with pytest.raises(EngineError, match="hook bug"):
             await asyncio.wait_for(collect(engine, req), 60)
         _, ids, final = await asyncio.wait_for(collect(engine, req), 60)

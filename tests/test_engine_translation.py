@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from engine_util import CharTokenizer, tiny_seq2seq
+from engine_util import CharTokenizer, EndsSink, FailOnce, tiny_seq2seq
 
 from model.generate import beam_search, greedy
 from model.translation import encode_source, join_sentences, split_long
@@ -128,18 +128,24 @@ def test_empty_text_kept_in_place():
     assert res.translations[1] == offline(["the cat"], 1)[0]
 
 
+async def cancel_once_running(engine) -> None:
+    """A request of many sentences, cancelled by its client once it holds slots; returns once the engine has
+    dropped it (or after ~1 s)."""
+    task = asyncio.create_task(translate(engine, TranslateRequest(TEXTS * 3, target_lang="zh", beam_size=2)))
+    while engine.stats().slots_used == 0:
+        await asyncio.sleep(0.0005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(200):
+        if engine.stats().slots_used == 0 and engine.stats().waiting == 0:
+            break
+        await asyncio.sleep(0.005)
+
+
 def test_cancellation_frees_slots():
     async def main(engine):
-        task = asyncio.create_task(translate(engine, TranslateRequest(TEXTS * 3, target_lang="zh", beam_size=2)))
-        while engine.stats().slots_used == 0:
-            await asyncio.sleep(0.0005)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        for _ in range(200):
-            if engine.stats().slots_used == 0:
-                break
-            await asyncio.sleep(0.005)
+        await cancel_once_running(engine)
         return engine.stats()
     st = run(main)
     assert st.slots_used == 0 and st.running == 0 and st.waiting == 0
@@ -326,25 +332,10 @@ def test_urls_and_addresses_pass_through_as_they_are():
 def test_a_failed_step_fails_its_requests_with_an_engine_error_counted_once():
     """As in the generation engine: the step's requests get an EngineError naming the engine (the HTTP layer's
     500 carries it), each counted once as an error, and the engine serves the next request."""
-    from service.engine.stats import MetricsSink
     from service.engine.types import EngineError
 
-    class Sink(MetricsSink):
-        reasons: list[str] = []
-
-        def on_finish(self, model, finish_reason, prompt_tokens, generation_tokens, e2e_s):
-            self.reasons.append(finish_reason)
-
-    class Failing(StepHooks):
-        failed = False
-
-        def step_started(self, plan):
-            if not self.failed:
-                Failing.failed = True
-                raise RuntimeError("kernel fault")
-
     async def main(engine):
-        engine.hooks, engine.sink = Failing(), Sink()
+        engine.hooks, engine.sink = FailOnce("step_started", "kernel fault"), EndsSink()
         with pytest.raises(EngineError, match="step failed: RuntimeError: kernel fault"):
             await asyncio.wait_for(translate(engine, TranslateRequest(texts=TEXTS[:2], target_lang="zh")), 60)
         ok = await asyncio.wait_for(translate(engine, TranslateRequest(texts=TEXTS[:1], target_lang="zh")), 60)
@@ -357,30 +348,12 @@ def test_a_failed_step_fails_its_requests_with_an_engine_error_counted_once():
 def test_every_request_is_counted_once_with_how_it_ended():
     """Finished requests by reason, as vLLM counts them: a translation that completes, one past its deadline and
     one whose client went away each count once, with their reason, in the sink and the engine's stats."""
-    from service.engine.stats import MetricsSink
-
-    class Sink(MetricsSink):
-        def __init__(self):
-            self.reasons = []
-
-        def on_finish(self, model, finish_reason, prompt_tokens, generation_tokens, e2e_s):
-            self.reasons.append(finish_reason)
-
     async def main(engine):
-        engine.sink = Sink()
+        engine.sink = EndsSink()
         await translate(engine, TranslateRequest(TEXTS[:1], target_lang="zh"))
         with pytest.raises(TimeoutError):
             await translate(engine, TranslateRequest(TEXTS[:2], target_lang="zh", deadline_s=0.0))
-        task = asyncio.create_task(translate(engine, TranslateRequest(TEXTS * 3, target_lang="zh", beam_size=2)))
-        while engine.stats().slots_used == 0:
-            await asyncio.sleep(0.0005)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        for _ in range(200):
-            if engine.stats().slots_used == 0 and engine.stats().waiting == 0:
-                break
-            await asyncio.sleep(0.005)
+        await cancel_once_running(engine)
         return engine.sink.reasons, engine.stats().requests_finished
 
     reasons, finished = run(main)
@@ -391,19 +364,11 @@ def test_stop_counts_each_pending_request_once_with_how_it_ended():
     """Requests still running or waiting when the engine stops end with EngineStopped and are counted once each
     as an "error" (as a failed step's are), a request of many sentences once; one whose client already left
     counts as "cancelled"."""
-    from service.engine.stats import MetricsSink
     from service.engine.types import EngineStopped
-
-    class Sink(MetricsSink):
-        def __init__(self):
-            self.reasons = []
-
-        def on_finish(self, model, finish_reason, prompt_tokens, generation_tokens, e2e_s):
-            self.reasons.append(finish_reason)
 
     async def main():
         engine = make_engine(max_slots=2)
-        engine.sink = Sink()
+        engine.sink = EndsSink()
         await engine.start()
         # many sentences: some running, the rest waiting, for more steps than the stop lets run
         tasks = [asyncio.create_task(translate(engine, TranslateRequest(texts, target_lang="zh", beam_size=1)))
