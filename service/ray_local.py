@@ -36,7 +36,7 @@ SERVE_TUNING_ENV = {
 DEFAULT_CONFIG = REPO_ROOT / "deploy" / "serve_config.yaml"
 METRICS_REPORT_MS = 2000  # Ray's default is 10 s: GET /metrics would lag that long
 OBJECT_STORE_BYTES = 256 * 1024**2  # Ray otherwise reserves a large slice of /dev/shm
-START_ATTEMPTS = 2
+START_ATTEMPTS = 3
 SYSTEM_CONFIG = {
     "metrics_report_interval_ms": METRICS_REPORT_MS,
     # Ray starts num_cpus idle workers for the driver's job; Serve's actors and build task never use them,
@@ -146,9 +146,12 @@ def start_ray(num_cpus: int | None = None, object_store_bytes: int = OBJECT_STOR
                      _system_config=SYSTEM_CONFIG)
             return
         except Exception as e:
-            # Ray gives its raylet a fixed 30 s to register; on two busy cores it can miss that once
-            if attempt == START_ATTEMPTS or "timed out during startup" not in str(e):
+            # Ray gives its raylet a fixed 30 s to register; on two busy cores it can miss that, more than once
+            # where other Ray instances boot beside it
+            if "timed out during startup" not in str(e):
                 raise
+            if attempt == START_ATTEMPTS:  # Ray raises a bare Exception: one the caller reports in a line
+                raise RuntimeError(f"Ray's node missed its start-up deadline {START_ATTEMPTS} times ({e})") from e
             print(f"attnserve: Ray's node missed its start-up deadline ({e}); starting it again", file=sys.stderr)
             ray.shutdown()
             # the failed node's processes (GCS, raylet, its workers) are not the shutdown's to stop: Ray

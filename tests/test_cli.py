@@ -706,6 +706,27 @@ def test_stop_reaches_a_serve_still_starting_ray(home, capsys, monkeypatch):
     assert calls == ["shutdown"] and not (home / "serve.pid").exists()
     assert "shutting down Serve and Ray" in capsys.readouterr().out
 
+def test_serve_reports_ray_not_starting_in_one_line(home, monkeypatch, capsys):
+    """Ray's node missing its start-up deadline on every attempt (busy cores) is one line and exit 1, not a
+    traceback; the pid file goes."""
+    from service import ray_local
+
+    def start_ray(*a, **k):
+        raise RuntimeError("Ray's node missed its start-up deadline 3 times (The current node timed out ...)")
+
+    monkeypatch.setattr(ray_local, "start_ray", start_ray)
+    monkeypatch.setattr(ray_local, "shutdown", lambda: None)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert main(["serve", "--port", str(free_port())]) == 1
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    err = capsys.readouterr().err
+    assert err.startswith("attnserve serve: Ray did not start: Ray's node missed") and err.count("\n") == 1, err
+    assert not (home / "serve.pid").exists()
+
+
 @pytest.mark.ray
 def test_serve_answers_then_stop_shuts_serve_and_ray_down(home, tmp_path, capsys):
     import psutil

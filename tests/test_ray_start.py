@@ -1,4 +1,4 @@
-"""service/ray_local.start_ray: Ray's fixed 30 s raylet deadline, missed once on busy cores, is retried."""
+"""service/ray_local.start_ray: Ray's fixed 30 s raylet deadline, missed on busy cores, is retried."""
 
 import os
 import signal
@@ -56,15 +56,15 @@ def test_descendants_are_read_from_proc():
         child.wait()
 
 
-def test_a_second_miss_and_other_errors_are_raised(monkeypatch, fake_ray):
+def test_a_last_miss_and_other_errors_are_raised(monkeypatch, fake_ray):
     def init(**kwargs):
         fake_ray["init"] += 1
         raise TIMEOUT
 
     monkeypatch.setattr(ray, "init", init)
-    with pytest.raises(Exception, match="timed out during startup"):
-        ray_local.start_ray()
-    assert fake_ray["init"] == ray_local.START_ATTEMPTS
+    with pytest.raises(RuntimeError, match="missed its start-up deadline 3 times .*timed out during startup"):
+        ray_local.start_ray()  # a RuntimeError: `attnserve serve` reports it in one line, exit 1
+    assert fake_ray["init"] == ray_local.START_ATTEMPTS == 3
 
     fake_ray["init"] = 0
     monkeypatch.setattr(ray, "init", lambda **kw: (_ for _ in ()).throw(ValueError("bad object_store_memory")))
