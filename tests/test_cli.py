@@ -56,6 +56,15 @@ def restore_env():
 
 
 @pytest.fixture
+def serve_signals():
+    """`attnserve serve` takes SIGINT and SIGTERM for its stop event: give them back to pytest afterwards."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+@pytest.fixture
 def home(tmp_path, monkeypatch):
     h = tmp_path / "home"
     monkeypatch.setenv("ATTNSERVE_HOME", str(h))
@@ -674,8 +683,7 @@ def test_serve_config_errors_start_nothing(tmp_path, capsys):
     assert "Serve config not found" in capsys.readouterr().err
 
 
-
-def test_stop_reaches_a_serve_still_starting_ray(home, capsys, monkeypatch):
+def test_stop_reaches_a_serve_still_starting_ray(home, capsys, monkeypatch, serve_signals):
     """`attnserve stop` while `serve` starts Ray and deploys (tens of seconds on two cores) must find it:
     its pid is on record from before Ray starts, and a SIGTERM then (Ray's own handler is installed by
     ray.init) still ends it through the clean shutdown."""
@@ -696,17 +704,13 @@ def test_stop_reaches_a_serve_still_starting_ray(home, capsys, monkeypatch):
     monkeypatch.setattr(ray_local, "deploy", deploy)
     monkeypatch.setattr(ray_local, "shutdown", lambda: calls.append("shutdown"))
     monkeypatch.setattr(startup, "watch_startup", lambda *a, **k: False)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        assert main(["serve", "--port", str(free_port())]) == 0
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    assert main(["serve", "--port", str(free_port())]) == 0
     assert seen == [("start_ray", True), ("deploy", True)]
     assert calls == ["shutdown"] and not (home / "serve.pid").exists()
     assert "shutting down Serve and Ray" in capsys.readouterr().out
 
-def test_serve_reports_ray_not_starting_in_one_line(home, monkeypatch, capsys):
+
+def test_serve_reports_ray_not_starting_in_one_line(home, monkeypatch, capsys, serve_signals):
     """Ray's node missing its start-up deadline on every attempt (busy cores) is one line and exit 1, not a
     traceback; the pid file goes."""
     from service import ray_local
@@ -716,12 +720,7 @@ def test_serve_reports_ray_not_starting_in_one_line(home, monkeypatch, capsys):
 
     monkeypatch.setattr(ray_local, "start_ray", start_ray)
     monkeypatch.setattr(ray_local, "shutdown", lambda: None)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        assert main(["serve", "--port", str(free_port())]) == 1
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    assert main(["serve", "--port", str(free_port())]) == 1
     err = capsys.readouterr().err
     assert err.startswith("attnserve serve: Ray did not start: Ray's node missed") and err.count("\n") == 1, err
     assert not (home / "serve.pid").exists()
