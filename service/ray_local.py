@@ -162,21 +162,10 @@ def start_ray(num_cpus: int | None = None, object_store_bytes: int = OBJECT_STOR
 
 
 def descendants(pid: int) -> set[int]:
-    """The processes below `pid` (children, theirs, ...), read from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name in parentheses may hold spaces
-        except (OSError, IndexError, ValueError):  # gone meanwhile
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return out
+    """The processes below `pid` (children, theirs, ...)."""
+    import psutil
+
+    return {p.pid for p in psutil.Process(pid).children(recursive=True)}
 
 
 def deploy(config: dict, timeout_s: float = 600.0, stop: threading.Event | None = None) -> None:
