@@ -46,10 +46,7 @@ def start_translator_build(cfg: ServiceConfig, translator) -> subprocess.Popen |
     """Start the child that builds the translator's packages where `translator_build_needed`; else None."""
     if not translator_build_needed(cfg, translator):
         return None
-    engine = translator.engine
-    # the replica's own placement, so the child keys its packages as the replica will
-    return _child("translator", dataclasses.replace(cfg.translator, device=engine.config.device,
-                                                    dtype=engine.config.dtype))
+    return _child("translator", cfg.translator, translator.engine)
 
 
 def start_prefill_build(cfg: ServiceConfig, generator) -> subprocess.Popen | None:
@@ -60,13 +57,12 @@ def start_prefill_build(cfg: ServiceConfig, generator) -> subprocess.Popen | Non
     engine = generator.engine
     if engine.compiled is None or not engine.compiled.prefill_pending:
         return None
-    # as the replica resolved it: the child then keys its packages as the replica does
-    return _child("generator", dataclasses.replace(cfg.generator, device=engine.config.device,
-                                                   dtype=engine.config.dtype,
-                                                   quantization=quantization_of(engine.runner.model)))
+    return _child("generator", cfg.generator, engine, quantization=quantization_of(engine.runner.model))
 
 
-def _child(kind: str, spec) -> subprocess.Popen:
+def _child(kind: str, spec, engine, **resolved) -> subprocess.Popen:
+    # the spec as the replica resolved it: the child then keys its packages as the replica does
+    spec = dataclasses.replace(spec, device=engine.config.device, dtype=engine.config.dtype, **resolved)
     return subprocess.Popen([sys.executable, "-m", "service.prebuild", kind, json.dumps(dataclasses.asdict(spec))],
                             stdin=subprocess.DEVNULL)
 
