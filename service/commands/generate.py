@@ -64,11 +64,8 @@ def stream_engine(engine, prompt_ids: list[int], params, stats: dict | None = No
         t0 = time.perf_counter()
         ids: list[int] = []
         stats.update(prefill_s=0.0, decode_s=0.0, tokens=0, ids=ids)
-        async def next_event():
-            return await anext(events)
-
         while True:
-            reading = loop.create_task(next_event())  # a task, so Ctrl-C mid-read can cancel it below
+            reading = asyncio.ensure_future(anext(events), loop=loop)  # a task, so Ctrl-C mid-read can cancel it below
             try:
                 ev = loop.run_until_complete(reading)
             except StopAsyncIteration:
