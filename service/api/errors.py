@@ -16,8 +16,7 @@ from service.engine.types import EngineError, EngineOverloaded
 logger = logging.getLogger("attnserve.api")
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-         429: "rate_limit_error",
-         503: "service_unavailable", 504: "timeout_error"}
+         429: "rate_limit_error", 503: "service_unavailable", 504: "timeout_error"}
 
 
 class ApiError(Exception):
@@ -84,9 +83,8 @@ def install(app: FastAPI) -> None:
         return error_response(e.status, e.message, e.param, e.headers)
 
     @app.exception_handler(EngineError)
-    async def _engine(_: Request, e: EngineError):
-        a = engine_error(e)
-        return error_response(a.status, a.message, a.param, a.headers)
+    async def _engine(request: Request, e: EngineError):
+        return await _api(request, engine_error(e))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):

@@ -92,8 +92,7 @@ def build_request(gen: GeneratorFrontend, body: Sampling, prompt_ids: list[int],
         max_new_tokens=max_tokens if max_tokens is not None else max(1, min(default_max_tokens, room)),
         temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
         repetition_penalty=body.repetition_penalty, stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, logit_bias=bias, logprobs=logprobs,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=bias, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, json_schema=json_schema)
     names = {"prompt_ids": prompt_param, "max_new_tokens": max_tokens_param, "json_schema": "response_format"}
     return GenerateRequest(prompt_ids=prompt_ids, params=params, n=n, field_names=names)
