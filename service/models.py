@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,14 +81,8 @@ def engine_config(spec: ModelSpec) -> EngineConfig:
     """The spec's engine settings on the device and dtype this replica was given."""
     import torch
 
-    gpu_ids = None
-    try:
-        import ray
-
-        if ray.is_initialized():
-            gpu_ids = list(ray.get_gpu_ids())
-    except ImportError:
-        pass
+    ray = sys.modules.get("ray")  # imported wherever Ray runs: elsewhere there are no Ray GPUs to ask about
+    gpu_ids = list(ray.get_gpu_ids()) if ray is not None and ray.is_initialized() else None
     cuda = torch.cuda.is_available()
     native_bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)  # emulated bf16 is slow
     device, dtype = select_device(spec.device, spec.dtype, cuda_available=cuda, ray_gpu_ids=gpu_ids,
