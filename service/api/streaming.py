@@ -8,6 +8,7 @@ A non-streamed request races its work against `http.disconnect` and cancels the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -68,22 +69,17 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     if task in done:
         return task.result()
     task.cancel()
-    try:
+    with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
-    except (asyncio.CancelledError, Exception):
-        pass
     raise ClientDisconnected
 
 
 async def collect(source: AsyncIterator) -> list:
     """All events of an engine stream (closing it even when cancelled)."""
-    events = []
     try:
-        async for event in source:
-            events.append(event)
+        return [event async for event in source]
     finally:
         await _aclose(source)
-    return events
 
 
 async def _aclose(source: AsyncIterator) -> None:
