@@ -58,13 +58,11 @@ class CompletionLogprobs:
             out["text_offset"].append(self.offset)
             if not (generated and tid in hidden):  # an echoed prompt keeps its special tokens as written
                 self.offset += len(self.chars.decode(self.texts.bytes(tid)))
-            if entry is None:
-                out["token_logprobs"].append(None)
-                out["top_logprobs"].append(None)
-                continue
-            out["token_logprobs"].append(entry.logprob)
-            top = {self.texts.text(t): lp for t, lp in entry.top}
-            top.setdefault(text, entry.logprob)
+            top = None
+            if entry is not None:
+                top = {self.texts.text(t): lp for t, lp in entry.top}
+                top.setdefault(text, entry.logprob)
+            out["token_logprobs"].append(None if entry is None else entry.logprob)
             out["top_logprobs"].append(top)
         return out
 
