@@ -35,20 +35,16 @@ class ServeBatchGenerator(GeneratorFrontend):
                 out: list = []
                 for i, s in enumerate(streams):
                     if done[i]:
-                        out.append(StopIteration)
-                        continue
-                    if isinstance(s, Exception):
-                        done[i] = True
-                        out.append(s)
-                        continue
-                    try:
-                        ev = await anext(s)
-                    except EngineError as e:  # this request's failure, delivered to it alone: raised out of the
-                        done[i] = True        # batch generator, Serve would hand it to every caller in the batch
-                        out.append(e)
-                        continue
-                    done[i] = ev.finished
-                    out.append(ev)
+                        item = StopIteration
+                    elif isinstance(s, Exception):
+                        item = s
+                    else:
+                        try:
+                            item = await anext(s)
+                        except EngineError as e:  # this request's failure, to it alone: raised out of the
+                            item = e              # batch generator, Serve would hand it to every caller in the batch
+                    done[i] = item is StopIteration or isinstance(item, Exception) or item.finished
+                    out.append(item)
                 yield out
         finally:  # now, not at garbage collection: a batch closed early (its callers gone) cancels what it streams
             for s in streams:
