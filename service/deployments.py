@@ -152,10 +152,9 @@ class AttnServe:
         started engine stopped."""
         if self.startup.error:
             raise RuntimeError(f"start-up failed: {self.startup.error}")
-        gen, translator = self.backends.generator, self.backends.translator
-        for engine in (b.engine for b in (gen, translator) if b is not None):
-            if self.startup.ready and not engine.started:
-                raise RuntimeError(f"engine {engine.name} is not running")
+        for b in (self.backends.generator, self.backends.translator):
+            if b is not None and self.startup.ready and not b.engine.started:
+                raise RuntimeError(f"engine {b.engine.name} is not running")
 
 
 def build(args: dict | None = None):
