@@ -77,14 +77,11 @@ async def translate_async(translator, texts: list[str], *, progress: Callable[[i
             progress(done)
 
     await asyncio.gather(*(one(i) for i in range(len(texts))))
-    out = TranslationResult(translations=[], source_langs=[], target_langs=[], usage=Usage())
-    for r in results:
-        out.translations += r.translations
-        out.source_langs += r.source_langs
-        out.target_langs += r.target_langs
-        out.usage.prompt_tokens += r.usage.prompt_tokens
-        out.usage.completion_tokens += r.usage.completion_tokens
-    return out
+    return TranslationResult(translations=[t for r in results for t in r.translations],
+                             source_langs=[lang for r in results for lang in r.source_langs],
+                             target_langs=[lang for r in results for lang in r.target_langs],
+                             usage=Usage(prompt_tokens=sum(r.usage.prompt_tokens for r in results),
+                                         completion_tokens=sum(r.usage.completion_tokens for r in results)))
 
 
 def translate(translator, texts: list[str], *, progress: Callable[[int], None] | None = None,
