@@ -94,8 +94,10 @@ def marian_state_dict(model: EncoderDecoder) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {"model.shared.weight": reads(p["embed.weight"]),
                                     "final_logits_bias": torch.zeros(1, cfg.vocab_size)}
 
-    def attn(dst: str, w_in: torch.Tensor, b_in: torch.Tensor, names: list[str], src: str) -> None:
-        for name, w, b in zip(names, w_in.split(d, 0), b_in.split(d, 0)):
+    def attn(dst: str, src: str, fused: list[str]) -> None:  # fused: our projections that stack q, k, v
+        w_in = torch.cat([p[f"{src}.{f}.weight"] for f in fused])  # (3 d, d)
+        b_in = torch.cat([p[f"{src}.{f}.bias"] for f in fused])
+        for name, w, b in zip(("q_proj", "k_proj", "v_proj"), w_in.split(d, 0), b_in.split(d, 0)):
             out[f"{dst}.{name}.weight"], out[f"{dst}.{name}.bias"] = reads(w), b
         out[f"{dst}.out_proj.weight"] = writes(p[f"{src}.o_proj.weight"])
         out[f"{dst}.out_proj.bias"] = writes(p[f"{src}.o_proj.bias"])
@@ -108,22 +110,17 @@ def marian_state_dict(model: EncoderDecoder) -> dict[str, torch.Tensor]:
         out[f"{dst}.fc2.weight"] = writes(p[f"{src}.proj.weight"])
         out[f"{dst}.fc2.bias"] = writes(p[f"{src}.proj.bias"])
 
-    qkv = ["q_proj", "k_proj", "v_proj"]
     for i in range(cfg.n_encoder_layers):
         s, t = f"encoder.{i}", f"model.encoder.layers.{i}"
-        attn(f"{t}.self_attn", p[f"{s}.self_attn.qkv_proj.weight"], p[f"{s}.self_attn.qkv_proj.bias"], qkv,
-             f"{s}.self_attn")
+        attn(f"{t}.self_attn", f"{s}.self_attn", ["qkv_proj"])
         norm(f"{t}.self_attn_layer_norm", f"{s}.r1.norm")
         ffn(t, f"{s}.ff")
         norm(f"{t}.final_layer_norm", f"{s}.r2.norm")
     for i in range(cfg.n_decoder_layers):
         s, t = f"decoder.{i}", f"model.decoder.layers.{i}"
-        attn(f"{t}.self_attn", p[f"{s}.self_attn.qkv_proj.weight"], p[f"{s}.self_attn.qkv_proj.bias"], qkv,
-             f"{s}.self_attn")
+        attn(f"{t}.self_attn", f"{s}.self_attn", ["qkv_proj"])
         norm(f"{t}.self_attn_layer_norm", f"{s}.r1.norm")
-        cross_w = torch.cat([p[f"{s}.cross_attn.q_proj.weight"], p[f"{s}.cross_attn.kv_proj.weight"]])
-        cross_b = torch.cat([p[f"{s}.cross_attn.q_proj.bias"], p[f"{s}.cross_attn.kv_proj.bias"]])
-        attn(f"{t}.encoder_attn", cross_w, cross_b, qkv, f"{s}.cross_attn")
+        attn(f"{t}.encoder_attn", f"{s}.cross_attn", ["q_proj", "kv_proj"])
         norm(f"{t}.encoder_attn_layer_norm", f"{s}.r2.norm")
         ffn(t, f"{s}.ff")
         norm(f"{t}.final_layer_norm", f"{s}.r3.norm")
