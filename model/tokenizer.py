@@ -103,10 +103,8 @@ class IncrementalDetokenizer:
         prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self.tok.decode(self.ids[self.prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text):]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return delta
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)  # the window slides on
+            return new_text[len(prefix_text):]
         return ""
 
     def flush(self) -> str:
@@ -114,4 +112,4 @@ class IncrementalDetokenizer:
         prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self.tok.decode(self.ids[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.ids)
-        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        return new_text[len(prefix_text):]  # "" where the text did not grow
