@@ -205,10 +205,7 @@ def _read_hf_weights(d: Path) -> dict[str, torch.Tensor]:
     index = d / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        out: dict[str, torch.Tensor] = {}
-        for s in shards:
-            out.update(load_file(str(d / s)))
-        return out
+        return {name: t for s in shards for name, t in load_file(str(d / s)).items()}
     raise HFFormatError(f"{d}: no model.safetensors or model.safetensors.index.json (pytorch_model.bin is "
                         "not read: it needs unpickling)")
 
