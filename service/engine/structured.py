@@ -140,19 +140,17 @@ class Grammars:
     def advance(self, matcher, token: int) -> bool:
         """Consume a sampled token; True when the grammar is complete (only end-of-sequence could follow).
         Raises GrammarError when the matcher refuses it."""
-        if token in self.stop_ids:
-            # a mask that nothing else can pass still lets end-of-sequence through: complete only if accepting
-            if not matcher.is_accepting():
-                raise GrammarError("the vocabulary has no token for what the schema requires next")
-            return True
-        if not matcher.consume_token(token):
-            # llguidance's error opens with the cause ("Too many items", "ParserTooComplex"), then dumps its state
-            cause = (matcher.get_error() or "").split("<state>")[0].strip().splitlines()
-            raise GrammarError(f"the grammar stopped: {cause[0][:200] if cause else f'token {token} not allowed'}; "
-                               f"the schema may be too complex or unsatisfiable")
-        if not matcher.is_stopped():
-            return False
-        if not matcher.is_accepting():  # stopped short: no token of the vocabulary spells what must follow
+        if token not in self.stop_ids:
+            if not matcher.consume_token(token):
+                # llguidance's error opens with the cause ("Too many items", "ParserTooComplex"), then dumps its state
+                cause = (matcher.get_error() or "").split("<state>")[0].strip().splitlines()
+                raise GrammarError(f"the grammar stopped: {cause[0][:200] if cause else f'token {token} not allowed'}"
+                                   f"; the schema may be too complex or unsatisfiable")
+            if not matcher.is_stopped():
+                return False
+        # end-of-sequence (a mask that nothing else can pass still lets it through), or the grammar stopped: only
+        # complete if accepting; otherwise no token of the vocabulary spells what must follow
+        if not matcher.is_accepting():
             raise GrammarError("the vocabulary has no token for what the schema requires next")
         return True
 
