@@ -35,34 +35,28 @@ def apply_repetition_penalty(logits: torch.Tensor, params: list[SamplingParams],
     logits[r, c] = torch.where(x > 0, x / pen, x * pen)
 
 
-def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
-    """OpenAI's logit_bias in place: each listed token's logit plus its bias (-100 all but bans it)."""
-    rows, cols, bias = [], [], []
-    for i, p in enumerate(params):
-        for tok, b in p.logit_bias.items():
-            rows.append(i)
-            cols.append(tok)
-            bias.append(b)
-    if rows:
+def _add_at(logits: torch.Tensor, entries: list[tuple[int, int, float]]) -> None:
+    """logits (N, V) in place: each (row, token, value) of `entries` adds its value to that logit."""
+    if entries:
+        rows, cols, values = zip(*entries, strict=True)
         dev = logits.device
         logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                          torch.tensor(bias, device=dev, dtype=logits.dtype), accumulate=True)
+                          torch.tensor(values, device=dev, dtype=logits.dtype), accumulate=True)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """OpenAI's logit_bias in place: each listed token's logit plus its bias (-100 all but bans it)."""
+    _add_at(logits, [(i, tok, b) for i, p in enumerate(params) for tok, b in p.logit_bias.items()])
 
 
 def apply_output_penalties(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> None:
     """OpenAI's presence and frequency penalties in place, over the tokens generated so far:
     logit - count * frequency_penalty - (count > 0) * presence_penalty."""
-    rows, cols, pens = [], [], []
+    entries = []
     for i, (p, out) in enumerate(zip(params, outputs, strict=True)):
-        if (p.presence_penalty or p.frequency_penalty) and out:
-            for tok, n in Counter(out).items():
-                rows.append(i)
-                cols.append(tok)
-                pens.append(n * p.frequency_penalty + p.presence_penalty)
-    if rows:
-        dev = logits.device
-        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                          -torch.tensor(pens, device=dev, dtype=logits.dtype), accumulate=True)
+        if p.presence_penalty or p.frequency_penalty:
+            entries += [(i, tok, -(n * p.frequency_penalty + p.presence_penalty)) for tok, n in Counter(out).items()]
+    _add_at(logits, entries)
 
 
 # Temperatures below this sample greedily (as vLLM): dividing by them overflows float32 logits to inf.
