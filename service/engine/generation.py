@@ -277,18 +277,14 @@ class GenerationEngine(EngineLoop):
             with hooks.phase("prefill forward"), torch_threads(borrowed):
                 out = self.runner.prefill([(s.slot, s.prompt[s.n_cached: s.n_cached + c], s.n_cached)
                                            for s, c in chunks])  # (P, V)
-            take = self._prefilled(chunks, rows, scored)
-            if take:
-                logits.append(out[take])
+            self._prefilled(chunks, out, rows, scored, logits)
         # a prompt to score prefills alone: it needs every position's logits, the others only the last
         for seq, c in [sc for sc in step.prefill if sc[0].params.prompt_logprobs is not None]:
             with hooks.phase("prefill forward"):
                 full = self.runner.score((seq.slot, seq.prompt[seq.n_cached: seq.n_cached + c], seq.n_cached))
             targets = seq.prompt[seq.n_cached + 1: seq.n_cached + c + 1]
             seq.prompt_lp.extend(prompt_logprobs(full, targets, seq.params.prompt_logprobs))
-            take = self._prefilled([(seq, c)], rows, scored)
-            if take:
-                logits.append(full[c - 1:][take])  # (choices, V)
+            self._prefilled([(seq, c)], full[c - 1:], rows, scored, logits)
         if rows and step.decode:
             # the new prompts' first tokens go out now, not after the running rows' decode forward
             self._emit(rows, logits)
@@ -341,10 +337,10 @@ class GenerationEngine(EngineLoop):
             return None
         return want
 
-    def _prefilled(self, chunks: list[tuple[Sequence, int]], rows: list[Sequence],
-                   scored: list[Sequence]) -> list[int]:
+    def _prefilled(self, chunks: list[tuple[Sequence, int]], last: torch.Tensor, rows: list[Sequence],
+                   scored: list[Sequence], logits: list[torch.Tensor]) -> None:
         """Count the chunks as cached; the choices whose prompt is now complete join `rows` (to sample) or
-        `scored` -> the index of the chunk each new row samples from."""
+        `scored`. `last` (len(chunks), V): each chunk's last-position logits; the new rows' join `logits`."""
         take = []
         for i, (seq, c) in enumerate(chunks):
             seq.n_cached += c
@@ -355,7 +351,8 @@ class GenerationEngine(EngineLoop):
                         rows.append(choice)
                     else:
                         scored.append(choice)
-        return take
+        if take:
+            logits.append(last[take])  # (new rows, V)
 
     def _sample(self, logits: torch.Tensor, rows: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits (N, V) of `rows` -> each row's token and, where asked, its logprobs."""
