@@ -97,14 +97,12 @@ def padding_bounded_groups(items: list, lengths: list[int], max_padding: float =
     positions through every layer. Longest first; an item joins the current group while the group's
     padded size stays within bounds."""
     groups: list[list] = []
-    widths: list[int] = []
-    reals: list[int] = []
+    width = real = 0  # the current (last) group's: its first item's length, its items' total
     for item, n in sorted(zip(items, lengths, strict=True), key=lambda x: -x[1]):
-        if groups and widths[-1] * (len(groups[-1]) + 1) <= (1 + max_padding) * (reals[-1] + n):
+        if groups and width * (len(groups[-1]) + 1) <= (1 + max_padding) * (real + n):
             groups[-1].append(item)
-            reals[-1] += n
-            continue
-        groups.append([item])
-        widths.append(n)
-        reals.append(n)
+            real += n
+        else:
+            groups.append([item])
+            width = real = n
     return groups
