@@ -99,16 +99,10 @@ class Scheduler(Generic[W]):
 
     def sweep(self, now: float) -> list[tuple[W, Expiry]]:
         """Drop expired work, running (slots freed) and waiting (a group goes whole) -> [(unit, why)]."""
-        gone: list[tuple[W, Expiry]] = []
-        keep = []
-        for unit in self.running:
-            why = unit.expired(now)
-            if why is None:
-                keep.append(unit)
-            else:
-                self.release(unit)
-                gone.append((unit, why))
-        self.running = keep
+        gone = [(unit, why) for unit in self.running if (why := unit.expired(now)) is not None]
+        for unit, _ in gone:
+            self.release(unit)
+        self.drop_released()
         waiting = deque()
         for queue in self.waiting:
             kept = deque()
