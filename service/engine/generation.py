@@ -232,7 +232,6 @@ class GenerationEngine(EngineLoop):
                 decode.append(seq)
         decode.sort(key=lambda s: s.slot)
         self.last_batch_size = len(prefill) + len(decode)
-        self.sink.on_step(self.name, self.last_batch_size, self._kv_usage(), len(sched.running), sched.n_waiting)
         return _Step(prefill, decode, moves, reuse)
 
     def _reuse_prefixes(self, admitted: list[Sequence], moves: list[Move]) -> list[Move]:
@@ -401,7 +400,7 @@ class GenerationEngine(EngineLoop):
                 self.scheduler.release(seq)
         self.scheduler.drop_released()
 
-    def _fail_plan(self, step: _Step, error: Exception) -> None:
+    def _fail_plan(self, step: _Step, error: EngineError) -> None:
         """Fail every request the step touched, all its choices (those waiting for a fork too), and, when it
         failed before its copies were done, those whose slots the copies were to fill: their slots lack K/V
         their `n_cached` counts."""
@@ -409,10 +408,9 @@ class GenerationEngine(EngineLoop):
         if not step.copied:
             dst = {d for _, d, _ in step.moves + step.reuse}
             touched += [s for s in self.scheduler.running if s.slot in dst]
-        failed = EngineError(f"engine {self.name} step failed: {type(error).__name__}: {error}")
         for seq in touched:
             for s in seq.group:
-                self._fail_unit(s, "error", failed)
+                self._fail_unit(s, "error", error)
                 self.scheduler.release(s)
         self.scheduler.drop_released()
 

@@ -173,12 +173,14 @@ class EngineLoop:
         if plan is None:
             await asyncio.sleep(0)  # e.g. only cancelled requests were dropped
             return
+        sched = self.scheduler
+        self.sink.on_step(self.name, self.last_batch_size, self._kv_usage(), len(sched.running), sched.n_waiting)
         self.hooks.on_plan(plan)
         try:
             result = await self._loop.run_in_executor(self._pool, self._step, plan)
         except Exception as e:  # a bug or a model error: fail this step's requests, keep serving
             log.exception("engine %s step failed", self.name)
-            self._fail_plan(plan, e)
+            self._fail_plan(plan, EngineError(f"engine {self.name} step failed: {type(e).__name__}: {e}"))
             return
         self.steps += 1
         self._deliver(result)
@@ -225,6 +227,7 @@ class EngineLoop:
             log.warning("engine %s: torch.compile failed; running eagerly", self.name, exc_info=True)
 
     def _plan(self) -> Any:
+        """The next step's work, its `last_batch_size` set; None when nothing runs."""
         raise NotImplementedError
 
     def _execute(self, plan: Any) -> Any:
@@ -233,7 +236,7 @@ class EngineLoop:
     def _deliver(self, result: Any) -> None:
         raise NotImplementedError
 
-    def _fail_plan(self, plan: Any, error: Exception) -> None:
+    def _fail_plan(self, plan: Any, error: EngineError) -> None:
         raise NotImplementedError
 
     def _fail_unit(self, unit: Any, reason: str, error: Exception) -> None:

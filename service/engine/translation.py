@@ -168,7 +168,6 @@ class TranslationEngine(EngineLoop):
         if not sched.running:
             return None
         self.last_batch_size = sum(s.beam.k for s in sched.running)
-        self.sink.on_step(self.name, self.last_batch_size, self._kv_usage(), len(sched.running), sched.n_waiting)
         return _Step(list(sched.running), sched.compact())
 
     # --- one step (worker thread) ------------------------------------------------------------
@@ -232,12 +231,11 @@ class TranslationEngine(EngineLoop):
         self.sink.on_finish(self.name, reason, request.prompt_tokens, request.completion_tokens,
                             time.monotonic() - request.t_submit)
 
-    def _fail_plan(self, step: _Step, error: Exception) -> None:
-        """Fail every request the step touched (as the generation engine does: an EngineError, counted)."""
-        failed = EngineError(f"engine {self.name} step failed: {type(error).__name__}: {error}")
+    def _fail_plan(self, step: _Step, error: EngineError) -> None:
+        """Fail every request the step touched (as the generation engine does: with `error`, counted)."""
         for s in step.sentences:
             self.scheduler.release(s)
-            self._end(s.request, "error", error=failed)
+            self._end(s.request, "error", error=error)
         self.scheduler.drop_released()
 
     def _fail_unit(self, sentence: _Sentence, reason: str, error: Exception) -> None:
