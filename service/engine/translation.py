@@ -36,12 +36,11 @@ from service.engine.types import EngineError, RequestRejected, SourceBatch, reje
 class _Request:
     batch: SourceBatch
     future: asyncio.Future
-    outputs: list[list[int] | None]  # per source: its best hypothesis
+    outputs: list[list[int] | None]  # per source: its best hypothesis (None: not finished)
     t_submit: float
     deadline: float | None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    left: int = 0  # sentences not finished
     cancelled: bool = False
     ended: bool = False  # counted as finished (`_end`)
 
@@ -145,7 +144,6 @@ class TranslationEngine(EngineLoop):
         if not sentences:
             return []
         self.scheduler.add([[s] for s in sentences])
-        request.left = len(sentences)
         self._queued()
         try:
             return await request.future
@@ -211,8 +209,7 @@ class TranslationEngine(EngineLoop):
             tokens = s.beam.best()
             request.outputs[s.index] = tokens
             request.completion_tokens += len(tokens)
-            request.left -= 1
-            if request.left == 0:
+            if None not in request.outputs:
                 self._end(request, "stop", result=request.outputs)
         self.scheduler.drop_released()
 
