@@ -12,9 +12,9 @@ matcher with its sampled token; unconstrained rows cost nothing.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
-from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -76,7 +76,8 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, sorted(stop_ids)
         self._lock = threading.Lock()
         self._ll = None  # (llguidance module, LLTokenizer, LLExecutor), built on first use
-        self._cache: OrderedDict[str, object] = OrderedDict()
+        # templates by schema text, the least recently used dropped; a schema that fails is not kept
+        self._template = functools.lru_cache(maxsize=CACHE_SIZE)(self._build)
         self._words = (vocab_size + 31) // 32  # int32 words per row of a bitmask
 
     def _setup(self):
@@ -109,25 +110,19 @@ class Grammars:
         """A fresh matcher for `schema` (cached: copies are cheap), or RequestRejected naming the problem."""
         if not self.stop_ids:
             raise RequestRejected("structured output needs an end-of-sequence token; this model has none")
-        key = schema_key(schema)
-        with self._lock:
-            template = self._cache.get(key)
-            if template is not None:
-                self._cache.move_to_end(key)
-        if template is None:
-            ll, lltok, _ = self._setup()
-            try:
-                grammar = ll.LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=JSON_OPTIONS)
-            except ValueError as e:
-                raise RequestRejected(f"invalid JSON schema: {e}") from None
-            template = ll.LLMatcher(lltok, grammar, log_level=0)  # builds the lexer: the costly part
-            if template.is_error():
-                raise RequestRejected(f"JSON schema not supported: {template.get_error()}")
-            with self._lock:
-                self._cache[key] = template
-                while len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
-        return template.deep_copy()
+        return self._template(schema_key(schema)).deep_copy()
+
+    def _build(self, key: str):
+        """The template matcher of the schema whose `schema_key` is `key`."""
+        ll, lltok, _ = self._setup()
+        try:
+            grammar = ll.LLMatcher.grammar_from_json_schema(closed_objects(json.loads(key)), defaults=JSON_OPTIONS)
+        except ValueError as e:
+            raise RequestRejected(f"invalid JSON schema: {e}") from None
+        template = ll.LLMatcher(lltok, grammar, log_level=0)  # builds the lexer: the costly part
+        if template.is_error():
+            raise RequestRejected(f"JSON schema not supported: {template.get_error()}")
+        return template
 
     def fill(self, matchers: list) -> torch.Tensor:
         """The next-token bitmask of each matcher: (R, ceil(V / 32)) int32, bit set = allowed."""
