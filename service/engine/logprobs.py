@@ -17,12 +17,8 @@ FLOOR = -9999.0  # JSON has no -inf; vLLM reports this floor too
 def _entries(lp: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[TokenLogprob]:
     """lp (R, V) log-probabilities, chosen (R,) token ids, ks: alternatives wanted per row."""
     picked = lp.gather(1, chosen[:, None])[:, 0].clamp(min=FLOOR).tolist()  # (R,)
-    k = min(max(ks, default=0), lp.shape[1])
-    if k:
-        top = lp.topk(k, -1)  # (R, k) values and ids
-        top_v, top_i = top.values.clamp(min=FLOOR).tolist(), top.indices.tolist()
-    else:
-        top_v = top_i = [[] for _ in ks]
+    top = lp.topk(min(max(ks, default=0), lp.shape[1]), -1)  # (R, k) values and ids; k may be 0
+    top_v, top_i = top.values.clamp(min=FLOOR).tolist(), top.indices.tolist()
     return [TokenLogprob(int(t), p, list(zip(ids[:kr], vals[:kr], strict=True)))
             for t, p, ids, vals, kr in zip(chosen.tolist(), picked, top_i, top_v, ks, strict=True)]
 
