@@ -67,6 +67,4 @@ class EngineConfig(FromDict):
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
-        if self.kv_dtype == "auto":
-            return self.torch_dtype
-        return DTYPES[self.kv_dtype]
+        return self.torch_dtype if self.kv_dtype == "auto" else DTYPES[self.kv_dtype]
