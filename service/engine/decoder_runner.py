@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from model.decoder import DecoderLM
+from model.generate import pad_batch
 from service.engine.compiled import CompiledDecoder
 from service.engine.config import EngineConfig
 
@@ -61,15 +62,10 @@ class DecoderRunner:
 
     def _forward(self, chunks: list[Chunk], last_only: bool) -> torch.Tensor:
         dev = self.device
-        width = max(len(t) for _, t, _ in chunks)
-        top = self.config.max_seq_len - 1
-        tokens = torch.zeros(len(chunks), width, dtype=torch.long)  # (P, W) right-padded
-        positions = torch.empty(len(chunks), width, dtype=torch.long)  # (P, W)
-        ar = torch.arange(width)
-        for i, (_, toks, start) in enumerate(chunks):
-            tokens[i, :len(toks)] = torch.tensor(toks)
-            # pad positions go past the chunk (clamped to the last cache row, never a real one)
-            positions[i] = (ar + start).clamp_(max=top)
+        tokens, _ = pad_batch([t for _, t, _ in chunks], 0)  # (P, W) right-padded
+        starts = torch.tensor([start for _, _, start in chunks])  # (P,)
+        # pad positions go past the chunk (clamped to the last cache row, never a real one)
+        positions = (torch.arange(tokens.shape[1]) + starts[:, None]).clamp_(max=self.config.max_seq_len - 1)  # (P, W)
         slots = [slot for slot, _, _ in chunks]
         last = torch.tensor([len(t) - 1 for _, t, _ in chunks], device=dev) if last_only else None
         return self.model(tokens.to(dev), positions.to(dev), self.cache, slots, output_index=last)  # (P, [W,] V)
