@@ -66,11 +66,10 @@ class SlotTable:
         moves = []
         for slot, unit, j in sorted((h for h in held if h[0] >= r), key=lambda h: h[0]):
             dst = next(holes)
-            self._free.remove(dst)
+            self._free[self._free.index(dst)] = slot  # dst is taken, slot is free
             heapq.heapify(self._free)
             self._used.discard(slot)
             self._used.add(dst)
-            heapq.heappush(self._free, slot)
             unit.slots[j] = dst
             if unit.kv_len > 0:
                 moves.append((slot, dst, unit.kv_len))
