@@ -19,15 +19,13 @@ from service.engine.types import SamplingParams
 def apply_repetition_penalty(logits: torch.Tensor, params: list[SamplingParams],
                              histories: list[list[int]]) -> None:
     """CTRL-style penalty in place: seen tokens' positive logits / p, negative logits * p."""
-    rows, cols, pens = [], [], []
+    entries = []
     for i, (p, h) in enumerate(zip(params, histories, strict=True)):
-        if p.repetition_penalty != 1.0 and h:
-            uniq = list(set(h))
-            rows.extend([i] * len(uniq))
-            cols.extend(uniq)
-            pens.extend([p.repetition_penalty] * len(uniq))
-    if not rows:
+        if p.repetition_penalty != 1.0:
+            entries += [(i, tok, p.repetition_penalty) for tok in set(h)]
+    if not entries:
         return
+    rows, cols, pens = zip(*entries, strict=True)
     r = torch.tensor(rows, device=logits.device)
     c = torch.tensor(cols, device=logits.device)
     pen = torch.tensor(pens, device=logits.device, dtype=logits.dtype)
