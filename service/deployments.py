@@ -100,17 +100,10 @@ class AttnServe:
         """A child builds the translator's packages (service/prebuild.py) while this replica serves; then its
         engine loads them between two steps. Should the child fail, the engine stays eager: building them
         on its own thread would stop its steps for the build's length."""
-        from service.prebuild import start_translator_build, translator_build_needed
+        from service.prebuild import start_translator_build, translator_build_needed, wait_child
 
         child = start_translator_build(self.config, translator)
-        rc = None
-        if child is not None:
-            try:
-                rc = await asyncio.to_thread(child.wait)
-            finally:
-                if child.poll() is None:
-                    child.kill()
-                    child.wait()  # reaped: a zombie would still count as busy on the host's board
+        rc = None if child is None else await wait_child(child)
         if translator_build_needed(self.config, translator):
             log.warning("translator: its packages were not built (child exit %s): running eagerly", rc)
             return
@@ -121,12 +114,12 @@ class AttnServe:
     async def _load_prefill(self, generator) -> None:
         """Where the generator's compiled prefill is missing, a child builds it (service/prebuild.py) while
         this replica serves, then the engine loads it; until then prompts prefill eagerly."""
-        from service.prebuild import start_prefill_build
+        from service.prebuild import start_prefill_build, wait_child
 
         child = start_prefill_build(self.config, generator)
         if child is None:
             return
-        rc = await asyncio.to_thread(child.wait)
+        rc = await wait_child(child)
         compiled = generator.engine.compiled
         loaded = rc == 0 and await asyncio.to_thread(compiled.load_prefill)
         log.info("generator: compiled prefill %s", "loaded" if loaded else f"not built (child exit {rc})")

@@ -60,6 +60,17 @@ def start_prefill_build(cfg: ServiceConfig, generator) -> subprocess.Popen | Non
     return _child("generator", cfg.generator, engine, quantization=quantization_of(engine.runner.model))
 
 
+async def wait_child(child: subprocess.Popen) -> int:
+    """The child's exit code. A wait cancelled (the replica going away) kills the child and reaps it: a
+    zombie would still count as busy on the host's board."""
+    try:
+        return await asyncio.to_thread(child.wait)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
 def _child(kind: str, spec, engine, **resolved) -> subprocess.Popen:
     # the spec as the replica resolved it: the child then keys its packages as the replica does
     spec = dataclasses.replace(spec, device=engine.config.device, dtype=engine.config.dtype, **resolved)

@@ -119,3 +119,39 @@ def test_a_child_builds_the_generators_prefill_after_the_replica_started(tmp_pat
     assert said == ["pending", "True", "child", "True", "loaded", "True", "again", "True"]
     built = [line for line in r.stderr.splitlines() if "decoder-prefill: built " in line]
     assert len(built) == 1 and built[0].startswith("prebuild: ")  # by the child, not the replica
+
+
+def test_a_cancelled_wait_kills_and_reaps_the_child():
+    """A replica going away while its build child runs (the wait cancelled) leaves no child behind, nor a zombie
+    that would still count as busy on the host's board."""
+    import asyncio
+
+    from service.prebuild import wait_child
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+    async def main():
+        waiting = asyncio.create_task(wait_child(child))
+        await asyncio.sleep(0.5)
+        waiting.cancel()
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            return "cancelled"
+        return "finished"
+
+    try:
+        assert asyncio.run(main()) == "cancelled"
+        assert child.returncode is not None  # killed and reaped by wait_child, not by this test
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def test_a_finished_child_gives_its_exit_code():
+    import asyncio
+
+    from service.prebuild import wait_child
+
+    child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    assert asyncio.run(wait_child(child)) == 3
