@@ -2,7 +2,7 @@
 
 `progress(...)` returns a tqdm bar when its stream is a terminal. Off a terminal (CI, nohup, a pipe)
 redraws would fill the log with carriage returns, so it returns a `PlainProgress`: the same interface
-(iteration, update, set_postfix, write, close, context manager), printing one line at most every
+(iteration, update, set_postfix, close, context manager), printing one line at most every
 `interval_s` seconds plus a final line, formatted by `tqdm.format_meter` so both read alike:
 
     train: 40/150 (27%) 12.31step/s, elapsed 00:03, ETA 00:08, loss=2.31, tok/s=5210

@@ -18,7 +18,7 @@ from service.api.backends import Backends
 from service.api.middleware import BodyLimit, CountResponses, ReceiveErrorsAsDisconnect, StartupGate
 from service.api.streaming import ClientDisconnected
 from service.config import ApiLimits
-from service.startup import Startup, ready_startup
+from service.startup import RETRY_AFTER_S, Startup, ready_startup
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 
@@ -72,7 +72,7 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
                               **{n: f"unavailable: {why}" for n, why in b.unavailable.items()}}
         body["unavailable"] = b.unavailable
         return JSONResponse(body, status_code=200 if body["ready"] else 503,
-                            headers=None if body["ready"] else {"Retry-After": "5"})
+                            headers=None if body["ready"] else {"Retry-After": str(RETRY_AFTER_S)})
 
     @app.get("/metrics", tags=["ops"])
     async def prometheus():
