@@ -557,17 +557,19 @@ def test_an_interrupted_training_run_saves_its_state_and_exits_non_zero_saying_h
         return lr(step, *args)
 
     monkeypatch.setattr(tt, "scheduled_lr", lr_then_signal)
-    run = tmp_path / "run"
+    run, export = tmp_path / "run", tmp_path / "export"
     cmd = ["train", "translate", "--config", _recipe(tmp_path / "tiny.json", 10), "--run-dir", str(run),
-           "--threads", "1"]
+           "--threads", "1", "--export-to", str(export)]
     assert main(cmd) == code
     assert json.loads((run / "state.json").read_text())["step"] == 3
     err = capsys.readouterr().err
-    assert signame in err and f"--run-dir {run} --resume" in err
-    assert not (run / "export").exists()  # a cut run is not exported
+    assert signame in err and f"--run-dir {run} --resume --export-to {export}" in err
+    assert f"--run-dir {run} --export-only --export-to {export}" in err
+    assert not export.exists() and not (run / "export").exists()  # a cut run is not exported, even where named
     monkeypatch.setattr(tt, "scheduled_lr", lr)
     assert main([*cmd, "--resume"]) == 0
     assert json.loads((run / "state.json").read_text())["step"] == 10
+    assert export.is_dir()  # the finished run is
 
 
 def test_train_translate_without_data_says_how_to_get_it(home, tmp_path, capsys, restore_torch):

@@ -499,7 +499,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
         bar.close()
         checkpoint(run, model, opt, meta, cfg)
         log(event="stopped", step=meta["step"], hours=round(meta["train_seconds"] / 3600, 3))
-        if finished(meta, cfg) or export_to:
+        if finished(meta, cfg):  # a cut run is not: Ctrl-C stops now, and a partial model never ships by accident
             export(run, model, tok, cfg, meta, export_to, log)
     finally:
         for s, handler in previous.items():

@@ -38,6 +38,8 @@ def run(args) -> int:
     except Interrupted as e:  # the shell's status for the signal: a supervisor sees the run was cut short
         again = f"attnserve train translate --config {args.config} --run-dir {e.run} --resume" + (
             f" --export-to {args.export_to}" if args.export_to else "")
-        print(f"attnserve train: {e}; continue with `{again}`", file=sys.stderr)
+        print(f"attnserve train: {e}; continue with `{again}`" + (
+            f", or export it as it is with `{again.replace('--resume', '--export-only')}`" if args.export_to else ""),
+            file=sys.stderr)
         return 128 + e.signum
     return 0
