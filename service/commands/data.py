@@ -54,11 +54,14 @@ def backtranslate(args, out) -> int:
     languages = tuple(dict.fromkeys(args.languages.split(",")))  # "zh,zh" once: rows are counted before the loop
     if set(languages) - set(LANGS):
         raise CommandError(f"--languages takes one or both of {','.join(LANGS)}, got {args.languages!r}")
+    from service.engine.aot_package import fingerprint
+
     translator = local.load_translator(local.translator_spec(args.model))
 
     def translate(texts: list[str], target_lang: str, done) -> list[str]:
         """Greedy, through the engine behind /v1/translate (its batch path, served decoding defaults)."""
         return local.translate(translator, texts, target_lang=target_lang, beam_size=1, progress=done).translations
 
-    back_translate.build(translate, args.sentences, directory=out, languages=languages)
+    back_translate.build(translate, args.sentences, directory=out, languages=languages,
+                         model=fingerprint(translator.engine.model))
     return 0
