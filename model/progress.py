@@ -18,7 +18,8 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from numbers import Number
 
 from tqdm import tqdm
 
@@ -75,6 +76,14 @@ def write_line(text: str, file=None) -> None:
     out.flush()
 
 
+def format_postfix(ordered: Mapping | None = None, **kwargs) -> str:
+    """tqdm's `set_postfix` text: key=value pairs, numbers in tqdm's short form."""
+    items = dict(ordered or {})
+    items.update(sorted(kwargs.items()))
+    return ", ".join(f"{k}={tqdm.format_num(v) if isinstance(v, Number) else str(v).strip()}"
+                     for k, v in items.items())
+
+
 class PlainProgress:
     """tqdm's interface as plain lines: one at most every `interval_s` seconds (on update), one at close."""
 
@@ -113,10 +122,13 @@ class PlainProgress:
         self.n += n
         self.refresh()
 
-    # tqdm's own: they format into `postfix` and call `refresh`, so a line's postfix reads as a bar's
-    format_num = staticmethod(tqdm.format_num)
-    set_postfix = tqdm.set_postfix
-    set_postfix_str = tqdm.set_postfix_str
+    def set_postfix(self, ordered_dict: Mapping | None = None, refresh: bool = True, **kwargs) -> None:
+        self.set_postfix_str(format_postfix(ordered_dict, **kwargs), refresh)
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        self.postfix = str(s)
+        if refresh:
+            self.refresh()
 
     def refresh(self) -> None:
         """A line if one is due: callers that wait without updating (a subprocess) still show they live."""
