@@ -36,10 +36,9 @@ def run(args) -> int:
     except (FileExistsError, FileNotFoundError, ValueError) as e:  # their messages say what to do
         raise CommandError(str(e)) from e
     except Interrupted as e:  # the shell's status for the signal: a supervisor sees the run was cut short
-        again = f"attnserve train translate --config {args.config} --run-dir {e.run} --resume" + (
-            f" --export-to {args.export_to}" if args.export_to else "")
-        print(f"attnserve train: {e}; continue with `{again}`" + (
-            f", or export it as it is with `{again.replace('--resume', '--export-only')}`" if args.export_to else ""),
-            file=sys.stderr)
+        command = f"attnserve train translate --config {args.config} --run-dir {e.run}"
+        to = f" --export-to {args.export_to}" if args.export_to else ""
+        print(f"attnserve train: {e}; continue with `{command} --resume{to}`" + (
+            f", or export it as it is with `{command} --export-only{to}`" if to else ""), file=sys.stderr)
         return 128 + e.signum
     return 0
