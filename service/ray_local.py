@@ -68,6 +68,13 @@ def load_yaml(path: str | Path):
         raise ValueError(f"{p} is not valid YAML: {e}") from None
 
 
+def has_auth_token() -> bool:
+    """Whether this user has a Ray auth token where Ray looks for one: the environment, or the file Ray's
+    `get-auth-token --generate` writes."""
+    return bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+                or (Path.home() / ".ray" / "auth_token").is_file())
+
+
 def read_config(path: str | Path, host: str | None = None, port: int | None = None) -> dict:
     """The Serve config (Ray's format) with http_options overridden by the command line."""
     p = Path(path)

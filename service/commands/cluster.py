@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from service.ray_local import METRICS_REPORT_MS
+from service.ray_local import METRICS_REPORT_MS, has_auth_token
 
 HEAD_PORT = 6380
 DASHBOARD_PORT = 8265
@@ -54,14 +54,10 @@ def ensure_auth_token() -> Path | None:
     """With RAY_AUTH_MODE=token, `ray start --head` refuses to start without a token, and a fresh machine
     has none: generate one with Ray's own CLI (saved to ~/.ray/auth_token, readable by this user only
     in practice: the home folder). Returns the new token's path, or None when one was already set up."""
-    if os.environ.get("RAY_AUTH_MODE") != "token" or os.environ.get("RAY_AUTH_TOKEN") \
-            or os.environ.get("RAY_AUTH_TOKEN_PATH"):
-        return None
-    path = Path.home() / ".ray" / "auth_token"
-    if path.is_file():
+    if os.environ.get("RAY_AUTH_MODE") != "token" or has_auth_token():
         return None
     subprocess.run([*_ray(), "get-auth-token", "--generate"], check=True, capture_output=True, text=True)
-    return path
+    return Path.home() / ".ray" / "auth_token"
 
 
 def cluster_processes(port: int) -> list:

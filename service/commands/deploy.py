@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from pathlib import Path
 
 from service.commands import CommandError
 from service.startup import watch_startup
@@ -24,10 +23,9 @@ def token_auth_if_available() -> None:
     """Ray enables token auth for a client only when it finds the cluster itself (address "auto"), not for an
     explicit --address: a cluster of `attnserve cluster up` (token auth) then refused the connection. Send the
     token whenever this user has one (a cluster without auth accepts it too); an explicit RAY_AUTH_MODE wins."""
-    if "RAY_AUTH_MODE" in os.environ:
-        return
-    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") \
-            or (Path.home() / ".ray" / "auth_token").is_file():
+    from service.ray_local import has_auth_token
+
+    if "RAY_AUTH_MODE" not in os.environ and has_auth_token():
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
