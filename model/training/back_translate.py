@@ -146,6 +146,10 @@ def build(translate: Translate, n: int, *, seed: int = 7, chunk: int = 512, dire
     return stats
 
 
+_WHY = {"seed": "another sample", "corpus": "the data was prepared again since",
+        "model": "another checkpoint, or its weights loaded in another dtype"}
+
+
 def _check_record(record_path: Path, record: dict, rows: Path | None) -> None:
     """Refuse to grow `rows` (None: no rows yet) made with another seed, corpus or model; else record this run's.
     Rows without a record (written before records were kept) are taken as this run's."""
@@ -153,6 +157,7 @@ def _check_record(record_path: Path, record: dict, rows: Path | None) -> None:
         was = json.loads(record_path.read_text(encoding="utf-8"))
         changed = [k for k in record if was.get(k) != record[k]]
         if changed:
-            raise ValueError(f"{rows} was made with another {' and '.join(changed)} ({record_path}: {was}); "
+            why = "; ".join(_WHY[k] for k in changed)
+            raise ValueError(f"{rows} was made with another {' and '.join(changed)} ({why}; {record_path}: {was}): "
                              f"its rows would mix with this run's: move it away to start again")
     record_path.write_text(json.dumps(record) + "\n", encoding="utf-8")
