@@ -44,9 +44,9 @@ class RequestRejected(EngineError):
 
 def rejection(names: dict[str, str], field: str, message: str) -> RequestRejected:
     """RequestRejected naming `field` as the client named it (`names`: ours -> the client's, where they
-    differ); the first "{}" in `message` stands for that name."""
+    differ); "{}" in `message` stands for that name."""
     name = names.get(field, field)
-    return RequestRejected(message.replace("{}", name, 1), name)  # the first: a client value may hold "{}"
+    return RequestRejected(message.replace("{}", name), name)
 
 
 class EngineStopped(EngineError):
