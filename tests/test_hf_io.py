@@ -80,6 +80,22 @@ def test_import_of_a_transformers_saved_model(tmp_path):
         assert (ours(x) - theirs(x).logits).abs().max().item() < 1e-4
 
 
+def test_import_of_a_sharded_transformers_folder(tmp_path):
+    """A folder saved in shards (model.safetensors.index.json + its files), as larger checkpoints come."""
+    hf_cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(3)
+    theirs = transformers.LlamaForCausalLM(hf_cfg).eval()
+    theirs.save_pretrained(tmp_path, max_shard_size="8KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and not (tmp_path / "model.safetensors").exists()
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
+    ours = import_hf(tmp_path)
+    x = torch.randint(0, 50, (2, 10))
+    with torch.no_grad():
+        assert (ours(x) - theirs(x).logits).abs().max().item() < 1e-4
+
+
 def test_unsupported_layouts_are_named(tmp_path):
     odd = dataclasses.replace(TINY_GPT2, n_kv_heads=2)  # GPT-2 has no grouped-query attention
     with pytest.raises(HFFormatError, match="no Hugging Face architecture"):
