@@ -198,6 +198,7 @@ def test_overload_and_rejections():
         for fields, message in (({"beam_size": 99}, "--beam must be in [1, "),
                                 ({"length_penalty": 2.5}, "--alpha must be in [0.0, 2.0], got 2.5"),
                                 ({"target_lang": "fr"}, "--to must be one of ['en', 'zh'], got 'fr'"),
+                                ({"target_lang": "{}"}, "--to must be one of ['en', 'zh'], got '{}'"),
                                 ({"source_lang": "en", "target_lang": "en"}, "--to must differ from --from")):
             with pytest.raises(RequestRejected) as e:
                 await translate(engine, TranslateRequest(["a"], field_names=names, **fields))

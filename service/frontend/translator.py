@@ -59,7 +59,7 @@ class TranslationFrontend:
             raise reject("text", "texts is empty")
         for field in ("source_lang", "target_lang"):
             if getattr(req, field) not in (None, *TAGS):
-                raise reject(field, f"{{}} must be one of {sorted(TAGS)}, got {getattr(req, field)!r}")
+                raise reject(field, f"{{}} must be one of {sorted(TAGS)}", got=getattr(req, field))
         if req.source_lang is not None and req.source_lang == req.target_lang:
             raise reject("target_lang", f"{{}} must differ from {req.field_names.get('source_lang', 'source_lang')}")
         max_src = self.engine.max_source_len
