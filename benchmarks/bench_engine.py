@@ -118,7 +118,8 @@ async def run_ours(args, mode: str, dtype: str, quantization: str = "none") -> d
         dtype = f"{dtype}+{quantization}"
     # a compiled step needs >= 2 slots (service/engine/compiled.py); one client uses one of them
     cfg = EngineConfig(max_slots=max(args.clients, 2), max_seq_len=args.prompt[1] + args.output[1] + 1, mode=mode,
-                       dtype=dtype.split("+")[0], threads=args.threads, max_waiting=args.requests + 1,
+                       dtype=dtype.split("+")[0], threads=args.threads, decode_threads=args.decode_threads,
+                       max_waiting=args.requests + 1,
                        prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
                        kv_dtype=args.kv_dtype, prefill_max_padding=args.prefill_max_padding, compile=args.compile,
                        device=args.device)
@@ -198,6 +199,7 @@ def child_cmd(args, spec: str, extra: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "benchmarks.bench_engine", "--run", spec, "--clients", str(args.clients),
            "--requests", str(args.requests), "--prompt", *map(str, args.prompt), "--output", *map(str, args.output),
            "--threads", str(args.threads), "--prefill-chunk", str(args.prefill_chunk),
+           *(["--decode-threads", str(args.decode_threads)] if args.decode_threads else []),
            "--prefill-budget", str(args.prefill_budget), "--seed", str(args.seed), "--kv-dtype", args.kv_dtype,
            "--prefill-max-padding", str(args.prefill_max_padding), "--device", args.device] + (
                ["--compile"] if args.compile else [])
@@ -236,7 +238,8 @@ def device_note(device: str) -> str:
 def print_table(args, rows: list[dict]) -> None:
     import torch
 
-    print(f"Model: {rows[0]['label']}; torch threads {args.threads}; {args.clients} clients, {args.requests} "
+    borrowed = f" (decode steps of 1-2 rows: {args.decode_threads})" if args.decode_threads else ""
+    print(f"Model: {rows[0]['label']}; torch threads {args.threads}{borrowed}; {args.clients} clients, {args.requests} "
           f"requests, prompt {args.prompt[0]}-{args.prompt[1]}, output {args.output[0]}-{args.output[1]} tokens, "
           f"greedy, ignore_eos, seed {args.seed}; {platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}{device_note(args.device)}\n")
@@ -265,6 +268,9 @@ def main() -> None:
     ap.add_argument("--peers", nargs="*", default=[],
                     help="e.g. hf:float32 hf:bfloat16 ct2:float32 ct2:int8 (same weights, static batches)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads; CTranslate2 intra_threads")
+    ap.add_argument("--decode-threads", type=int, default=None,
+                    help="EngineConfig.decode_threads: threads a decode step of 1-2 rows borrows (as served: 2 "
+                         "with --threads 1)")
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--prefill-budget", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
