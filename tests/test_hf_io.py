@@ -31,26 +31,20 @@ def _tokens(cfg, t=12):
     return torch.randint(0, cfg.vocab_size, (2, t))
 
 
-@pytest.mark.parametrize("cfg", [TINY_LLAMA, LLAMA_BIAS], ids=["llama", "llama-bias-untied"])
-def test_llama_export_loads_in_transformers_with_same_logits(tmp_path, cfg):
+def _max_diff(ours, theirs, x) -> float:
+    with torch.no_grad():
+        return (ours(x) - theirs(x).logits).abs().max().item()
+
+
+@pytest.mark.parametrize("cfg", [TINY_LLAMA, LLAMA_BIAS, TINY_GPT2], ids=["llama", "llama-bias-untied", "gpt2"])
+def test_export_loads_in_transformers_with_same_logits(tmp_path, cfg):
     ours = _random(cfg)
     export_hf(ours, tmp_path)
-    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    x = _tokens(cfg)
-    with torch.no_grad():
-        diff = (ours(x) - theirs(x).logits).abs().max().item()
-    assert diff < 1e-4
-
-
-def test_gpt2_export_loads_in_transformers_with_same_logits(tmp_path):
-    ours = _random(TINY_GPT2)
-    export_hf(ours, tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gpt2"
-    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    x = _tokens(TINY_GPT2)
-    with torch.no_grad():
-        diff = (ours(x) - theirs(x).logits).abs().max().item()
-    assert diff < 1e-4
+    kind = "gpt2" if cfg is TINY_GPT2 else "llama"
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == kind
+    cls = transformers.GPT2LMHeadModel if kind == "gpt2" else transformers.LlamaForCausalLM
+    theirs = cls.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert _max_diff(ours, theirs, _tokens(cfg)) < 1e-4
 
 
 @pytest.mark.parametrize("cfg", [TINY_LLAMA, LLAMA_BIAS, TINY_GPT2], ids=["llama", "llama-bias", "gpt2"])
@@ -65,35 +59,22 @@ def test_import_round_trips_exactly(tmp_path, cfg):
         assert torch.equal(a[k], b[k]), k
 
 
-def test_import_of_a_transformers_saved_model(tmp_path):
-    """A checkpoint 'trained elsewhere': built and saved by transformers itself."""
+@pytest.mark.parametrize("shard", [None, "8KB"], ids=["one-file", "sharded"])
+def test_import_of_a_transformers_saved_model(tmp_path, shard):
+    """A checkpoint 'trained elsewhere': built and saved by transformers itself, in one file or in shards
+    (model.safetensors.index.json + its files), as larger checkpoints come."""
     hf_cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                       rope_theta=5000.0, tie_word_embeddings=False)
     torch.manual_seed(2)
     theirs = transformers.LlamaForCausalLM(hf_cfg).eval()
-    theirs.save_pretrained(tmp_path)
+    theirs.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    sharded = (tmp_path / "model.safetensors.index.json").is_file()
+    assert sharded == bool(shard) and (tmp_path / "model.safetensors").exists() != sharded
+    assert not shard or len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
     ours = import_hf(tmp_path)
     assert ours.cfg.rope_theta == 5000.0 and ours.cfg.kv_heads == 2
-    x = torch.randint(0, 50, (2, 10))
-    with torch.no_grad():
-        assert (ours(x) - theirs(x).logits).abs().max().item() < 1e-4
-
-
-def test_import_of_a_sharded_transformers_folder(tmp_path):
-    """A folder saved in shards (model.safetensors.index.json + its files), as larger checkpoints come."""
-    hf_cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=False)
-    torch.manual_seed(3)
-    theirs = transformers.LlamaForCausalLM(hf_cfg).eval()
-    theirs.save_pretrained(tmp_path, max_shard_size="8KB")
-    assert (tmp_path / "model.safetensors.index.json").is_file() and not (tmp_path / "model.safetensors").exists()
-    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
-    ours = import_hf(tmp_path)
-    x = torch.randint(0, 50, (2, 10))
-    with torch.no_grad():
-        assert (ours(x) - theirs(x).logits).abs().max().item() < 1e-4
+    assert _max_diff(ours, theirs, torch.randint(0, 50, (2, 10))) < 1e-4
 
 
 def test_unsupported_layouts_are_named(tmp_path):
