@@ -160,6 +160,32 @@ def test_a_callers_next_request_joins_the_next_step():
     assert run(main) == [0, 0, 0]
 
 
+def test_the_next_step_is_planned_before_a_stream_reads_its_token():
+    """While no request has ended, the engine plans and starts the next step before it yields to the event
+    loop: a reader's work on the token just delivered (Serve's, the HTTP response's) then runs beside the
+    step's compute instead of before it. So by the time the stream sees a token, the next step is planned."""
+    class Plans(StepHooks):
+        def __init__(self):
+            self.n = 0
+
+        def on_plan(self, plan):
+            self.n += 1
+
+    async def main(engine):
+        engine.hooks = hooks = Plans()
+        seen = []  # plans made when each token reached the reader
+        async for ev in engine.submit(TARGET):
+            if ev.token_ids:
+                seen.append(hooks.n)
+        return seen
+
+    seen = run(main)
+    assert len(seen) == TARGET.params.max_new_tokens
+    # the prompt prefills in 3 chunks (prefill_chunk 8 of 21 tokens), the 3rd gives the first token; every
+    # token but the last is read after the plan of the step that decodes the next one
+    assert seen[:-1] == [4 + i for i in range(len(seen) - 1)]
+
+
 def test_stop_string_cut_exactly_across_tokens():
     free = run(lambda e: collect(e, TARGET))[0]
     stop = free[10:13]  # three characters = three tokens: matched across token boundaries

@@ -139,15 +139,20 @@ class EngineLoop:
 
     # --- schedule ----------------------------------------------------------------------------
     async def _run(self) -> None:
+        finished = self.requests_finished
         while not self._stopping:
             try:
                 if not self.scheduler.has_work:
                     await self._idle()
                     continue
                 self.busy.set(True)
-                # one turn of the event loop first: callers that the last _deliver woke (a finished request's
-                # client sending its next one) submit now and are admitted by this plan, not one step later
-                await asyncio.sleep(0)
+                if self.requests_finished != finished:
+                    # one turn of the event loop first: a caller the last _deliver finished (a closed-loop
+                    # client sending its next request) submits now and is admitted by this plan, not one step
+                    # later. Otherwise plan at once: the streams' work on the tokens just delivered (Serve's
+                    # and the HTTP response's) then runs while the step computes, not before it
+                    finished = self.requests_finished
+                    await asyncio.sleep(0)
                 await self._turn()
             except Exception as e:  # a bug outside the step (planning, delivery, a hook, a metrics sink):
                 # without this the task would end and every request, current or later, would wait forever
