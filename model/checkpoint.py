@@ -143,10 +143,9 @@ _init_lock = threading.Lock()
 
 @contextlib.contextmanager
 def _weights_left_uninitialised():
-    """While a model is built only to be loaded, `nn.init`'s functions leave tensors as allocated: load_state
-    overwrites every parameter and persistent buffer (it refuses a file that misses one), and drawing
-    SmolLM2's 135M weights at random first was a large part of a start's loading time (docs/decisions.md).
-    Process-wide while it lasts: no other thread builds a model meanwhile (a loader's process loads only)."""
+    """While a model is built only to be loaded, `nn.init` leaves tensors as allocated: drawing them is wasted
+    time, load_state overwrites every parameter and persistent buffer (it refuses a file missing one).
+    Process-wide while it lasts: a loader's process builds no other model meanwhile."""
     with _init_lock:
         saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
         for name in _INIT_FUNCTIONS:
