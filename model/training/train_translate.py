@@ -176,10 +176,8 @@ def _example(tok, src: str, tgt: str, lang: str, max_len: int, extra_tag: int | 
 
 
 def make_batches(examples, batch_tokens: int, rng: random.Random, multiple: int = 1) -> list[list[int]]:
-    """Group examples of similar length; each batch holds ~batch_tokens (padded) tokens.
-
-    Sorted by source then target length: sorted by the source alone, targets (either language) were
-    largely padding (docs/decisions.md). With `multiple` > 1, see `shaped_batches`."""
+    """Group examples of similar length, ~batch_tokens (padded) tokens a batch, sorted by source then target
+    length so that neither side is mostly padding. With `multiple` > 1, see `shaped_batches`."""
     if multiple > 1:
         return shaped_batches(examples, batch_tokens, rng, multiple)
     order = sorted(range(len(examples)), key=lambda i: (len(examples[i][0]), len(examples[i][1]), rng.random()))
@@ -545,12 +543,8 @@ def finished(meta: dict, cfg: TrainConfig) -> bool:
 
 
 def warm_start(model, ckpt: Path) -> dict:
-    """Continue from a shipped checkpoint (weights only: its optimizer state is not shipped).
-
-    The step, epoch, hours and token counters carry on from the checkpoint's training record, so the
-    learning-rate schedule and the logs continue where that run stopped; `rewarm_steps` ramps the
-    rate up again because Adam's moments start from zero.
-    """
+    """Continue from a shipped checkpoint's weights (its optimizer state is not shipped) and its training
+    record's counters, so the lr schedule (re-warmed: Adam's moments start from zero) and the logs go on."""
     from model.checkpoint import load_state as load_weights
     from model.checkpoint import read_config
 
@@ -567,12 +561,9 @@ def warm_start(model, ckpt: Path) -> dict:
 
 
 def widen_feed_forward(model, weights: Path) -> None:
-    """Load a checkpoint whose feed-forward layers are narrower than `model`'s, computing the same function.
-
-    The checkpoint's units fill the first rows of each `fc` and the first columns of each `proj`; the new
-    units keep `fc`'s fresh initialisation and get zero `proj` columns, so they add nothing until training
-    moves them (a Net2Net-style widening: the recipe gains capacity without losing what was learnt).
-    """
+    """Load a checkpoint with narrower feed-forward layers, computing the same function (Net2Net-style): its
+    units fill the first rows of each `fc` and columns of each `proj`; the new units get zero `proj`
+    columns, so they add nothing until training moves them."""
     from safetensors.torch import load_file
 
     state = load_file(str(weights))
