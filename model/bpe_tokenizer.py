@@ -78,7 +78,7 @@ class BPETokenizer:
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         # without the digit split, spaces before a digit lose their merge: "a  1" -> a Ġ Ġ 1, not a ĠĠ 1
         tk.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                            if tok.get("pre") in DIGITS_FIRST_PRE else byte_level)
+                            if pre in DIGITS_FIRST_PRE else byte_level)
         tk.decoder = decoders.ByteLevel()
         tk.post_processor = processors.ByteLevel(trim_offsets=False)
         specials = [t for t, ty in zip(tokens, types, strict=True) if ty == CONTROL]
