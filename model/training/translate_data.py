@@ -159,11 +159,7 @@ def read_raw(wheel: Wheel) -> list[tuple[str, str, str]]:
 
 def split_of(en: str, zh: str) -> str:
     bucket = int(hashlib.sha1(f"{en}\t{zh}".encode()).hexdigest(), 16) % SPLIT_BUCKETS
-    if bucket in TEST_BUCKETS:
-        return "test"
-    if bucket in DEV_BUCKETS:
-        return "dev"
-    return "train"
+    return "test" if bucket in TEST_BUCKETS else "dev" if bucket in DEV_BUCKETS else "train"
 
 
 def clean(rows) -> tuple[dict[str, list[tuple[str, str]]], Counter]:
