@@ -100,16 +100,19 @@ class IncrementalDetokenizer:
         if token_id in self.skip:
             return ""
         self.ids.append(int(token_id))
-        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self.tok.decode(self.ids[self.prefix_offset:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        delta = self._unread_text()
+        if delta and not delta.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)  # the window slides on
-            return new_text[len(prefix_text):]
+            return delta
         return ""
 
     def flush(self) -> str:
         """Whatever is left at the end (may contain U+FFFD if the stream ended mid-character)."""
-        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self.tok.decode(self.ids[self.prefix_offset:])
+        delta = self._unread_text()
         self.prefix_offset = self.read_offset = len(self.ids)
-        return new_text[len(prefix_text):]  # "" where the text did not grow
+        return delta
+
+    def _unread_text(self) -> str:
+        """The text the unread tokens add to the window's ("" where it did not grow)."""
+        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
+        return self.tok.decode(self.ids[self.prefix_offset:])[len(prefix_text):]
