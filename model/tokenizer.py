@@ -49,10 +49,8 @@ class SentencePieceTokenizer:
     def train(cls, texts: Iterable[str], prefix: str | Path, vocab_size: int, *,
               model_type: str = "unigram", user_symbols: Iterable[str] = (),
               num_threads: int | None = None, input_sentence_size: int = 0) -> SentencePieceTokenizer:
-        """Train on an iterable of sentences; writes `<prefix>.model` and returns it loaded.
-
-        Ids: pad=0, bos=1, eos=2, unk=3, then user symbols, then learned pieces.
-        """
+        """Train on `texts`, write `<prefix>.model` and load it. Ids: pad=0, bos=1, eos=2, unk=3, then user
+        symbols, then learned pieces."""
         import sentencepiece as spm
 
         spm.SentencePieceTrainer.train(
