@@ -251,14 +251,13 @@ def punctuation_counts(text: str) -> tuple[int, int]:
     an Arabic ordinal opening the text ("30. 最后") is not counted: Chinese writes it "30." (GB/T 15834)."""
     full = sum(text.count(c) for c in "，。：；？！“”（）")
     ascii_ = 0
-    chars = list(text)
-    for i, c in enumerate(chars):
+    for i, c in enumerate(text):
         if c in ',.:;?!()"':
-            prev, nxt = chars[i - 1] if i else "", chars[i + 1] if i + 1 < len(chars) else ""
+            prev, nxt = text[i - 1] if i else "", text[i + 1] if i + 1 < len(text) else ""
             if prev.isdigit() and nxt.isdigit():
                 continue
             if c == "." and re.fullmatch(r"\s*\d{1,3}", text[:i]):
                 continue
-            if _CJK.match(_neighbour(chars, i, -1) or "") or _CJK.match(_neighbour(chars, i, 1) or ""):
+            if _CJK.match(_neighbour(text, i, -1) or "") or _CJK.match(_neighbour(text, i, 1) or ""):
                 ascii_ += 1
     return full, ascii_
