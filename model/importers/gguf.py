@@ -248,8 +248,7 @@ def config_from_metadata(meta: dict, path: Path) -> DecoderConfig:
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's `permute` of Q/K rows: (n_heads*D, d) in pairs-interleaved order -> rotate-half order."""
-    out_dim = w.shape[0]
-    half = out_dim // n_heads // 2
+    half = w.shape[0] // n_heads // 2
     # llama.cpp wrote rows as (head, half, 2); the original order is (head, 2, half)
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
@@ -282,7 +281,6 @@ def _tensors(reader, path: Path, show_progress: bool = False) -> dict[str, torch
 
 def state_from_gguf_tensors(g: dict[str, torch.Tensor], cfg: DecoderConfig, path: Path) -> dict[str, torch.Tensor]:
     """llama.cpp tensor names -> our DecoderLM parameter names (fused qkv and gate_up)."""
-
     used = set()
 
     def take(name):
@@ -327,7 +325,7 @@ def load_gguf(path: str | Path, show_progress: bool = False) -> GGUFModel:
     try:
         reader = _open(path)
         check_metadata_types(reader, path)
-        meta = {k: f.contents() for k, f in reader.fields.items()}  # all metadata as Python values
+        meta = {k: f.contents() for k, f in reader.fields.items()}
         cfg = config_from_metadata(meta, path)
         g = _tensors(reader, path, show_progress)
         if "output.weight" in g:
