@@ -14,6 +14,7 @@ Lines printed while a bar is drawn go through `write_line`, which lifts the bar 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -91,10 +92,8 @@ class PlainProgress:
                  unit: str = "it", unit_scale: bool = False, initial: float = 0, file=None,
                  interval_s: float = DEFAULT_INTERVAL_S):
         if total is None and iterable is not None:
-            try:
+            with contextlib.suppress(TypeError, AttributeError):  # an iterable without a length
                 total = len(iterable)  # type: ignore[arg-type]
-            except (TypeError, AttributeError):
-                total = None
         self.iterable, self.desc, self.total, self.unit, self.unit_scale = iterable, desc, total, unit, unit_scale
         self.n = self.initial = initial
         self.file = file if file is not None else sys.stderr
