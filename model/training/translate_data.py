@@ -233,8 +233,7 @@ def fit_length_model(docs: dict[str, tuple[list[str], list[str], bool]]) -> alig
 def aligned_pairs(zh_paras: list[str], en_paras: list[str], lm: align.LengthModel,
                   counts: Counter) -> tuple[list[tuple[str, str]], set[int]]:
     """Sentence pairs of one document, cleaned (counts every step), and the paragraphs holding a dropped
-    1-3 or 3-1 bead: mostly Chinese subtitles without 。, one "sentence" against several English ones,
-    where the paragraph pair itself is sound (`paragraph_pairs`)."""
+    1-3 or 3-1 bead, whose paragraph pair may still be sound (`paragraph_pairs`)."""
     out, uneven = [], ([], [])
     for zh, en, bead in align.align_document(zh_paras, en_paras, lm):
         counts[f"bead_{bead.kind}"] += 1
