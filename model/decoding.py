@@ -152,7 +152,7 @@ class BeamState:
     def choose(self, top_s: list[float], top_i: list[int], v: int) -> list[int]:
         """The step's 2k best candidates (scores, indices into the flattened (k, V)) -> parent index of each
         of the k new hypotheses; sets `done` when decoding has ended."""
-        new_seqs, new_scores, new_last, parents = [], [], [], []
+        new_seqs, new_scores, parents = [], [], []
         for s, idx in zip(top_s, top_i, strict=True):
             parent, tok = divmod(idx, v)
             if s == NEG_INF:
@@ -164,7 +164,6 @@ class BeamState:
                 continue
             new_seqs.append(toks + [tok])
             new_scores.append(s)
-            new_last.append(tok)
             parents.append(parent)
             if len(new_seqs) == self.k:
                 break
@@ -177,9 +176,9 @@ class BeamState:
         while len(new_seqs) < self.k:  # pad with dead beams
             new_seqs.append([])
             new_scores.append(NEG_INF)
-            new_last.append(self.pad_id)
             parents.append(0)
-        self.seqs, self.scores, self.last = new_seqs, new_scores, new_last
+        self.seqs, self.scores = new_seqs, new_scores
+        self.last = [seq[-1] if seq else self.pad_id for seq in new_seqs]  # a live hypothesis is never empty
         self.step += 1
         return parents
 
