@@ -73,13 +73,9 @@ _ITEM_LABEL = re.compile(r"[(（]?(?:\d{1,3}|[IVXivx]{1,5})[.)）]")  # "1." / "
 def split_sentences(text: str) -> list[str]:
     """Split one line of text into sentences; each is translated as its own item and the outputs are joined
     again (`join_sentences`)."""
-    parts, start = [], 0
-    for m in _SENT_END.finditer(text):
-        parts.append(text[start:m.end()])
-        start = m.end()
-    parts.append(text[start:])
+    ends = [m.end() for m in _SENT_END.finditer(text)]
     out: list[str] = []
-    for p in (p.strip() for p in parts):
+    for p in (text[a:b].strip() for a, b in zip([0, *ends], [*ends, len(text)], strict=True)):
         if not p:
             continue
         if out and (_ABBREV.search(out[-1]) or _ITEM_LABEL.fullmatch(out[-1])
