@@ -31,7 +31,7 @@ _URL_PART = r"(?:\([^\s()\u3000-\u303f\uff00-\uffef" + _CJK_CHARS + r"]*\)|" + _
 _LINK = (r"(?:https?://|www\.)" + _URL_PART + r"*?(?=[.,:;!?)\]'\"]*(?:\s|$|[^\x00-\x7f]))"
          # an address starts where a run of its characters starts: scanning from inside a long run is quadratic
          r"|(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+")
-_LINKS = re.compile(_LINK, re.IGNORECASE)
+_LINKS = re.compile(f"({_LINK})", re.IGNORECASE)  # a group: split() keeps the links
 # A call with ASCII inside is code, not a name with a note in brackets.
 # a call starts after no name character, or after a "." that follows none ("f(x).g()", "df[0].sum()")
 _PROTECTED = re.compile(_LINK + r"|(?:(?<![A-Za-z0-9_.])|(?<=[^A-Za-z0-9_.]\.))[A-Za-z_][A-Za-z0-9_.]*\([ -'*-~]*\)",
@@ -51,11 +51,7 @@ def is_link(text: str) -> bool:
 def split_links(text: str) -> list[str]:
     """The text cut around its URLs and e-mail addresses: prose and links alternate, each stripped, empty pieces
     dropped. (Code calls stay in the prose: "s.2(1)" in legal text looks like one.)"""
-    out, start = [], 0
-    for m in _LINKS.finditer(text):
-        out += [text[start:m.start()], m.group()]
-        start = m.end()
-    return [p for p in (s.strip() for s in [*out, text[start:]]) if p]
+    return [p for p in (s.strip() for s in _LINKS.split(text)) if p]
 
 
 _ABBREV = re.compile(r"(?:\b(?i:Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|No|Nos|Inc|Ltd|Co|Corp|vs|etc|e\.g|i\.e|a\.m|p\.m|cf|Cap)"
