@@ -59,6 +59,7 @@ TED_HELDOUT_SENTENCES = 1000  # per held-out split, whole talks until at least t
 MAX_ALIGN_DELTA = 2.5  # sentence beads whose length difference is further out are dropped
 SHORT_SHARE = 0.12  # dictionary + terminology pairs at most this share of the training pairs
 OUTPUT_SPLITS = ("train", "dev", "test", "ted_dev", "ted_test")
+COUNT_GROUPS = ("hk", "ted", "ted_paragraphs", "xi", "thought", "cedict", "total")  # stats.json's counts, as printed
 
 _CJK = re.compile(r"[\u3400-\u9fff]")
 _BROKEN = re.compile(r"[\ufffd\u0000-\u0008\u000b-\u001f\u007f-\u009f\ue000-\uf8ff]")
@@ -388,8 +389,7 @@ def _one(wheel: Wheel, path: str) -> str:
 def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
           ) -> tuple[dict[str, list[tuple[str, str]]], list[str], dict]:
     """All splits, the source of each training pair, and the counts per source and step."""
-    counts: dict[str, Counter] = {s: Counter() for s in ("hk", "ted", "ted_paragraphs", "xi", "thought", "cedict",
-                                                         "total")}
+    counts: dict[str, Counter] = {s: Counter() for s in COUNT_GROUPS}
 
     print("hk: reading the HK Financial and Legal corpora ...", file=sys.stderr, flush=True)
     hk, counts["hk"] = clean(read_raw(wheel))
@@ -531,7 +531,7 @@ def _write_whole(path: Path, text: str) -> None:
 
 
 def print_stats(stats: dict) -> None:
-    for source in ("hk", "ted", "ted_paragraphs", "xi", "thought", "cedict", "total"):
+    for source in COUNT_GROUPS:
         print(f"{source}:")
         for k, v in stats[source].items():
             print(f"  {k:34s} {v:8d}")
