@@ -434,7 +434,7 @@ def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
     splits = {"dev": hk["dev"], "test": hk["test"], "ted_dev": ted["ted_dev"], "ted_test": ted["ted_test"]}
 
     # training pairs: no side of a held-out pair (beyond a few words), no duplicates
-    held = {x for s in ("dev", "test", "ted_dev", "ted_test") for p in splits[s] for x in p if _long_enough(x)}
+    held = {x for heldout in splits.values() for p in heldout for x in p if _long_enough(x)}
     train, sources = [], []
     seen_pairs: set[tuple[str, str]] = set()
 
