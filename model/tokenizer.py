@@ -79,13 +79,10 @@ class SentencePieceTokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas that never split a UTF-8 character.
-
-    Decodes a short window of recent tokens and emits only text that is stable: a delta ending in
-    U+FFFD (a partial multi-byte character, as byte-level and byte-fallback tokenizers produce) is
-    held back until the next token completes it. Works for SentencePiece (leading-space markers) and
-    byte-level BPE alike, because it compares decoded text of the same window.
-    """
+    """Token ids -> text deltas that never split a UTF-8 character: a delta of a short window of recent tokens
+    ending in U+FFFD (a partial character, as byte-level and byte-fallback tokenizers produce) is held back
+    until the next token completes it. Decoding the same window both times suits SentencePiece's leading-space
+    markers and byte-level BPE alike."""
 
     def __init__(self, tokenizer: Tokenizer, skip_ids: Iterable[int] = ()):
         self.tok = tokenizer
