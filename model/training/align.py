@@ -48,14 +48,9 @@ def split_english(paragraph: str) -> list[str]:
 
 def split_chinese(paragraph: str) -> list[str]:
     """Sentences of a Chinese paragraph: after 。！？ (with closing quotes), or at …… followed by a space."""
-    out, start = [], 0
-    for m in _ZH_BOUNDARY.finditer(paragraph):
-        if m.end() == len(paragraph):
-            break
-        out.append(paragraph[start:m.end()].strip())
-        start = m.end()
-    out.append(paragraph[start:].strip())
-    return [s for s in out if s]
+    ends = [m.end() for m in _ZH_BOUNDARY.finditer(paragraph) if m.end() < len(paragraph)]
+    cuts = zip([0, *ends], [*ends, len(paragraph)], strict=True)
+    return [s for s in (paragraph[a:b].strip() for a, b in cuts) if s]
 
 
 def length(text: str) -> int:
