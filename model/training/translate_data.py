@@ -220,10 +220,8 @@ def paragraphs(text: str) -> tuple[list[str], list[str], bool]:
 def fit_length_model(docs: dict[str, tuple[list[str], list[str], bool]]) -> align.LengthModel:
     """Fit on adjacent paragraphs (most files alternate English / Chinese), then refit on the 1-1
     sentence beads those parameters give. Each document then refits its own c (align_document)."""
-    pairs = []
-    for zh, en, _ in docs.values():
-        pairs += [(align.length(z), align.length(e)) for z, e in zip(zh, en)]
-    lm = align.LengthModel.fit(pairs)
+    lm = align.LengthModel.fit([(align.length(z), align.length(e))
+                                for zh, en, _ in docs.values() for z, e in zip(zh, en)])
     beads = []
     for zh, en, _ in progress(docs.values(), desc="ted: fitting the length model", unit="talk"):
         beads += [(align.length(z), align.length(e)) for z, e, b in align.align_document(zh, en, lm, own_ratio=False)
