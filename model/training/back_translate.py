@@ -48,10 +48,9 @@ Translate = Callable[[list[str], str, Callable[[int], None]], list[str]]
 def reject_reason(sentence: str, lang: str) -> str | None:
     """Why a monolingual sentence is left out of the sample (a counter's name), or None to keep it."""
     if lang == "zh":
-        n_cjk = len(_CJK.findall(sentence))
         if not 8 <= len(sentence) <= 100:
             return "dropped_length"
-        return "dropped_not_chinese" if n_cjk < 0.6 * len(sentence) else None
+        return "dropped_not_chinese" if len(_CJK.findall(sentence)) < 0.6 * len(sentence) else None
     words = sentence.split()
     if not 5 <= len(words) <= 40:
         return "dropped_length"
