@@ -466,8 +466,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
                 win_loss += loss.item()
                 win_n += 1
                 bar.update(1)
-                stalled = clock.tick()
-                if stalled:
+                if stalled := clock.tick():
                     log(event="stalled", step=step, seconds=round(stalled), note="not counted as training time")
                     win_t += stalled  # nor in the pace the log and the progress bar's total come from
                 meta["train_seconds"] = clock.seconds
