@@ -11,6 +11,7 @@ implement `_plan` (event loop), `_execute` (worker thread), `_deliver` (event lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -167,10 +168,8 @@ class EngineLoop:
         # exporting a worker that has reported nothing for a while)
         self.sink.on_step(self.name, 0, 0.0, 0, 0)
         self._wakeup.clear()
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wakeup.wait(), IDLE_REPORT_S)
-        except TimeoutError:
-            pass
 
     async def _turn(self) -> None:
         await self.scheduler.wait_for_batch()
