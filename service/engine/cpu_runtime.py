@@ -1,30 +1,22 @@
 """CPU runtime settings the engine needs to run at speed: OpenMP thread placement and glibc malloc.
 
 ## One thread runs torch in parallel
-torch's CPU ops run on libgomp (GNU OpenMP), which keeps a separate pool of worker threads for each
-thread that starts parallel regions. Once a second pool exists (say, the model was loaded on the main
-thread with 2 torch threads, and the engine steps on its own worker thread with 2 threads), every
-parallel region pays for it: a decode step on two threads became slower than on one (docs/decisions.md).
-So: an engine sets its thread count *inside* its
-worker thread (`init_engine_thread`), and loaders run torch single-threaded in the calling thread
-(`single_threaded_caller`), so that no other thread ever creates a pool. Two engines in one process
-with threads > 1 each bring the problem back: give each engine 1 thread there (the Serve default).
+libgomp keeps a pool of worker threads for each thread that starts parallel regions, and once a second
+pool exists every parallel region pays for it (docs/decisions.md). So an engine sets its thread count
+*inside* its worker thread (`init_engine_thread`), and loaders run torch single-threaded in the calling
+thread (`single_threaded_caller`). Two engines in one process with threads > 1 each bring the problem
+back: give each engine 1 thread there (the Serve default).
 
 ## More threads while the host is idle
-An engine steps on few threads so that replicas and the HTTP proxy each keep a core. A step that only
-prefills a prompt (nothing decoding) may borrow the others (`EngineConfig.prefill_threads`) while no
-other engine on the host has work (`BusyBoard`), so a busy neighbour is not made to share its core (a
-parallel region waits for its slowest thread). The host's runnable-thread count (`/proc/loadavg`) was
-no such signal: the proxy, Ray's threads and the client made it 2-6 at one stream.
+An engine steps on few threads so that replicas and the HTTP proxy each keep a core. A step may borrow
+the others (`EngineConfig.prefill_threads`, `decode_threads`) only while no other engine on the host has
+work (`BusyBoard`): a parallel region waits for its slowest thread, so a busy neighbour must keep its core.
 
 ## Large allocations from the heap
-glibc serves allocations above its mmap threshold with a new mmap and returns them to the kernel on
-free, so every decode step that allocates multi-MB activations (the K/V slices of 30 layers, logits)
-pays page faults on freshly zeroed pages (the step time they cost: docs/decisions.md). The usual fix for
-PyTorch CPU inference is jemalloc/tcmalloc via LD_PRELOAD; `mallopt` gets the same effect for these
-sizes without a preload. The cost: up to TRIM_BYTES of freed memory stays mapped in the process.
-
-Off with ATTNSERVE_MALLOPT=0; a no-op where glibc's mallopt is not available (macOS, musl).
+glibc maps allocations above its mmap threshold afresh and unmaps them on free, so a step's multi-MB
+activations pay page faults on zeroed pages each time (docs/decisions.md). `mallopt` raises the
+thresholds, as jemalloc/tcmalloc via LD_PRELOAD would for these sizes; up to TRIM_BYTES of freed memory
+stays mapped. Off with ATTNSERVE_MALLOPT=0; a no-op where glibc's mallopt is not available (macOS, musl).
 """
 
 from __future__ import annotations
@@ -163,11 +155,8 @@ def torch_threads(n: int | None):
 
 
 def single_threaded_caller() -> None:
-    """Run torch single-threaded in the calling thread from now on (e.g. before loading a model there).
-
-    Not undone later on purpose: this thread parallelising any op would create the second OpenMP pool
-    that slows the engine thread (see the module docstring).
-    """
+    """Run torch single-threaded in the calling thread from now on (e.g. before loading a model there);
+    never undone: a parallel op here would create the second OpenMP pool that slows the engine thread."""
     import torch
 
     default_threads()
