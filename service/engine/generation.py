@@ -1,19 +1,13 @@
 """Continuous-batching generation engine for decoder-only models (SmolLM2 shape).
 
-Each step, on the event loop, the scheduler (service/engine/scheduler.py) drops cancelled and timed-out
-choices, admits waiting requests into free slots (a request's n choices together) by the engine's mode,
-and packs the running choices into slots [0, n). Then, in the worker thread, the runner
-(service/engine/decoder_runner.py) prefills prompt chunks (at most `prefill_chunk` tokens per choice,
-`prefill_budget` per step, so running streams keep decoding) and decodes one token for every running
-choice; per-request sampling picks the tokens, and the output processor
-(service/engine/generation_output.py) turns them into text and events.
-
-A request for n choices is admitted with n slots at once; its first choice prefills the prompt and the
-others get a copy of that K/V and sample their first token from the same logits (`_prompt_done`).
-Requests that ask for log-probabilities get them here, computed only for their rows
-(service/engine/logprobs.py); a request scoring its prompt prefills alone with every position's logits.
-A request with a JSON schema has a grammar matcher per choice: its rows' logits are masked before
-sampling and it stops when the JSON is complete (service/engine/structured.py); other rows pay nothing.
+Each step the scheduler (service/engine/scheduler.py, on the event loop) drops cancelled and timed-out
+choices, admits waiting requests (a request's n choices together) and packs the running choices into
+slots [0, n); in the worker thread the runner (service/engine/decoder_runner.py) prefills prompt chunks
+(`prefill_chunk` per choice, `prefill_budget` per step, so running streams keep decoding) and decodes one
+token for every running choice, and the output processor (service/engine/generation_output.py) turns the
+sampled tokens into text and events. A request's first choice prefills the prompt, the others copy its K/V
+(`_prompt_done`). Log-probabilities (service/engine/logprobs.py) and JSON-schema masks
+(service/engine/structured.py) are computed only for the rows that ask.
 """
 
 from __future__ import annotations
