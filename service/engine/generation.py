@@ -360,12 +360,9 @@ class GenerationEngine(EngineLoop):
         hist = [s.prompt + s.output if s.params.repetition_penalty != 1.0 else [] for s in rows]
         outs = [s.output if s.params.presence_penalty or s.params.frequency_penalty else [] for s in rows]
         toks = sample_next(x, params, [s.generator for s in rows], hist, outs)
-        lps: list[TokenLogprob | None] = [None] * len(rows)
-        if ask:
-            got = sampled_logprobs(raw, [toks[i] for i in ask], [params[i].logprobs for i in ask])
-            for i, lp in zip(ask, got, strict=True):
-                lps[i] = lp
-        return toks, lps
+        got = dict(zip(ask, sampled_logprobs(raw, [toks[i] for i in ask], [params[i].logprobs for i in ask]),
+                       strict=True))
+        return toks, [got.get(i) for i in range(len(rows))]
 
     def _prompt_done(self, seq: Sequence) -> list[Sequence]:
         """`seq` has prefilled its prompt: fork its K/V to the request's other choices (worker thread);
