@@ -389,7 +389,6 @@ class GenerationEngine(EngineLoop):
                 self._finish(seq, *seq.done)
                 self.prefixes.freed_slot(seq.slot, seq.cached_ids)
                 self.scheduler.release(seq)
-        self.scheduler.drop_released()
 
     def _fail_plan(self, step: _Step, error: EngineError) -> None:
         """Fail every request the step touched, all its choices (those waiting for a fork too), and, when it
@@ -403,7 +402,6 @@ class GenerationEngine(EngineLoop):
             for s in seq.group:
                 self._fail_unit(s, "error", error)
                 self.scheduler.release(s)
-        self.scheduler.drop_released()
 
     def _fail_unit(self, seq: Sequence, reason: str, error: Exception) -> None:
         if seq.finish_reason is None:  # a choice already ended was counted then

@@ -185,9 +185,10 @@ class EngineLoop:
         except Exception as e:  # a bug or a model error: fail this step's requests, keep serving
             log.exception("engine %s step failed", self.name)
             self._fail_plan(plan, EngineError(f"engine {self.name} step failed: {type(e).__name__}: {e}"))
-            return
-        self.steps += 1
-        self._deliver(result)
+        else:
+            self.steps += 1
+            self._deliver(result)
+        sched.drop_released()  # forget the work whose slots either released
 
     def _step(self, plan: Any) -> Any:
         try:
@@ -238,9 +239,11 @@ class EngineLoop:
         raise NotImplementedError
 
     def _deliver(self, result: Any) -> None:
+        """Hand out the step's results, releasing the slots of the work that ended."""
         raise NotImplementedError
 
     def _fail_plan(self, plan: Any, error: EngineError) -> None:
+        """Fail the work a failed step touched, releasing its slots."""
         raise NotImplementedError
 
     def _fail_unit(self, unit: Any, reason: str, error: Exception) -> None:

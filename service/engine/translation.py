@@ -211,7 +211,6 @@ class TranslationEngine(EngineLoop):
             request.completion_tokens += len(tokens)
             if None not in request.outputs:
                 self._end(request, "stop", result=request.outputs)
-        self.scheduler.drop_released()
 
     def _end(self, request: _Request, reason: str, result: list | None = None, error: Exception | None = None):
         """Settle a request's future (unless its client cancelled it) and count it, once, as finished for
@@ -233,7 +232,6 @@ class TranslationEngine(EngineLoop):
         for s in step.sentences:
             self.scheduler.release(s)
             self._end(s.request, "error", error=error)
-        self.scheduler.drop_released()
 
     def _fail_unit(self, sentence: _Sentence, reason: str, error: Exception) -> None:
         self._end(sentence.request, reason, error=error)
