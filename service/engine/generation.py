@@ -68,7 +68,6 @@ class GenerationEngine(EngineLoop):
             config.max_seq_len = model.cfg.max_seq_len  # a slot can never hold more than the model
         model = model.to(device=config.device, dtype=config.torch_dtype).eval()
         super().__init__(config, name, sink, DecoderRunner(model, config), "requests")
-        self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         # left out of the text (token_ids keep them), as vLLM's skip_special_tokens does by default

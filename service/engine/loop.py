@@ -37,6 +37,7 @@ class EngineLoop:
         self.name = name
         self.sink: MetricsSink = sink or MetricsSink()
         self.runner = runner
+        self.model = runner.model
         self.scheduler: Scheduler = Scheduler(config, SlotTable(runner.cache), noun)
         self.hooks = StepHooks()
         self.busy = BusyBoard()  # this engine's entry on the host's board (service/engine/cpu_runtime.py)

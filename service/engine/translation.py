@@ -81,7 +81,6 @@ class TranslationEngine(EngineLoop):
                  sink: MetricsSink | None = None):
         model = model.to(device=config.device, dtype=config.torch_dtype).eval()
         super().__init__(config, name, sink, Seq2SeqRunner(model, config), "sentences")
-        self.model = model
         self.cfg = model.cfg
 
     @property
