@@ -67,10 +67,6 @@ class CompletionLogprobs:
         return out
 
 
-def prompt_pairs(prompt_ids: list[int], entries: list[TokenLogprob | None]) -> list[tuple[int, TokenLogprob | None]]:
-    return list(zip(prompt_ids, entries, strict=True))
-
-
 def chat_content(texts: TokenTexts, entries: list[TokenLogprob]) -> list[dict]:
     def one(tid: int, lp: float) -> dict:
         return {"token": texts.text(tid), "logprob": lp, "bytes": list(texts.bytes(tid))}

@@ -20,7 +20,7 @@ from service.api.generation import (
     new_id,
     usage_dict,
 )
-from service.api.logprob_format import CompletionLogprobs, TokenTexts, chat_content, prompt_pairs
+from service.api.logprob_format import CompletionLogprobs, TokenTexts, chat_content
 from service.api.schemas import ChatCompletionBody, CompletionBody
 from service.api.streaming import collect, sse_stream, unless_disconnected
 from service.api.structured import response_schema
@@ -125,17 +125,19 @@ async def completions(body: CompletionBody, request: Request):
     events = gen.submit(req)
     texts = TokenTexts(gen.decode, lambda: gen.vocab_bytes, gen.hidden_ids)
     echo = prompt if body.echo else ""
+
+    def echo_pairs(prompt_lp) -> list:
+        # a choice that ended (timeout, cancel) before its prompt was scored has no prompt logprobs
+        return list(zip(ids, prompt_lp, strict=True)) if want_lp and body.echo and prompt_lp is not None else []
+
     if body.stream:
         offsets: dict[int, CompletionLogprobs] = {}
 
         def chunk(ev) -> list[dict]:
-            text, echoed, generated = ev.text, [], (ev.logprobs or []) if want_lp else []
             first = ev.index not in offsets
             state = offsets.setdefault(ev.index, CompletionLogprobs(texts))
-            if first:
-                text = echo + text
-                if want_lp and body.echo and ev.prompt_logprobs is not None:
-                    echoed = prompt_pairs(ids, ev.prompt_logprobs)
+            text, echoed = (echo + ev.text, echo_pairs(ev.prompt_logprobs)) if first else (ev.text, [])
+            generated = (ev.logprobs or []) if want_lp else []
             if not text and not echoed and not generated and ev.finish_reason is None:
                 return []
             lp = state.render(echoed, generated) if echoed or generated else None
@@ -147,11 +149,7 @@ async def completions(body: CompletionBody, request: Request):
         choices = best(choices, n)
     out = []
     for c in choices:
-        lp = None
-        if want_lp:
-            # a choice that ended (timeout, cancel) before its prompt was scored has no prompt logprobs
-            echoed = prompt_pairs(ids, c.prompt_logprobs) if body.echo and c.prompt_logprobs is not None else []
-            lp = CompletionLogprobs(texts).render(echoed, c.logprobs)
+        lp = CompletionLogprobs(texts).render(echo_pairs(c.prompt_logprobs), c.logprobs) if want_lp else None
         out.append({"index": c.index, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason})
     return _envelope(rid, "text_completion", gen.name, out, usage=usage_dict(usage))
 
