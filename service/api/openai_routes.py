@@ -163,12 +163,11 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     check_choices(gen, body.n, limits, "n")
     rid = new_id("chatcmpl")
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     ids = encode_messages(gen, body.messages, limits)
     track = (body.top_logprobs or 0) if body.logprobs else None
     schema = await response_schema(gen, body.response_format)
-    req = build_request(gen, body, ids, prompt_param="messages", max_tokens=max_tokens,
+    req = build_request(gen, body, ids, prompt_param="messages", max_tokens=getattr(body, param),
                         default_max_tokens=CHAT_DEFAULT_MAX_TOKENS, limits=limits, max_tokens_param=param,
                         **_penalties(body), n=body.n, logprobs=track, json_schema=schema)
     events = gen.submit(req)
