@@ -21,13 +21,12 @@ class EngineConfig(FromDict):
     mode: Literal["continuous", "static", "serial"] = "continuous"
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # KV cache dtype; "auto" = the weights' dtype. float32 under bf16 weights lets CPU batched matmuls read
-    # the strided slot prefixes without a copy, but end to end it measured no faster on SmolLM2 and doubles
-    # the cache (docs/decisions.md).
+    # KV cache dtype; "auto" = the weights' dtype (float32 under bf16 weights doubles the cache for no gain:
+    # docs/decisions.md)
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     threads: int | None = None  # torch threads of the engine thread; None = torch default (the cores it sees)
-    # torch threads for a step that only prefills prompts (nothing decoding) while the host has that many
-    # cores idle (service/engine/cpu_runtime.py); None = `threads`. Cuts time to first token at low load.
+    # torch threads for a step that only prefills prompts (nothing decoding) while the host's other engines
+    # are idle (service/engine/cpu_runtime.py); None = `threads`
     prefill_threads: int | None = None
     # torch threads for a step that decodes, on the same terms: one stream's tokens come faster while the
     # host's other engines are idle; None = `threads`
@@ -41,9 +40,8 @@ class EngineConfig(FromDict):
     # a step's prompts go in right-padded forwards whose pad positions stay within this share of their
     # real tokens (length-sorted groups); a huge value = one padded forward for all of them
     prefill_max_padding: float = 0.25
-    # torch.compile the decode step (and the translator's encoder) before serving (service/engine/compiled.py):
-    # time at start (cached for the next start where it can be), faster steps on CPU (docs/performance.md).
-    # Falls back to eager, with a warning, if it fails.
+    # compile the steps before serving (service/engine/compiled.py): time at start, once per host, for faster
+    # CPU steps; falls back to eager, with a warning, if it fails
     compile: bool = False
 
     def __post_init__(self):
