@@ -1,10 +1,8 @@
-"""Per-request token sampling over a batch of logits.
+"""Per-request token sampling over a batch of logits (B, V).
 
-Every step is tensor work over (B, V): logit bias, then repetition, presence and frequency
-penalties by gather/scatter of the tokens seen (only the rows that set them), temperature, top-k
-and top-p by one sort of the rows that need it, and inverse-CDF sampling with ONE uniform number
-per row drawn from that request's own generator. A row's result depends only on its logits and its
-generator, so a seeded request gives the same text whatever the batch company.
+Each row draws ONE uniform number from its request's own generator and samples by inverse CDF, so a
+row's token depends only on its logits and its generator: a seeded request gives the same text whatever
+the batch company.
 """
 
 from __future__ import annotations
@@ -81,9 +79,7 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams],
                 outputs: list[list[int]] | None = None) -> list[int]:
     """logits (B, V) float32 -> one token id per row. temperature 0 (below `GREEDY_BELOW`) = greedy (argmax).
     `histories`: prompt + output per row, for the repetition penalty; `outputs`: the output so far,
-    for the presence and frequency penalties (rows without them may pass []).
-
-    `logits` may be modified in place (bias and penalties)."""
+    for the presence and frequency penalties (rows without them may pass []). Modifies `logits` in place."""
     b = logits.shape[0]
     if b == 0:
         return []

@@ -1,8 +1,7 @@
 """Structured output: a JSON schema as a token mask for the rows that ask (llguidance).
 
 llguidance was chosen over xgrammar and outlines-core by measurement (docs/performance.md, "Structured
-output"): a schema compiles in about a millisecond instead of seconds, and its per-step masks cost the
-least. Its vocabulary is built from our tokenizer's own bytes (`token_bytes()`), never from a hub download.
+output"). Its vocabulary is built from our tokenizer's own bytes (`token_bytes()`), never from a hub download.
 
 One `Grammars` per engine. `compile` (any thread) turns a schema into a template matcher, cached by the
 schema's text; each choice of a request gets its own copy. On the worker thread, a step fills the
