@@ -2,14 +2,12 @@
 
 Building packages is most of a first start (service/engine/aot_package.py), and two engines' builds
 cannot share a process (torch.export's tracing is not thread-safe: docs/decisions.md). A replica builds
-the generator's decode step itself, with the cores to itself, and is ready once it is; where this host
-lacks the translator's packages, the translator engine starts without them (it runs eagerly, slower)
-and, once the replica is ready, a child process starts the translator's engine once, which builds them
-under `$ATTNSERVE_HOME` keyed exactly as the replica keys them, and exits; the replica's engine then
-loads them between two steps. The generator's compiled prefill (not needed to serve, only faster)
-follows the same way. Children run at the lowest CPU priority (the replica is serving by then) and mark
-themselves busy on the host's `BusyBoard` (service/engine/cpu_runtime.py), so serving engines step on
-one thread meanwhile. A child's failure costs only speed: the engine stays eager (or prefills eagerly).
+the generator's decode step itself and is ready once it is. The translator's packages and the generator's
+compiled prefill, where this host lacks them, are built after ready by a child that starts that engine
+once (so it keys them exactly as the replica does) and exits; the replica's engine, eager meanwhile, then
+loads them between two steps. A child runs at the lowest CPU priority and marks itself busy on the host's
+`BusyBoard` (service/engine/cpu_runtime.py), so serving engines keep to their own cores; its failure costs
+only speed.
 
     python -m service.prebuild translator|generator '<ModelSpec as JSON>'
 """
@@ -83,8 +81,7 @@ async def _build(kind: str, spec_json: str) -> None:
     from service.engine.cpu_runtime import BusyBoard
     from service.models import load_generator, load_translator
 
-    # on the host's busy board while building, so that a serving engine keeps to its own core
-    # instead of stepping on two threads that wait for the one this build holds
+    # busy while building: a serving engine borrowing this build's core would wait for it
     board = BusyBoard()
     board.set(True)
     spec = ModelSpec.from_dict(json.loads(spec_json))
