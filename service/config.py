@@ -59,12 +59,8 @@ class ModelSpec(FromDict):
     """One model: where its checkpoint is, and the engine that serves it.
 
     `checkpoint` None means the default source (SmolLM2 via `ensure_smollm2()` for the generator,
-    `weights/attnserve-zh-en` for the translator). `device`/`dtype` "auto" are resolved on the
-    replica from what Ray assigned: a GPU -> cuda + bfloat16, otherwise cpu + bfloat16 where it measures
-    faster on this CPU, else float32.
-    `quantization` (CPU, generator): int8 or int4 linears (model/quantize.py); "auto" picks the fastest
-    of none / int8 / int4 by a start-up measurement on this CPU.
-    """
+    `weights/attnserve-zh-en` for the translator). "auto" `device`/`dtype` and `quantization` (CPU,
+    generator: int8 or int4 linears, model/quantize.py) are resolved on the replica (service/models.py)."""
 
     enabled: bool = True
     checkpoint: str | None = None

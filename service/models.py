@@ -32,9 +32,8 @@ class ModelUnavailable(RuntimeError):
 
 @functools.lru_cache(maxsize=1)
 def cpu_has_native_bf16() -> bool:
-    """True when bf16 is the faster CPU dtype here: native bf16 instructions and a measured bf16 matmul
-    clearly faster than fp32 (model/cpu_features.py). Measured once per host (`measured_once`): bf16
-    rounding changes which tokens win, so the CLI and every replica must choose alike."""
+    """True when bf16 is the faster CPU dtype here (model/cpu_features.py). Measured once per host
+    (`measured_once`): bf16 rounding changes which tokens win, so the CLI and every replica must choose alike."""
     from model.cpu_features import cpu_flags, has_bf16_instructions, prefers_bf16
 
     if not has_bf16_instructions(cpu_flags()):
