@@ -39,16 +39,14 @@ OBJECT_STORE_BYTES = 256 * 1024**2  # Ray otherwise reserves a large slice of /d
 START_ATTEMPTS = 3
 SYSTEM_CONFIG = {
     "metrics_report_interval_ms": METRICS_REPORT_MS,
-    # Ray starts num_cpus idle workers for the driver's job; Serve's actors and build task never use them,
-    # and on two cores their start delayed Serve's own (docs/decisions.md)
+    # idle workers for the driver's job, which Serve never uses, would start beside Serve's (docs/decisions.md)
     "prestart_worker_first_driver": False,
 }
 
 
 def loopback_env() -> None:
-    """Set in this process before Ray starts: its GCS and raylet inherit the environment, and every
-    worker (Serve's controller, proxy, replicas) the raylet's. Passed as a job runtime_env instead, each
-    worker's start waited on Ray's runtime-env agent (docs/decisions.md)."""
+    """Set in this process before Ray starts: its GCS and raylet inherit the environment, and every worker
+    the raylet's, with no wait on Ray's runtime-env agent as a job runtime_env has (docs/decisions.md)."""
     for k, v in {**LOOPBACK_ENV, **SERVE_TUNING_ENV}.items():
         os.environ.setdefault(k, v)
     # replicas must import `model` and `service` from this checkout

@@ -20,9 +20,9 @@ def add_arguments(p) -> None:
 
 
 def token_auth_if_available() -> None:
-    """Ray enables token auth for a client only when it finds the cluster itself (address "auto"), not for an
-    explicit --address: a cluster of `attnserve cluster up` (token auth) then refused the connection. Send the
-    token whenever this user has one (a cluster without auth accepts it too); an explicit RAY_AUTH_MODE wins."""
+    """Ray sends a client's token only when it finds the cluster itself (address "auto"), not for an explicit
+    --address: send it whenever this user has one (a cluster without auth accepts it too); an explicit
+    RAY_AUTH_MODE wins."""
     from service.ray_local import has_auth_token
 
     if "RAY_AUTH_MODE" not in os.environ and has_auth_token():

@@ -67,9 +67,8 @@ def run(args) -> int:
             raise CommandError(f"Ray did not start: {e}", 1) from e
         raise
     try:
-        # ray.init installs a SIGTERM handler that exits at once, and Ray's core worker one that aborts
-        # the process (`attnserve stop` ended a serving terminal with "Aborted"): take the signals back,
-        # before deploying, so that a stop meanwhile ends the wait for the deploy
+        # ray.init's SIGTERM handler exits at once and Ray's core worker's aborts the process: take the
+        # signals back before deploying, so that a stop meanwhile ends the wait for the deploy
         on_stop_signals()
         print(f"[{time.monotonic() - t0:6.1f} s] deploying {args.config} ...", flush=True)
         ray_local.deploy(config, stop=stop)
