@@ -1,13 +1,9 @@
 """Metrics through Ray: `ray.serve.metrics` in each replica, combined across replicas by `GET /metrics`.
 
-Each replica records into `ray.serve.metrics` objects. Ray ships them to the metrics export of the
-node the replica runs on (`ray_` prefix, Ray's bookkeeping labels: WorkerId, replica, NodeAddress, ...).
-On a cluster Prometheus scrapes every node's export (deploy/prometheus/prometheus.yml). So that the
-single-node default needs nothing but the service's own port, `RayRecorder.render()` (behind
-`GET /metrics`) reads the export of every alive node, keeps this application's attnserve series and
-combines the replicas into one series per label set of ours (`aggregate`): counters and histogram
-buckets/sums/counts summed, gauges summed, ratios (kv_cache_usage_ratio) averaged: what one vLLM
-server shows, whatever the replica count.
+Ray ships each replica's series to its node's metrics export (`ray_` prefix, Ray's bookkeeping labels),
+which Prometheus scrapes on a cluster (deploy/prometheus/prometheus.yml). So that a single node needs
+nothing but the service's own port, `GET /metrics` reads every alive node's export and combines the
+replicas into what one vLLM server shows, whatever the replica count (`aggregate`).
 
 Caveats (Ray's): series reach the export every `metrics_report_interval_ms` (2 s as `attnserve serve`
 starts Ray, 10 s by default), histogram `_sum` is estimated by Ray from bucket midpoints, and a dead

@@ -4,8 +4,7 @@
 Streams a completion from SmolLM2 to the terminal, without Ray: the generator is built from the Serve
 config's spec by the function a replica uses (service/models.py: dtype, quantization and compiled step as
 served, each overridable here), and the request runs through its `GenerationEngine`, so the same request
-gives the same text here as from `/v1/generate` on this host. The engine is the served one, its KV cache
-included (32 slots x 2048 positions: ~1.5 GB for SmolLM2 in bf16).
+gives the same text here as from `/v1/generate` on this host (the served KV cache included).
 """
 
 from __future__ import annotations
