@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from service import metrics
 from service.api.errors import error_body, send_json
+from service.startup import RETRY_AFTER_S
 
 
 async def _send_413(send, limit: int) -> None:
@@ -112,8 +113,6 @@ class StartupGate:
         if (scope["type"] != "http" or state.ready or path in self.open_paths
                 or path.startswith(self.open_prefixes)):
             return await self.app(scope, receive, send)
-        from service.startup import RETRY_AFTER_S
-
         snap = state.snapshot()
         why = f"failed to start: {snap['error']}" if state.error else f"{snap['phase']} ({snap['elapsed_s']} s)"
         body = error_body(503, f"the service is not ready: {why}; retry after {RETRY_AFTER_S} s")
