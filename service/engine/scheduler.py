@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Iterator
 from itertools import zip_longest
 from typing import Generic, Literal, Protocol, TypeVar
 
@@ -55,10 +54,6 @@ class Scheduler(Generic[W]):
         """Groups waiting for slots."""
         return sum(len(q) for q in self.waiting)
 
-    def in_turn(self) -> Iterator[list[W]]:
-        """The waiting groups in the order `admit` takes them: requests in turn, one group each."""
-        return (g for turn in zip_longest(*self.waiting) for g in turn if g is not None)
-
     def check_room(self, needs: list[int]) -> None:
         """A new request's groups need `needs` slots each: EngineOverloaded (HTTP 429) unless the next `admit`
         can take them all, or fewer than `max_waiting` groups wait beyond what it can take. Requests arriving
@@ -72,7 +67,8 @@ class Scheduler(Generic[W]):
         # what the next admit takes, by mode: static and serial admit only once the running batch is done
         cap = 0 if self.config.mode != "continuous" and self.running else 1 if self.config.mode == "serial" else None
         free, beyond = self.table.n_free, 0
-        for group in self.in_turn():
+        # the waiting groups in the order `admit` takes them: requests in turn, one group each
+        for group in (g for turn in zip_longest(*self.waiting) for g in turn if g is not None):
             need = sum(u.slots_needed for u in group)
             if beyond or cap == 0 or need > free:
                 beyond += 1
