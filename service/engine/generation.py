@@ -56,8 +56,8 @@ class _Step:
     copied: bool = False  # set by the worker once both kinds of copy are done
 
 
-# A decode step borrows threads only this small (one or two streams): there a second core halves the time
-# to stream the weights; fuller steps kept their tail latency better without (docs/decisions.md)
+# A decode step borrows threads only this small (one or two streams), where a second core speeds streaming
+# the weights; fuller steps keep their tail latency better without (docs/decisions.md)
 BORROW_DECODE_ROWS = 2
 
 

@@ -149,10 +149,8 @@ class EngineLoop:
                     continue
                 self.busy.set(True)
                 if self.requests_finished != finished:
-                    # one turn of the event loop first: a caller the last _deliver finished (a closed-loop
-                    # client sending its next request) submits now and is admitted by this plan, not one step
-                    # later. Otherwise plan at once: the streams' work on the tokens just delivered (Serve's
-                    # and the HTTP response's) then runs while the step computes, not before it
+                    # one turn of the event loop first, so that a client the last _deliver finished is admitted
+                    # by this plan with its next request; else plan at once: the streams' work then overlaps the step
                     finished = self.requests_finished
                     await asyncio.sleep(0)
                 await self._turn()
