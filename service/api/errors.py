@@ -46,9 +46,7 @@ async def send_json(send, status: int, body: dict, headers: dict[str, str] | Non
 def engine_error(e: EngineError) -> ApiError:
     """The HTTP form of an engine error: 429 + Retry-After, 400, 503, or 500 (a step that failed)."""
     status = e.status_code if e.status_code in (400, 429, 500, 503) else 500
-    headers = None
-    if isinstance(e, EngineOverloaded):
-        headers = {"Retry-After": str(max(1, round(e.retry_after)))}
+    headers = {"Retry-After": str(max(1, round(e.retry_after)))} if isinstance(e, EngineOverloaded) else None
     return ApiError(status, str(e) or type(e).__name__, getattr(e, "param", None), headers)
 
 
