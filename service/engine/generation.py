@@ -216,13 +216,12 @@ class GenerationEngine(EngineLoop):
             if seq.pending_fork:
                 continue
             left = len(seq.prompt) - seq.n_cached
-            if left > 0:
-                if budget > 0:
-                    chunk = min(left, self.config.prefill_chunk, budget)
-                    budget -= chunk
-                    prefill.append((seq, chunk))
-            else:
+            if left <= 0:
                 decode.append(seq)
+            elif budget > 0:
+                chunk = min(left, self.config.prefill_chunk, budget)
+                budget -= chunk
+                prefill.append((seq, chunk))
         decode.sort(key=lambda s: s.slot)
         self.last_batch_size = len(prefill) + len(decode)
         return _Step(prefill, decode, moves, reuse)
