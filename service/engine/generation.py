@@ -155,14 +155,13 @@ class GenerationEngine(EngineLoop):
         deadline = self._deadline(req.deadline_s, now)
         p, queue, prompt = req.params, asyncio.Queue(), list(req.prompt_ids)
         self.scheduler.check_room([req.n])  # before compiling grammars for a request refused anyway
-        matchers = [self.grammars.compile(p.json_schema) if p.json_schema is not None else None
-                    for _ in range(req.n)]
         group = [Sequence(prompt=prompt, params=p, queue=queue,
                           detok=IncrementalDetokenizer(self.tokenizer, skip_ids=self.hidden_ids),
                           stopper=StopMatcher(p.stop), generator=make_generator(None if p.seed is None else p.seed + i),
-                          deadline=deadline, t_submit=now, index=i,
-                          pending_fork=i > 0, prompt_lp=[None] if p.prompt_logprobs is not None else None,
-                          matcher=matchers[i], schema_field=req.field_names.get("json_schema", "json_schema"))
+                          deadline=deadline, t_submit=now, index=i, pending_fork=i > 0,
+                          prompt_lp=[None] if p.prompt_logprobs is not None else None,
+                          matcher=None if p.json_schema is None else self.grammars.compile(p.json_schema),
+                          schema_field=req.field_names.get("json_schema", "json_schema"))
                  for i in range(req.n)]
         for seq in group:
             seq.group = group
