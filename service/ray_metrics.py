@@ -54,20 +54,16 @@ class RayRecorder:
         self._metrics[name].observe(value, tags=self._tags(name, labels))
 
     async def render(self) -> bytes:
-        urls = export_urls()
+        import ray
+
+        # the Prometheus endpoint of Ray's metrics export on every alive node
+        urls = [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
+                for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
         texts = await asyncio.gather(*(_fetch(url) for url in urls))
         missing = [u for u, t in zip(urls, texts, strict=True) if t is None]
         body = aggregate([t for t in texts if t is not None], self.application)
         notes = "".join(f"# attnserve: metrics export {u} did not answer\n" for u in missing)
         return (notes + body).encode()
-
-
-def export_urls() -> list[str]:
-    """The Prometheus endpoint of Ray's metrics export on every alive node of the cluster."""
-    import ray
-
-    return [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
-            for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
 
 
 async def _fetch(url: str) -> str | None:
