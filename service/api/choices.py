@@ -29,11 +29,6 @@ class Choice:
             self.completion_tokens = ev.usage.completion_tokens
             self.cumulative_logprob = ev.cumulative_logprob
 
-    @property
-    def mean_logprob(self) -> float:
-        """OpenAI ranks best_of candidates by log probability per token."""
-        return (self.cumulative_logprob or 0.0) / max(1, self.completion_tokens)
-
 
 class UsageTotal:
     """Usage over a request's choices, from their finishing events."""
@@ -63,8 +58,9 @@ def gather(events: list[GenerationEvent]) -> tuple[list[Choice], UsageTotal]:
 
 
 def best(choices: list[Choice], n: int) -> list[Choice]:
-    """The n candidates with the highest log probability per token, best first, re-indexed 0..n-1."""
-    top = sorted(choices, key=lambda c: -c.mean_logprob)[:n]
+    """The n candidates with the highest log probability per token (as OpenAI ranks best_of), best first,
+    re-indexed 0..n-1."""
+    top = sorted(choices, key=lambda c: -(c.cumulative_logprob or 0.0) / max(1, c.completion_tokens))[:n]
     for i, c in enumerate(top):
         c.index = i
     return top
