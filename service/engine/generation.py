@@ -96,7 +96,6 @@ class GenerationEngine(EngineLoop):
         return self.config.max_slots
 
     def _kv_used(self) -> int:
-        """Cache positions the running sequences hold."""
         return sum(s.n_cached for s in self.scheduler.running)
 
     # --- submit ------------------------------------------------------------------------------

@@ -103,7 +103,6 @@ class TranslationEngine(EngineLoop):
         return self.cfg.max_src_len
 
     def _kv_used(self) -> int:
-        """Cache positions the running hypotheses hold."""
         return sum(s.beam.k * (s.beam.step + 1) for s in self.scheduler.running)
 
     # --- submit ------------------------------------------------------------------------------
@@ -227,7 +226,6 @@ class TranslationEngine(EngineLoop):
                             time.monotonic() - request.t_submit)
 
     def _fail_plan(self, step: _Step, error: EngineError) -> None:
-        """Fail every request the step touched (as the generation engine does: with `error`, counted)."""
         for s in step.sentences:
             self.scheduler.release(s)
             self._end(s.request, "error", error=error)
