@@ -1,11 +1,9 @@
 """Continuous-batching translation engine for the encoder-decoder (greedy and beam search).
 
-It takes model-ready sources (`SourceBatch`: one tagged sentence each; texts are the frontend's,
-service/frontend/translator.py) and returns each one's best hypothesis. Every sentence is a unit of work
-that batches on its own; a beam of k hypotheses holds k cache slots. The scheduler
-(service/engine/scheduler.py) admits sentences into free slots and packs them into slots [0, R); each
-step, in the worker thread, the runner encodes the newly admitted sources (their cross-attention K/V into
-their slots) and runs ONE decoder forward over every running hypothesis; each sentence's `BeamState`
+It takes model-ready sources (`SourceBatch`; texts are the frontend's, service/frontend/translator.py) and
+returns each one's best hypothesis. Every sentence is a unit of work that batches on its own, a beam of k
+hypotheses holding k cache slots. Each step the runner encodes the newly admitted sources (their cross K/V
+into their slots) and runs ONE decoder forward over every running hypothesis; each sentence's `BeamState`
 (model/decoding.py) picks its tokens, and beam reorders copy K/V between the sentence's slots.
 """
 
