@@ -6,7 +6,7 @@ the generator's decode step itself and is ready once it is. The translator's pac
 compiled prefill, where this host lacks them, are built after ready by a child that starts that engine
 once (so it keys them exactly as the replica does) and exits; the replica's engine, eager meanwhile, then
 loads them between two steps. A child runs at the lowest CPU priority and marks itself busy on the host's
-`BusyBoard` (service/engine/cpu_runtime.py), so serving engines keep to their own cores; its failure costs
+`BusyBoard` (service/engine/cpu_runtime.py), so serving engines borrow no threads meanwhile; its failure costs
 only speed.
 
     python -m service.prebuild translator|generator '<ModelSpec as JSON>'
