@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from service.engine.aot_package import ROOT, step_sources
+from service.engine.aot_package import ROOT, code_of, step_sources
 
 
 def relative() -> set[str]:
@@ -33,3 +33,16 @@ def test_every_model_module_the_compile_code_loads_is_in_the_key():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     loaded = {str(Path(p).resolve().relative_to(ROOT)) for p in out.split()}
     assert loaded and loaded <= relative()
+
+
+def test_comments_docstrings_and_layout_leave_the_key_code_does_not():
+    """A package is keyed by what its code does: rewording a comment or docstring, or reflowing a line,
+    rebuilds nothing; any change to the code does."""
+    source = (ROOT / "model" / "attention.py").read_text(encoding="utf-8")
+    reworded = ('"""Reworded."""\n' + source.split('"""', 2)[2]).replace("# (B", "#  (B")
+    reworded = reworded.replace("\n\n\nclass ", "\n\n# a new comment\nclass ", 1)
+    reworded = reworded.replace("chunk(2, dim=-1)", "chunk(\n            2, dim=-1)", 1)  # reflowed
+    assert reworded != source and code_of(reworded) == code_of(source)
+    for before, after in (("chunk(2, dim=-1)", "chunk(2, dim=-2)"), ("transpose(1, 2)", "transpose(2, 1)")):
+        assert before in source
+        assert code_of(source.replace(before, after, 1)) != code_of(source)

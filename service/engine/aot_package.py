@@ -145,12 +145,25 @@ def step_sources() -> list[Path]:
 
 @functools.lru_cache(maxsize=1)
 def code_hash() -> str:
-    """A digest of `step_sources()`: a package is reused only for the same code."""
+    """A digest of `step_sources()`: a package is reused only for the same code. Python files count by
+    their syntax tree less docstrings, so comments, docstrings and layout rebuild nothing."""
     h = hashlib.blake2b(digest_size=12)
     for f in step_sources():
         h.update(str(f.relative_to(ROOT)).encode())
-        h.update(f.read_bytes())
+        h.update(code_of(f.read_text(encoding="utf-8")).encode() if f.suffix == ".py" else f.read_bytes())
     return h.hexdigest()
+
+
+def code_of(source: str) -> str:
+    """A module's syntax tree without its docstrings, as text: what its code does, not how it reads."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 def digest(parts: Sequence[object]) -> str:
