@@ -1,11 +1,9 @@
 """The asyncio driver shared by both engines.
 
-One task runs the schedule: between steps (on the event loop) it cancels, times out and admits
-requests; each step's forward pass, sampling and detokenization run in a single worker thread, so
-the event loop stays free to accept requests and stream events while the model computes.
-The engine's parts: a `Scheduler` (which work runs next, over one `SlotTable`), a runner (the model's
-forwards over the slot cache, eager or compiled) and the engine's own output processing. Subclasses
-implement `_plan` (event loop), `_execute` (worker thread), `_deliver` (event loop) and the failure paths.
+Between steps, on the event loop, one task cancels, times out and admits requests; each step's forward,
+sampling and detokenization run in a single worker thread, so the loop stays free to accept requests and
+stream events while the model computes. Subclasses implement `_plan` (event loop), `_execute` (worker
+thread), `_deliver` (event loop) and the failure paths.
 """
 
 from __future__ import annotations
@@ -57,9 +55,8 @@ class EngineLoop:
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        """Prepare (compile, warm up) on the worker thread, then run the schedule. A second call while the
-        first prepares waits for it; `stop` meanwhile waits for it, then stops. A call while a stop is in
-        progress starts again once the stop is done."""
+        """Prepare (compile, warm up) on the worker thread, then run the schedule. Safe to call again: a call
+        during a start waits for it, one during a stop starts again once the stop is done."""
         if self._stopped is not None:
             await asyncio.shield(self._stopped)
         if self._starting is not None:
@@ -200,9 +197,8 @@ class EngineLoop:
             raise RuntimeError(f"step raised StopIteration: {e}") from e
 
     def _prepare(self) -> None:
-        """Run once on the worker thread before the first step: with `compile`, compile the step there
-        (service/engine/compiled.py; a failure is logged and the engine runs eagerly); then one call of each
-        kind, so the first request does not pay their one-time costs."""
+        """Worker thread, before the first step: compile, then warm up so the first request does not pay the
+        one-time costs."""
         if not self.compile_later:
             self._compile()
         try:
@@ -251,8 +247,8 @@ class EngineLoop:
         raise NotImplementedError
 
     def _fail_all(self, error: Exception) -> None:
-        """Fail every pending request with `error`, each counted once as an "error" as a failed step's are (one
-        whose client has left: "cancelled"), so a stop or a fault leaves none out of the finished counts."""
+        """Fail every pending request with `error`, each counted once ("error", or "cancelled" if its client
+        left), so a stop or a fault leaves none out of the finished counts."""
         now = time.monotonic()
         for unit in self.scheduler.clear():
             try:

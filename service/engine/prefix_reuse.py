@@ -1,16 +1,10 @@
-"""Prompt prefixes already in the KV cache, reused instead of prefilled (llama.cpp's `cache_prompt`, vLLM's
-prefix caching, at the granularity of slots).
+"""Prompt prefixes already in the KV cache, reused instead of prefilled (vLLM's prefix caching, per slot).
 
-K/V at positions [0, n) depend only on tokens [0, n), so a new prompt that starts like the tokens a running
-sequence has cached, or like what a freed slot still holds (a finished request's prompt and answer: freeing
-a slot writes nothing), can copy those positions' K/V into its own slot and prefill only the rest. Chat
-prompts share their template's system turn, so nearly every request gains; at one stream the freed slot
-of the last request is often the one the next request takes.
-
-The generation engine owns one `PrefixIndex`: it records a slot's tokens when it frees the slot, forgets
-a slot as soon as anything may write it (taken by a request, a compaction destination), and asks
-`longest` for the best source at admission. At least the prompt's last token is always prefilled: its
-logits start the answer.
+K/V at positions [0, n) depend only on tokens [0, n), so a prompt that starts like a running sequence's
+tokens, or like what a freed slot still holds (freeing writes nothing), copies those K/V into its slot and
+prefills only the rest; chat prompts share their system turn, so nearly every request gains. A slot is
+forgotten as soon as anything may write it. The prompt's last token is always prefilled: its logits start
+the answer.
 """
 
 from __future__ import annotations

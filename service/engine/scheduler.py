@@ -1,13 +1,9 @@
-"""The one scheduler of both engines: which work runs in the next step.
+"""The one scheduler of both engines: which work runs in the next step (on the event loop, between steps).
 
-Work comes in groups that are admitted together or not at all (a generation request's n choices; a
-sentence to translate, whose beam holds k slots). Waiting requests take turns, one group each: a
-translation of many sentences shares the slots with the requests after it instead of going first whole.
-Between steps, on the event loop, `sweep` drops cancelled and timed-out work and frees its slots, `admit`
-moves waiting groups into free slots by the engine's mode, and `compact` packs the running work into the
-lowest slots (`SlotTable`). Modes: `continuous` admits whenever slots are free; `static` admits a new
-batch only when the last one is done and waits `static_batch_wait_s` for it to fill (Ray Serve's
-@serve.batch); `serial` runs one group at a time.
+Work comes in groups admitted together or not at all (a request's n choices; a sentence's k beams). Waiting
+requests take turns, one group each, so a translation of many sentences shares the slots with the requests
+after it. Modes: `continuous` admits whenever slots are free; `static` admits a new batch only once the last
+is done, after `static_batch_wait_s` for it to fill (like @serve.batch); `serial` runs one group at a time.
 """
 
 from __future__ import annotations
@@ -55,11 +51,9 @@ class Scheduler(Generic[W]):
         return sum(len(q) for q in self.waiting)
 
     def check_room(self, needs: list[int]) -> None:
-        """A new request's groups need `needs` slots each: EngineOverloaded (HTTP 429) unless the next `admit`
-        can take them all, or fewer than `max_waiting` groups wait beyond what it can take. Requests arriving
-        together at an idle engine wait only for its next plan and are not refused. A request is queued
-        whole, so the queue may pass the bound by one request (a translation of many sentences, bounded by
-        the API's text limits): a request is never refused for its size alone while fewer groups wait."""
+        """EngineOverloaded (429) unless the next `admit` takes all of a new request's groups (`needs` slots
+        each) or fewer than `max_waiting` groups wait beyond it. A request is queued whole, so the queue may
+        pass the bound by one request: none is refused for its size alone."""
         # idle: even with max_waiting 0, a request of more groups than slots runs in turns (refused, its retries
         # would be refused forever); a group that can never fit still is
         if not self.running and not any(self.waiting) and all(n <= self.config.max_slots for n in needs):
