@@ -1,24 +1,11 @@
 """Compiled per-step work of the engines (`EngineConfig.compile`): AOTInductor packages kept under
 `$ATTNSERVE_HOME` (service/engine/aot_package.py), or `torch.compile` where a step cannot be exported.
 
-In eager mode a decode step pays per-op overhead (the translator: ~150 ops of a few to tens of
-microseconds around matmuls of 15 x 256) and unfused elementwise passes over activations and K/V
-(SmolLM2: masks, softmax, RMSNorm, RoPE, SwiGLU over 30 layers). Inductor fuses the elementwise work into
-generated C++ and, with `freezing`, treats the weights as constants (prepacked oneDNN linears; only where
-float linears are left, see `_wants_freezing`). The
-compiled functions are pure (`model/seq2seq_step.py`, `model/decoder_step.py`): the translator's
-`decode_step` and `encode_cross` (encoder + every decoder layer's cross K/V for newly admitted
-sources), and the decoder-only LM's `decoder_step`; a quantized LM's prompt chunks of one sequence
-(`chunk_blocks_step`) too. Other prompt prefill stays eager (several prompts in one padded forward).
-Measured numbers are in docs/performance.md and docs/decisions.md.
-
-Every size (rows, prefix length, source length, sources) is marked dynamic, so ONE graph per function
-serves every batch. An exported package takes one row or one source as any other size; lengths are
-kept >= 2 (masked positions pad them). Where a step falls back to torch.compile, dynamo specialises
-sizes 0 and 1, which would recompile mid-serving, so a free slot pads the rows to two (slots >= R are
-free: the engine compacts) and the encoder's lone-source graph is compiled in `warm_up` too.
-Compilation happens in `warm_up`, before the engine takes requests: the first start builds the
-packages, later starts load them.
+An eager decode step pays per-op overhead and unfused elementwise passes; inductor fuses them into C++ and,
+with `freezing`, prepacks float linears for oneDNN. The compiled functions are the pure steps of
+model/seq2seq_step.py and model/decoder_step.py; other prompt prefill stays eager. Every size is dynamic, so
+one graph per function serves every batch; torch.compile specialises sizes 0 and 1 (a recompile mid-serving),
+so its fallback pads the rows to two with a free slot. All of it happens in `warm_up`, before requests.
 """
 
 from __future__ import annotations
@@ -48,11 +35,8 @@ log = logging.getLogger(__name__)
 
 def use_persistent_cache() -> Path:
     """Point inductor's caches at `$ATTNSERVE_HOME/compile/<torch version>-<CPU flags and GPUs hash>` (unless the
-    user set TORCHINDUCTOR_CACHE_DIR), so a second start, or a replica Ray restarts, loads the generated
-    code instead of compiling it again. Inductor keys each entry by the graph and its config itself; the
-    folder name keeps hosts apart where ATTNSERVE_HOME is shared. Graphs with oneDNN-prepacked float
-    linears cannot be cached (inductor bypasses them); a quantized model's step is compiled without
-    freezing, so both inductor's and AOTAutograd's caches hold it (docs/performance.md)."""
+    user set TORCHINDUCTOR_CACHE_DIR), so a restart loads the generated code instead of compiling it again;
+    the hash keeps hosts apart where ATTNSERVE_HOME is shared."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     # inductor writes its default into the environment on first use: only a different value is the user's
@@ -71,9 +55,8 @@ def use_persistent_cache() -> Path:
 MIN_SIZE = 2  # dynamo specialises sizes 0 and 1
 # cross-attention reads source keys 1.. as a prefix (model/attention.py): that prefix too stays >= MIN_SIZE
 MIN_SRC = MIN_SIZE + 1
-# The cached prefix a decode step reads is rounded up to a multiple of this (the extra keys are masked
-# like a pad row's): oneDNN builds a new matmul primitive for every new shape, and a length that grows by
-# one each step missed its primitive cache on every call (docs/decisions.md).
+# The cached prefix a decode step reads is rounded up to a multiple of this (the extra keys masked): oneDNN
+# builds a matmul primitive per shape, and a length growing by one would miss its cache every step.
 LENGTH_STEP = 64
 
 
@@ -83,11 +66,10 @@ def prefix_length(positions: list[int], limit: int) -> int:
 
 
 def _hint_sizes(*wanted: tuple[int, int]) -> list[int]:
-    """Warm-up sizes: close to what serving sees (inductor tunes the generated code for the sizes of the
-    first call: a step warmed up at tiny sizes ran slower at serving sizes), at
-    least MIN_SIZE, at most the given limit, and pairwise distinct (equal sizes would share a symbol and
-    recompile when they differ). Rows and lengths stay below the cache's: where a view spans a whole
-    dimension, dynamo traces its strides as functions of the sizes, and every later view recompiles."""
+    """Warm-up sizes close to serving's (inductor tunes the code for its first call's sizes), in
+    [MIN_SIZE, limit] and pairwise distinct (equal sizes would share a symbol and recompile when they differ).
+    Callers keep limits below the cache's: a view spanning a whole dimension gets strides traced as functions of
+    the sizes, and every later view recompiles."""
     out: list[int] = []
     for want, limit in wanted:
         n = max(MIN_SIZE, min(want, limit))
@@ -100,10 +82,9 @@ def _hint_sizes(*wanted: tuple[int, int]) -> list[int]:
 
 
 def _compile(fn):
-    """torch.compile without guards on the model's modules: an engine's weights and modules never change
-    while it serves, and checking them costs every call (docs/decisions.md).
-    Guards on the inputs (sizes, dtypes) stay. Wrapped on the first call: wrapping imports inductor's
-    compiler, which a step loaded from its packages never uses (docs/decisions.md)."""
+    """torch.compile without guards on the model's modules (they never change while serving, and checking
+    them costs every call); input guards stay. Wrapped on the first call, so a step loaded from packages
+    never imports inductor's compiler."""
     compiled = None
 
     def call(*args):
@@ -147,9 +128,7 @@ class CompiledTranslator:
         self.compile_seconds: float | None = None
 
     def warm_up(self) -> float:
-        """Compile the decode step and both encoder graphs now, at serving-like sizes (see _hint_sizes): load
-        them from `$ATTNSERVE_HOME` as AOTInductor packages (service/engine/aot_package.py), else
-        torch.compile them."""
+        """Load or build the decode step and both encoder graphs as packages, else torch.compile them."""
         t0 = time.perf_counter()
         c = self.cache
         rows, length, src, n_src = _hint_sizes((15, c.n_slots - 1), (47, c.max_len - 1), (41, c.cross_len - 1), (3, 64))
@@ -168,7 +147,7 @@ class CompiledTranslator:
             self.min_rows = 1
         except Exception:  # torch.export or AOTInductor cannot take it: torch.compile (recompiled every start)
             log.warning("translator: AOTInductor failed; compiling with torch.compile", exc_info=True)
-            # freezing is read while compiling (the first call); as a torch.compile option it measured slower
+            # freezing is read at the first call; patched rather than a torch.compile option, which was slower
             with torch.inference_mode(), torch._inductor.config.patch(freezing=True):
                 _mark_dynamic((tokens, (0,)), (positions, (0,)), (src_len, (0,)), (k, (1, 3)), (v, (1, 3)),
                               (ck, (1, 3)), (cv, (1, 3)))
@@ -268,12 +247,10 @@ class CompiledDecoder:
     """Compiled decode step of a decoder-only LM over its slot cache. The rows are slots [0, n); slots
     that do not decode this step (a prompt still prefilling) run as pad rows whose K/V are not stored.
 
-    A model with float linears compiles its whole step as one package, weights frozen in as constants
-    (oneDNN prepacks them). A quantized model's linears are opaque ops that freezing does not change, so
-    its step is built from shared packages (service/engine/aot_package.py): one for a run of
-    `SHARED_LAYERS` consecutive layers, called for every run with that run's weights, and one for the
-    head; the embedding lookup stays eager. Building a package costs time per graph node, and SmolLM2's
-    30 identical layers made one whole-step package the longest part of a first start."""
+    Float linears: one whole-step package, weights frozen in. A quantized model gains nothing from freezing,
+    so its step is shared packages, one for a run of `SHARED_LAYERS` layers (called with each run's weights)
+    and one for the head: build time grows with the graph, and 30 identical layers in one package made the
+    longest part of a first start."""
 
     def __init__(self, model: DecoderLM, cache: KVCache):
         if cache.n_slots < MIN_SIZE or cache.max_len < MIN_SIZE:
@@ -294,10 +271,9 @@ class CompiledDecoder:
         return self._chunk_spec is not None and self._chunk is None
 
     def warm_up(self, build_prefill: bool = True) -> float:
-        """Compile the decode step now, at serving-like sizes (see _hint_sizes): load it from
-        `$ATTNSERVE_HOME` as AOTInductor packages (service/engine/aot_package.py), else torch.compile it.
-        A quantized model's prompt prefill gets a package too, loaded where built; without `build_prefill`
-        it is left to `load_prefill` (a replica's first start builds it in a child after ready)."""
+        """Load or build the decode step as packages, else torch.compile it. A quantized model's prompt
+        prefill gets a package too; without `build_prefill` it is left to `load_prefill` (a replica's first
+        start builds it in a child once ready)."""
         t0 = time.perf_counter()
         self.threads = torch.get_num_threads()
         c = self.cache
@@ -382,9 +358,9 @@ class CompiledDecoder:
         return logits[rows]  # (len(slots), V)
 
     def load_prefill(self, build: bool = False) -> bool:
-        """Load the compiled prefill of a prompt chunk (the shared blocks package at T new tokens of one
-        slot), building it first with `build` -> whether it is in use. The eager forward pays a fixed
-        cost per op at a short prompt that the package does not (docs/performance.md)."""
+        """Load the compiled prefill of one slot's prompt chunk (the shared blocks package at T new tokens),
+        building it first with `build` -> whether it is in use. It saves the eager forward's per-op cost,
+        which dominates a short prompt."""
         if self._chunk_spec is None:
             return False
         if self._chunk is not None:

@@ -1,13 +1,9 @@
 """Continuous-batching generation engine for decoder-only models (SmolLM2 shape).
 
-Each step the scheduler (service/engine/scheduler.py, on the event loop) drops cancelled and timed-out
-choices, admits waiting requests (a request's n choices together) and packs the running choices into
-slots [0, n); in the worker thread the runner (service/engine/decoder_runner.py) prefills prompt chunks
-(`prefill_chunk` per choice, `prefill_budget` per step, so running streams keep decoding) and decodes one
-token for every running choice, and the output processor (service/engine/generation_output.py) turns the
-sampled tokens into text and events. A request's first choice prefills the prompt, the others copy its K/V
-(`_prompt_done`). Log-probabilities (service/engine/logprobs.py) and JSON-schema masks
-(service/engine/structured.py) are computed only for the rows that ask.
+Each step, on the worker thread, prefills prompt chunks (`prefill_chunk` per choice, `prefill_budget` per
+step, so running streams keep decoding) and decodes one token for every running choice. A request's first
+choice prefills the prompt, the others copy its K/V. Log-probabilities and JSON-schema masks cost only the
+rows that ask.
 """
 
 from __future__ import annotations
@@ -225,8 +221,8 @@ class GenerationEngine(EngineLoop):
         return _Step(prefill, decode, moves, reuse)
 
     def _reuse_prefixes(self, admitted: list[Sequence], moves: list[Move]) -> list[Move]:
-        """Give each new prompt the longest prefix already cached (service/engine/prefix_reuse.py): its
-        `n_cached` starts there -> the copies, to run after compaction's."""
+        """Start each new prompt's `n_cached` at the longest prefix already cached -> the copies, to run after
+        compaction's."""
         index = self.prefixes
         index.forget(dst for _, dst, _ in moves)
         reuse: list[Move] = []
@@ -387,9 +383,8 @@ class GenerationEngine(EngineLoop):
                 self.scheduler.release(seq)
 
     def _fail_plan(self, step: _Step, error: EngineError) -> None:
-        """Fail every request the step touched, all its choices (those waiting for a fork too), and, when it
-        failed before its copies were done, those whose slots the copies were to fill: their slots lack K/V
-        their `n_cached` counts."""
+        """Fail every request the step touched, all its choices, and, if it failed before its copies were
+        done, those whose slots the copies were to fill: they lack the K/V their `n_cached` counts."""
         touched = [s for s, _ in step.prefill] + step.decode
         if not step.copied:
             dst = {d for _, d, _ in step.moves + step.reuse}
