@@ -1,17 +1,10 @@
 """Compiled steps kept across starts as AOTInductor packages under `$ATTNSERVE_HOME/compile`.
 
-`torch.compile` redoes dynamo's tracing at every start even when inductor's cache hits, and a step whose
-float linears are frozen into oneDNN's prepacked form cannot enter that cache at all (the translator's
-step). `torch.export` + AOTInductor compiles the same pure step function once into a
-package (generated C++, its shared library and the weights as constants) that later starts load in a
-fraction of a second, with the same dynamic sizes and bit-identical outputs to the `torch.compile`d step
-(docs/decisions.md). A package is found again only for the same torch version, CPU flags, engine thread
-count, step code (the model modules a step imports, our kernels and this engine's compile code), model
-weights and cache shape; anything else builds a new one.
-
-A *shared* package takes a module's parameters and buffers as trailing inputs instead of holding them as
-constants: one graph, compiled once, then serves every module of the same structure (the decoder's runs
-of identical layers), which cuts the build to a fraction of the whole model's (docs/decisions.md).
+`torch.compile` re-traces at every start, and cannot cache a step whose float linears are frozen at all; a
+package (torch.export + AOTInductor: generated C++, its library, the weights as constants) loads at once,
+with the same dynamic sizes and outputs. It is reused only for the same torch, CPU flags, thread count, step
+code, weights and cache shape. A *shared* package takes a module's weights as trailing inputs instead, so one
+graph serves every module of the same structure (the decoder's runs of identical layers).
 """
 
 from __future__ import annotations
@@ -79,12 +72,9 @@ _ISA_LOCK = threading.Lock()  # the config patch below is process-wide
 def known_vec_isa(where: Path) -> None:
     """Let this process skip inductor's vector-ISA probe where an earlier one on this host made it.
 
-    At a process's first package load inductor compiles a test for each vector ISA the CPU lists and
-    dlopens it in a child Python, only to compare the answer with the package's (docs/decisions.md). The
-    first process records the answer with what it depends on (the C++ compiler, torch, the ISAs the CPU
-    lists); a later one whose record matches takes the listed ISAs as probed, and any other probes as
-    before (as it does where anything here fails: no compiler, a read-only folder). Inductor's extra
-    checks (VNNI, BF16, AMX) still run."""
+    At a first package load inductor compiles and runs a test per ISA the CPU lists, in a child Python. The
+    first process records the answer with what it depends on (compiler, torch, the listed ISAs); a later one
+    whose record matches takes the listed ISAs as probed. Any failure here just means probing as usual."""
     from torch._inductor import cpp_builder, cpu_vec_isa
 
     if platform.machine() not in ("x86_64", "AMD64"):

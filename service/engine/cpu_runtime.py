@@ -1,22 +1,15 @@
 """CPU runtime settings the engine needs to run at speed: OpenMP thread placement and glibc malloc.
 
-## One thread runs torch in parallel
-libgomp keeps a pool of worker threads for each thread that starts parallel regions, and once a second
-pool exists every parallel region pays for it (docs/decisions.md). So an engine sets its thread count
-*inside* its worker thread (`init_engine_thread`), and loaders run torch single-threaded in the calling
-thread (`single_threaded_caller`). Two engines in one process with threads > 1 each bring the problem
-back: give each engine 1 thread there (the Serve default).
+libgomp keeps a worker pool per thread that starts parallel regions, and once a second pool exists every
+region pays for it. So an engine sets its thread count inside its worker thread (`init_engine_thread`) and
+loaders run torch single-threaded (`single_threaded_caller`); two engines in one process with threads > 1
+each bring the problem back (the Serve default gives each 1).
 
-## More threads while the host is idle
-An engine steps on few threads so that replicas and the HTTP proxy each keep a core. A step may borrow
-the others (`EngineConfig.prefill_threads`, `decode_threads`) only while no other engine on the host has
-work (`BusyBoard`): a parallel region waits for its slowest thread, so a busy neighbour must keep its core.
+A step may borrow more threads (`prefill_threads`, `decode_threads`) only while no other engine on the host
+has work (`BusyBoard`): a parallel region waits for its slowest thread, so a busy neighbour keeps its core.
 
-## Large allocations from the heap
 glibc maps allocations above its mmap threshold afresh and unmaps them on free, so a step's multi-MB
-activations pay page faults on zeroed pages each time (docs/decisions.md). `mallopt` raises the
-thresholds, as jemalloc/tcmalloc via LD_PRELOAD would for these sizes; up to TRIM_BYTES of freed memory
-stays mapped. Off with ATTNSERVE_MALLOPT=0; a no-op where glibc's mallopt is not available (macOS, musl).
+activations would page-fault every time: `mallopt` raises the thresholds (off with ATTNSERVE_MALLOPT=0).
 """
 
 from __future__ import annotations

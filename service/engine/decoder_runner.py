@@ -31,9 +31,8 @@ class DecoderRunner:
         self.compiled = compiled
 
     def warm_up(self) -> None:
-        """Run each kind of call once on free slots, whose K/V no request reads (a slot counts only what its
-        sequence cached): a process's first call pays one-time costs (allocations, oneDNN's set-up, first
-        touches of the weights) that would otherwise fall on the first request's time to first token."""
+        """Run each kind of call once on free slots (no request reads their K/V), so that the one-time costs
+        (allocations, oneDNN's set-up, first touches of the weights) miss the first request."""
         n = min(3, self.config.max_slots, self.config.max_seq_len - 2)
         self.prefill([(0, [0, 0], 0)])  # one prompt: compiled where built
         self.prefill([(s, [0] * (s + 2), 0) for s in range(n)])  # short prompts together: one eager forward

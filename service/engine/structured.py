@@ -1,12 +1,9 @@
-"""Structured output: a JSON schema as a token mask for the rows that ask (llguidance).
+"""Structured output: a JSON schema as a token mask for the rows that ask (llguidance, chosen by
+measurement: docs/performance.md). Its vocabulary is our tokenizer's own bytes, never a hub download.
 
-llguidance was chosen over xgrammar and outlines-core by measurement (docs/performance.md, "Structured
-output"). Its vocabulary is built from our tokenizer's own bytes (`token_bytes()`), never from a hub download.
-
-One `Grammars` per engine. `compile` (any thread) turns a schema into a template matcher, cached by the
-schema's text; each choice of a request gets its own copy. On the worker thread, a step fills the
-bitmasks of its constrained rows in one parallel call, masks only those rows' logits, and advances each
-matcher with its sampled token; unconstrained rows cost nothing.
+`compile` (any thread) turns a schema into a template matcher, cached by the schema's text; each choice gets
+its own copy. On the worker thread a step fills its constrained rows' bitmasks in one parallel call and
+masks only those rows' logits.
 """
 
 from __future__ import annotations
