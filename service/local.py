@@ -1,7 +1,6 @@
 """The service's engines in this process, without Ray or HTTP: `attnserve translate` and `attnserve eval
-translate` run the translation engine that `/v1/translate` runs, built from the same Serve config, so
-the command line and the service translate a text the same way (sentence split, tags, decoding
-defaults, join).
+translate` run the engine `/v1/translate` runs, built from the same Serve config, so the command line and
+the service translate a text the same way.
 """
 
 from __future__ import annotations
@@ -36,9 +35,7 @@ def generator_spec(*, config: str | Path | None = None, **overrides) -> ModelSpe
 
 def translator_spec(checkpoint: str | Path | None = None, *, config: str | Path | None = None) -> ModelSpec:
     """The served translator's spec, optionally with another checkpoint. Compiled where the service compiles:
-    in bf16 the compiled and the eager step round differently and choose other tokens for some sentences.
-    A compiled step is built once per host and loaded from `$ATTNSERVE_HOME` after that
-    (service/engine/aot_package.py)."""
+    in bf16 the compiled and the eager step round differently and choose other tokens for some sentences."""
     spec = serve_config(config).translator
     # a folder given on the command line is relative to where the command runs (the config's, to the repo)
     return replace(spec, checkpoint=str(Path(checkpoint).resolve()) if checkpoint else spec.checkpoint)

@@ -1,13 +1,10 @@
 """Compiled steps built in a child process, so that a replica's first start does not wait for them.
 
-Building packages is most of a first start (service/engine/aot_package.py), and two engines' builds
-cannot share a process (torch.export's tracing is not thread-safe: docs/decisions.md). A replica builds
-the generator's decode step itself and is ready once it is. The translator's packages and the generator's
-compiled prefill, where this host lacks them, are built after ready by a child that starts that engine
-once (so it keys them exactly as the replica does) and exits; the replica's engine, eager meanwhile, then
-loads them between two steps. A child runs at the lowest CPU priority and marks itself busy on the host's
-`BusyBoard` (service/engine/cpu_runtime.py), so serving engines borrow no threads meanwhile; its failure costs
-only speed.
+Package builds are most of a first start, and two engines' builds cannot share a process (torch.export's
+tracing is not thread-safe). So a replica builds only the generator's decode step before ready; a child
+builds the rest (the translator's packages, the generator's compiled prefill) by starting that engine once,
+keyed as the replica's is, and the replica's eager engine loads them between two steps. The child runs at
+the lowest priority and marks itself busy (`BusyBoard`); its failure costs only speed.
 
     python -m service.prebuild translator|generator '<ModelSpec as JSON>'
 """
