@@ -1,13 +1,8 @@
 """The service's metrics, named after vLLM's set with the `attnserve_` prefix, and where they go.
 
-Every metric is declared once in `SPECS`. A *recorder* turns the declarations into live metric
-objects: `PrometheusRecorder` (prometheus_client, one registry per process; the default, used by the
-app without Ray) or `service.ray_metrics.RayRecorder` (`ray.serve.metrics`, exported through Ray's
-per-node metrics export and aggregated across replicas by `GET /metrics`), which a Ray replica installs
-with `install()`. `EngineMetrics` is the engine's `MetricsSink` over the installed recorder; the HTTP
-layer counts responses with `count_http`.
-
-Defined at import time in this module, never in the deployment file (Ray pickles that by value).
+Every metric is declared once in `SPECS`; a recorder makes them live: `PrometheusRecorder` (the default,
+without Ray) or `service.ray_metrics.RayRecorder`, which a Ray replica `install()`s. Defined at import time
+in this module, never in the deployment file (Ray pickles that by value).
 """
 
 from __future__ import annotations

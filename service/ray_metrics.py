@@ -1,14 +1,12 @@
 """Metrics through Ray: `ray.serve.metrics` in each replica, combined across replicas by `GET /metrics`.
 
-Ray ships each replica's series to its node's metrics export (`ray_` prefix, Ray's bookkeeping labels),
-which Prometheus scrapes on a cluster (deploy/prometheus/prometheus.yml). So that a single node needs
-nothing but the service's own port, `GET /metrics` reads every alive node's export and combines the
-replicas into what one vLLM server shows, whatever the replica count (`aggregate`).
+Ray ships each replica's series to its node's metrics export (`ray_` prefix, Ray's own labels), which
+Prometheus scrapes on a cluster. So that one node needs nothing but the service's port, `GET /metrics` reads
+every alive node's export and combines the replicas into what one vLLM server shows (`aggregate`).
 
-Caveats (Ray's): series reach the export every `metrics_report_interval_ms` (2 s as `attnserve serve`
-starts Ray, 10 s by default), histogram `_sum` is estimated by Ray from bucket midpoints, and a dead
-replica's series leave the export, so a combined counter can step down (Prometheus `rate()` treats
-that as a reset).
+Ray's caveats: series reach the export every `metrics_report_interval_ms`, histogram `_sum` is estimated
+from bucket midpoints, and a dead replica's series leave the export, so a combined counter can step down
+(`rate()` treats that as a reset).
 """
 
 from __future__ import annotations
