@@ -2,9 +2,8 @@
 [--dtype D] [--quantization Q] [--device D] [--threads N] [--eager] [--config FILE]
 
 Streams a completion from SmolLM2 to the terminal, without Ray: the generator is built from the Serve
-config's spec by the function a replica uses (service/models.py: dtype, quantization and compiled step as
-served, each overridable here), and the request runs through its `GenerationEngine`, so the same request
-gives the same text here as from `/v1/generate` on this host (the served KV cache included).
+config's spec as a replica builds it (each setting overridable here), so the same request gives the same
+text here as from `/v1/generate` on this host.
 """
 
 from __future__ import annotations

@@ -248,7 +248,7 @@ def _build(path: Path, name: str, fn: Callable, model: torch.nn.Module, args: Se
     with torch.no_grad(), handles_as_inputs() if shared else contextlib.nullcontext():
         ep = torch.export.export(module, args, dynamic_shapes={"args": dynamic_shapes}, strict=False)
     tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
-    # inductor freezes only a graph compiled without autograd: with grad on, `freezing` was silently ignored
+    # inductor freezes only a graph compiled without autograd: with grad on it silently ignores `freezing`
     with torch.no_grad(), torch._inductor.config.patch(freezing=freezing):
         torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
     os.replace(tmp, path)  # atomic: a process loading it sees all of it or nothing
