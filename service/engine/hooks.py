@@ -3,8 +3,8 @@
 Set `engine.hooks` to a `StepHooks` subclass. `on_plan` runs on the event loop; `step_started` /
 `step_finished` run on the worker thread around the step (so a torch.profiler window opened there records
 the thread that computes); `phase(name)` wraps each named part of a step: "prefill forward", "decode
-forward", "sampling", "grammar", "slot copies" (generation); "encoder", "decoder forward", "advance",
-"slot copies" (translation).
+forward", "sampling" (with "grammar" inside it), "grammar", "slot copies" (generation); "encoder",
+"decoder forward", "advance", "slot copies" (translation).
 """
 
 from __future__ import annotations
