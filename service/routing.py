@@ -1,12 +1,9 @@
 """Serve's request router for attnserve replicas: requests go to replicas whose models are loaded.
 
-A replica answers `/healthz` at once and loads its models behind `/readyz` (service/startup.py); until
-then its model routes return 503 + Retry-After. With more than one replica (the CPU default runs two,
-docs/decisions.md), Serve's default power-of-two router would send requests to a replica still loading
-while another serves. This router reads each replica's `record_routing_stats()` (`{"ready": bool}`,
-refreshed every `request_routing_stats_period_s`) and offers Serve the ready replicas, those with the
-fewest requests it has in flight first (ties always in the same order); only while none is ready does it
-offer all of them (so `/healthz` and `/readyz` answer during start-up). Set in the Serve config:
+A replica answers `/healthz` at once and loads its models behind `/readyz` (503 until then), so Serve's
+default power-of-two router would send requests to a replica still loading while another serves. This one
+offers the replicas whose `record_routing_stats()` says ready, fewest requests in flight first; only while
+none is ready, all of them (so `/healthz` and `/readyz` answer during start-up). Set in the Serve config:
 
     request_router_config: {request_router_class: "service.routing:ReadyFirstRouter",
                             request_routing_stats_period_s: 1}

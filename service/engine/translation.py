@@ -1,10 +1,9 @@
 """Continuous-batching translation engine for the encoder-decoder (greedy and beam search).
 
-It takes model-ready sources (`SourceBatch`; texts are the frontend's, service/frontend/translator.py) and
-returns each one's best hypothesis. Every sentence is a unit of work that batches on its own, a beam of k
-hypotheses holding k cache slots. Each step the runner encodes the newly admitted sources (their cross K/V
-into their slots) and runs ONE decoder forward over every running hypothesis; each sentence's `BeamState`
-(model/decoding.py) picks its tokens, and beam reorders copy K/V between the sentence's slots.
+Every sentence is a unit of work that batches on its own, a beam of k hypotheses holding k cache slots.
+Each step encodes the newly admitted sources (their cross K/V into their slots) and runs ONE decoder forward
+over every running hypothesis; each sentence's `BeamState` (model/decoding.py) picks its tokens, and beam
+reorders copy K/V between the sentence's slots.
 """
 
 from __future__ import annotations
