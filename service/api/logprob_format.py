@@ -1,11 +1,9 @@
 """The engine's token log-probabilities in OpenAI's two response shapes.
 
-Completions: `{tokens, token_logprobs, top_logprobs, text_offset}` (parallel lists; a prompt's first
-token has no logprob: None), `top_logprobs` maps token text to logprob and includes the chosen token,
-as vLLM returns it. Chat: `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
-A token's text is the tokenizer's decoding of that one token (a byte-level token holding part of a UTF-8
-character decodes to U+FFFD, as in vLLM); its `bytes` are the token's own, so a client can join a split
-character, as OpenAI documents them; `text_offset` is where the token starts in the returned text.
+Completions: parallel lists `{tokens, token_logprobs, top_logprobs, text_offset}` (a prompt's first token
+has logprob None; `top_logprobs` includes the chosen token, as vLLM's). Chat: `{"content": [{token, logprob,
+bytes, top_logprobs: [{token, logprob, bytes}]}]}`. A token's text is its own decoding (U+FFFD for part of
+a UTF-8 character, as in vLLM); its `bytes` are its own, so a client can join a split character.
 """
 
 from __future__ import annotations
