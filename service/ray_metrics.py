@@ -78,10 +78,9 @@ async def _fetch(url: str) -> str | None:
 def aggregate(export_texts: list[str], application: str | None = None) -> str:
     """Ray metrics exports (Prometheus text) -> attnserve's series, replicas combined, in Prometheus text.
 
-    Keeps the `ray_attnserve_*` families whose type matches SPECS (Ray also exports each counter as a
-    gauge), drops the `ray_` prefix and every label but the spec's own (and `le`), and combines what
-    then shares a name and label set per the spec's `combine`. With `application`, only that Serve
-    application's series count.
+    Only families whose type matches SPECS count (Ray also exports each counter as a gauge); the `ray_`
+    prefix and every label but the spec's own (and `le`) go, and what then shares a name and labels is
+    combined per the spec's `combine`. With `application`, only that Serve application's series count.
     """
     sums: dict[str, dict[tuple, float]] = defaultdict(lambda: defaultdict(float))
     counts: dict[str, dict[tuple, int]] = defaultdict(lambda: defaultdict(int))

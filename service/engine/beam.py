@@ -5,14 +5,13 @@ from __future__ import annotations
 
 
 def reassign_slots(slots: list[int], parents: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Place a beam step's new hypotheses in the item's slots with as few K/V copies as possible.
+    """Place a beam step's new hypotheses in the item's slots with as few K/V copies as possible
+    -> (slot of each new hypothesis, [(src slot, dst slot)]).
 
-    Hypothesis j continues hypothesis parents[j], whose K/V sit in slots[parents[j]]. The first child of
-    each parent stays in its parent's slot (no copy); the other children take the slots of hypotheses
-    that left no child, and their parent's K/V are copied there. Sorted by score, the new hypotheses are
-    often a permutation of the old ones, which a slot-per-rank layout pays for with a copy each.
-    Sources are always slots that keep their hypothesis, so the copies never read a slot they overwrite.
-    -> (slot of each new hypothesis, [(src slot, dst slot)])
+    Hypothesis j continues parents[j], whose K/V sit in slots[parents[j]]. Each parent's first child stays
+    in its slot; the others take the slots of hypotheses that left no child, their parent's K/V copied there
+    (sorted by score, the new hypotheses are often a permutation of the old, a copy each in a slot-per-rank
+    layout). Sources always keep their hypothesis, so no copy reads a slot another overwrites.
     """
     new: list[int | None] = [None] * len(parents)
     kept: set[int] = set()
