@@ -11,8 +11,7 @@ from model.dropout import dropout
 from model.kv_cache import CacheContext, StepContext
 from model.layers import apply_rope
 
-# The C++ kernel of `prefix_attention` (model/csrc/prefix_attention.cpp), registered on CPU when the native
-# library loads; elsewhere (CUDA, no compiler) the torch code below runs.
+# `prefix_attention`'s C++ kernel (model/csrc/prefix_attention.cpp) registers on CPU when native_ops loads.
 _lib = torch.library.Library("attnserve", "FRAGMENT")
 _lib.define("prefix_attention(Tensor q, Tensor k, Tensor v, Tensor k_new, Tensor v_new, Tensor prefix_ok) -> Tensor")
 
@@ -25,11 +24,9 @@ def _prefix_attention_fake(q, k, v, k_new, v_new, prefix_ok):
 class Attention(nn.Module):
     """Self-attention (fused q/k/v projection) or cross-attention (q from x, k/v from memory).
 
-    n_kv_heads < n_heads gives grouped-query attention: each K/V head serves n_heads // n_kv_heads
-    query heads. Masks are boolean (True = may attend). With a cache context, the context supplies
-    the keys: a `CacheContext` writes the new K/V into the slot cache and returns the slots' prefixes
-    (eager serving); a `StepContext` returns prefix views and keeps the new K/V apart (the pure,
-    compiled decode steps), and each row then attends its prefix plus its own new key.
+    n_kv_heads < n_heads: grouped-query attention. Masks are boolean (True = may attend). A cache context
+    supplies the keys (model/kv_cache.py): a `CacheContext` writes the new K/V first; a `StepContext`
+    keeps them apart, and each row attends its prefix plus its own new key.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
@@ -109,9 +106,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
          *, expand_kv: bool = False) -> torch.Tensor:
     """SDPA over grouped-query heads. q (B, H, T, D); k, v (B, Hkv, S, D) -> (B, H, T, D).
 
-    With a mask, CUDA's fused kernels (memory-efficient, cuDNN) do not take `enable_gqa` and SDPA falls
-    back to its math kernel (the full score matrix in float32): `expand_kv` repeats the K/V heads
-    instead, which they do take. On CPU the flash kernel takes both, so K/V stay unrepeated."""
+    With a mask, CUDA's fused kernels refuse `enable_gqa` and SDPA falls back to its math kernel, so
+    `expand_kv` repeats the K/V heads instead; CPU's flash kernel takes both."""
     group = q.shape[1] // k.shape[1]
     if group > 1 and expand_kv and mask is not None:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, S, D)
@@ -121,8 +117,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 
 def dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                       p: float) -> torch.Tensor:
-    """Training attention with dropout on the weights: SDPA's math, but with model.dropout's mask (SDPA
-    would draw torch's serial CPU Bernoulli). q (B, H, T, D); k, v (B, Hkv, S, D) -> (B, H, T, D)."""
+    """SDPA's math with model.dropout's mask on the weights (SDPA would draw torch's serial CPU Bernoulli).
+    q (B, H, T, D); k, v (B, Hkv, S, D) -> (B, H, T, D)."""
     if k.shape[1] != q.shape[1]:  # grouped-query heads
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, T, S)
@@ -133,11 +129,8 @@ def dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """One query per row (a decode step): grouped matmuls instead of SDPA.
-
-    On CPU, SDPA's flash kernel is slow for a single query (docs/decisions.md); grouping the query
-    heads that share a K/V head needs no copy of K/V. q (B, H, 1, D); k, v (B, Hkv, L, D); mask
-    broadcastable to (B, 1, 1, L).
+    """One query per row (a decode step): grouped matmuls, as SDPA's CPU flash kernel is slow for one query
+    and grouping needs no copy of K/V. q (B, H, 1, D); k, v (B, Hkv, L, D); mask broadcastable to (B, 1, 1, L).
     """
     b, h, _, d = q.shape
     qg, k, v = _grouped(q, k, v)
@@ -151,9 +144,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """q (B, H, 1, D) -> (B, Hkv, G, D), the query heads grouped by their K/V head, and k, v ready to multiply.
 
-    A cache slice (B, Hkv, :length, D) is strided by the cache's max_len; oneDNN's bf16 batched matmul then
-    makes a transposing copy of K (and a copy of V) itself, far slower than a plain copy first
-    (docs/decisions.md). fp32 takes the strides as they are."""
+    Strided cache slices narrower than fp32 are copied first: oneDNN's own transposing copy is far slower."""
     b, h, _, d = q.shape
     hkv = k.shape[1]
     if k.device.type == "cpu" and k.dtype != torch.float32 and not k.is_contiguous():
@@ -163,14 +154,11 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor,
                      v_new: torch.Tensor, prefix_ok: torch.Tensor) -> torch.Tensor:
-    """One new query per row over its cached prefix plus its own new key, without writing the cache
-    first (a `StepContext`): as `decode_attention` over the prefix with the new key appended, but
-    without the copy of the prefix that appending would take. q (B, H, 1, D); k, v (B, Hkv, L, D)
-    cached prefix views; k_new, v_new (B, Hkv, 1, D); prefix_ok (B, 1, 1, L) True for the cached keys a
-    row may attend -> (B, H, 1, D) in v's dtype.
+    """One new query per row over its cached prefix plus its own new key, without writing the cache or
+    copying the prefix. q (B, H, 1, D); k, v (B, Hkv, L, D) prefix views; k_new, v_new (B, Hkv, 1, D);
+    prefix_ok (B, 1, 1, L) True for the cached keys a row may attend -> (B, H, 1, D) in v's dtype.
 
-    On CPU the C++ kernel runs where it is built: one pass over each row's strided prefix, sums in float32
-    (docs/decisions.md); `prefix_attention_reference` is its torch twin and oracle."""
+    On CPU the C++ kernel (sums in float32) runs where built; `prefix_attention_reference` is its oracle."""
     if q.device.type == "cpu" and _native():
         return torch.ops.attnserve.prefix_attention(q, k, v, k_new, v_new, prefix_ok)
     return prefix_attention_reference(q, k, v, k_new, v_new, prefix_ok)
@@ -178,8 +166,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: t
 
 @torch.compiler.assume_constant_result
 def _native() -> bool:
-    """Whether the C++ kernel is registered (built on first use); dynamo takes the answer as a constant
-    instead of tracing the loader (a graph break)."""
+    """Whether the C++ kernel is registered; a constant to dynamo, as tracing the loader breaks the graph."""
     return native_ops.load()
 
 

@@ -1,15 +1,9 @@
 """Byte-level BPE tokenizer (GPT-2 / SmolLM2 style) built with the `tokenizers` library.
 
-Built from a GGUF's vocabulary and merges (`from_gguf_metadata`), saved as a Hugging Face
-`tokenizer.json` + `tokenizer_config.json` (which also carries the chat template), and loaded back
-with `load(dir)`. Control tokens from the vocabulary (`<|endoftext|>`, `<|im_start|>`,
-`<|im_end|>`, ...) are special tokens: matched whole in the text, never split into bytes.
-
-Pre-tokenization is the GPT-2 regex + byte-level mapping, as `transformers` builds it for a GGUF
-with `tokenizer.ggml.model = gpt2` (our test oracle). Where `tokenizer.ggml.pre` names one of
-llama.cpp's digit-first pre-tokenizers (SmolLM2's "smollm", which transformers' GGUF loader does not
-know), every digit is split off first, as llama.cpp and SmolLM2's own tokenizer.json (Digits, then
-ByteLevel) do.
+Built from a GGUF's vocabulary and merges, saved as Hugging Face `tokenizer.json` + `tokenizer_config.json`
+(with the chat template). Control tokens are special: matched whole, never split into bytes. Pre-tokenization
+is GPT-2's, as `transformers` builds it for a GGUF (our test oracle); llama.cpp's digit-first variants
+(SmolLM2's "smollm", unknown to transformers) split off every digit first, as SmolLM2's tokenizer.json does.
 """
 
 from __future__ import annotations
@@ -112,9 +106,8 @@ class BPETokenizer:
     # --- the Tokenizer protocol -----------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        """Special tokens written in the text (e.g. `<|im_start|>` from a chat template) stay whole. With
-        `add_bos_token`, BOS goes first unless the text begins with it (a chat template's `{{ bos_token }}`):
-        one BOS, as HF's apply_chat_template gives."""
+        """Special tokens written in the text stay whole. With `add_bos_token`, BOS goes first unless the text
+        begins with it (a chat template's `{{ bos_token }}`): one BOS, as HF's apply_chat_template gives."""
         ids = self.tk.encode(text, add_special_tokens=False).ids
         if self.config.get("add_bos_token") and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id, *ids]
@@ -131,9 +124,8 @@ class BPETokenizer:
 
     @functools.cache  # noqa: B019 - one table per tokenizer, read by the grammars and the logprobs alike
     def token_bytes(self) -> list[bytes]:
-        """Every id's bytes as they appear in decoded text, for grammar libraries that match output
-        bytes against the vocabulary (special tokens: their name's UTF-8; `special_ids` tells them apart).
-        Built once; callers do not modify it."""
+        """Every id's bytes in decoded text, for grammar libraries (special tokens: their name's UTF-8).
+        Shared: callers do not modify it."""
         byte_of = {c: b for b, c in bytes_to_unicode().items()}
         out = []
         for i in range(self.vocab_size):

@@ -1,9 +1,7 @@
 """Render a model's Jinja chat template (as stored in its GGUF / tokenizer_config.json) with jinja2.
 
-Same environment as Hugging Face's `apply_chat_template`: sandboxed, `trim_blocks` and
-`lstrip_blocks`, loop controls (`{% break %}`, `{% continue %}`), `raise_exception` and `strftime_now`
-helpers and a `tojson` filter, and the tokenizer's `bos_token` / `eos_token` (passed by the caller), so
-templates written for it render identically.
+The same sandboxed environment, helpers and filters as Hugging Face's `apply_chat_template`, so templates
+written for it render identically; the caller passes the tokenizer's `bos_token` / `eos_token`.
 """
 
 from __future__ import annotations

@@ -143,9 +143,8 @@ _init_lock = threading.Lock()
 
 @contextlib.contextmanager
 def _weights_left_uninitialised():
-    """While a model is built only to be loaded, `nn.init` leaves tensors as allocated: drawing them is wasted
-    time, load_state overwrites every parameter and persistent buffer (it refuses a file missing one).
-    Process-wide while it lasts: a loader's process builds no other model meanwhile."""
+    """While a model is built only to be loaded, `nn.init` leaves tensors as allocated: load_state overwrites
+    them all (it refuses a file missing one). Process-wide: a loader builds no other model meanwhile."""
     with _init_lock:
         saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
         for name in _INIT_FUNCTIONS:

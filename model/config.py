@@ -15,8 +15,7 @@ from model.strict_fields import FromDict, check_choices
 
 
 class _Config(FromDict):
-    """What the model configs share: sizes and ids are never negative, `Literal` fields hold one of their
-    choices, and the JSON round trip refuses unknown keys and wrongly typed values."""
+    """Sizes and ids are never negative, `Literal` fields hold one of their choices; from_dict is strict."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -1,8 +1,7 @@
 """Whether bf16 is worth it on this CPU: decided by measuring, not by the name of the CPU.
 
-The same flag (avx512_bf16) means "several times faster than fp32" on one host and "slower" on another
-(docs/performance.md lists the hosts), so "auto" times a decode-sized matmul in both dtypes once per
-process and picks bf16 when it is clearly faster.
+The same avx512_bf16 flag means "several times faster than fp32" on one host and "slower" on another, so
+"auto" times a decode-sized matmul in both dtypes once per process (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -12,10 +11,8 @@ import time
 from functools import lru_cache
 
 BF16_MIN_SPEEDUP = 1.25  # below this the rounding error of bf16 is not worth it
-# ATTNSERVE_ISA=avx2 (or scalar) withholds wider instructions: from our kernels (model/csrc), from every
-# choice made on the CPU's flags here, and (apply_isa_cap) from torch, oneDNN and inductor's generated
-# code, so one host can stand in for an AVX2-only one (benchmarks/build_llama_server.sh does the same
-# for llama.cpp).
+# ATTNSERVE_ISA=avx2 (or scalar) withholds wider instructions from our kernels, our flag checks and
+# (apply_isa_cap) torch, oneDNN and inductor, so one host can stand in for an AVX2-only one.
 ISA_ENV = "ATTNSERVE_ISA"
 _WIDE = ("avx512", "amx", "avx_vnni")
 _AVX = frozenset({"avx", "avx2", "fma", "f16c"})
@@ -64,8 +61,7 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_label() -> str:
-    """What a benchmark prints beside its figures: the CPU's model and the flags that change our kernels,
-    e.g. "AMD EPYC f26 m2: avx2 avx512 avx512_vnni avx512_bf16 avx_vnni" (capped by ATTNSERVE_ISA)."""
+    """The CPU's model and the flags that change our kernels (as capped), for a benchmark's output."""
     info, flags = _cpuinfo(), cpu_flags()
     shown = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile") if f in flags]
     name = f"{info.get('model name', 'unknown CPU')} f{info.get('cpu family', '?')} m{info.get('model', '?')}"
@@ -85,8 +81,7 @@ def has_bf16_instructions(flags: frozenset[str]) -> bool:
 
 def bf16_matmul_speedup(m: int = 64, k: int = 576, n: int = 1536, repeats: int = 7) -> float:
     """fp32 time / bf16 time of an (m, k) @ (k, n) product (a decode step's MLP at 64 rows), best of
-    `repeats` each, the two dtypes interleaved so that a noisy neighbour hits both, at torch's current
-    thread count."""
+    `repeats`, the dtypes interleaved so that a noisy neighbour hits both."""
     import torch
 
     x32 = torch.randn(m, k)

@@ -67,11 +67,9 @@ class DecoderLM(nn.Module):
                 key_valid: torch.Tensor | None = None) -> torch.Tensor:
         """tokens, positions (B, T) -> logits (B, T, V), or (B, V) at `output_index` (B,).
 
-        With a `KVCache`, row b's new K/V go to slot `slots[b]` at `positions[b]` and the row attends to
-        that slot's prefix up to its own position. With a `StepContext` (T = 1, `decoder_step`), rows
-        attend its prefix views and their new K/V are collected in it instead. Without a cache,
-        attention is causal over the given tokens; `key_valid` (B, T) marks real (non-pad) tokens for
-        left-padded batches.
+        With a `KVCache`, row b's new K/V go to slot `slots[b]` at `positions[b]` and the row attends that
+        slot's prefix; a `StepContext` (T = 1) collects them instead. Without a cache, attention is causal;
+        `key_valid` (B, T) marks real (non-pad) tokens of left-padded batches.
         """
         b, t = tokens.shape
         if positions is None:

@@ -1,6 +1,5 @@
-"""One decode step of the decoder-only LM as pure tensor functions, shaped for compilation: the counterpart of
-`model/seq2seq_step.py` for `DecoderLM`, run whole (`decoder_step`) or in pieces (`blocks_step` over a run of
-consecutive layers, then `head_step`), so that identical layers can share one compiled graph."""
+"""One decode step of the decoder-only LM as pure tensor functions, as model/seq2seq_step.py: whole
+(`decoder_step`) or in pieces (`blocks_step`, `head_step`), so identical layers can share one compiled graph."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """Per-source decoding rules for the encoder-decoder: greedy or beam search, one step at a time.
 
-One source's k hypotheses advance together from the step's logits (2k candidates, EOS or the length
-limit finishes a hypothesis, GNMT length penalty, early stop when no live beam can beat the best
-finished one). The offline loops (model/generate.py) and the serving engine
-(service/engine/translation.py) both step a `BeamState` per source through `advance_all`, which runs the
-tensor work (argmax; log-softmax, n-gram bans, top-k) once for the whole batch and leaves each state its own
-choice, so a source gets the same tokens whatever else shares the batch.
-
-`no_repeat_ngram` > 0 forbids a hypothesis to repeat any n-gram of its own output (fairseq's
-`--no-repeat-ngram-size`): the cure for "各国各国各国…" loops of an undertrained model. `min_len` forbids EOS
-before that many target tokens (fairseq's `--min-len`, CTranslate2's `min_decoding_length`), for callers whose
-outputs end too early.
+The offline loops (model/generate.py) and the serving engine both step a `BeamState` per source through
+`advance_all`, which runs the tensor work once for the whole batch and leaves each state its own choice, so
+a source gets the same tokens whatever shares its batch. `no_repeat_ngram` (fairseq's) cures the
+"各国各国各国…" loops of an undertrained model; `min_len` bans EOS before that many target tokens.
 """
 
 from __future__ import annotations
@@ -67,7 +60,7 @@ def advance_all(states: list[BeamState], logits: torch.Tensor, rows: list[list[i
     the parent index of each of its new hypotheses (for the slot copies; empty once it is done)."""
     out: list[list[int]] = [[] for _ in states]
     greedy = [i for i, st in enumerate(states) if st.k == 1]
-    if greedy:  # one argmax for every greedy row; a float copy + argmax beats argmax over bf16 (decisions.md)
+    if greedy:  # one argmax for every greedy row; a float copy + argmax beats argmax over bf16
         picks = logits[[rows[i][0] for i in greedy]].float().argmax(-1).tolist()
         for i, tok in zip(greedy, picks, strict=True):
             out[i] = states[i].push(tok, logits[rows[i][0]])
@@ -81,9 +74,9 @@ def advance_all(states: list[BeamState], logits: torch.Tensor, rows: list[list[i
 
 def beam_candidates(states: list[BeamState], logits: torch.Tensor,
                     rows: list[list[int]]) -> list[tuple[list[float], list[int]]]:
-    """logits (R, V) of a step, rows[i] the rows of states[i]'s hypotheses -> each state's 2k best candidates
-    (scores, indices into its flattened (k, V)): room for k live ones after removing EOS. The ops run once
-    for all states of one beam size (a per-state log_softmax and topk cost more than the rest of a beam step)."""
+    """logits (R, V), rows[i] the rows of states[i]'s hypotheses -> each state's 2k best candidates (scores,
+    indices into its flattened (k, V)): room for k live ones after EOS. Batched per beam size, as per-state
+    log_softmax and topk cost more than the rest of a beam step."""
     v, out = logits.shape[-1], [None] * len(states)
     for k in sorted({st.k for st in states}):
         mine = [i for i, st in enumerate(states) if st.k == k]
@@ -108,9 +101,8 @@ def beam_candidates(states: list[BeamState], logits: torch.Tensor,
 
 
 def row_topk(x: torch.Tensor, n: int, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk(n) of each row of x (R, V), values then indices, through chunk maxima: a row's n best lie in
-    the n chunks with the highest maxima, so one max pass over the row and topk over small slices replace
-    a topk over the whole row (the slow part of a beam step's candidate choice)."""
+    """topk(n) of each row of x (R, V), values then indices, faster than a full-row topk: a row's n best lie
+    in the n chunks with the highest maxima."""
     r, v = x.shape
     if v % chunk or v // chunk < n:
         return x.topk(n, -1)
@@ -183,8 +175,8 @@ class BeamState:
         return parents
 
     def push(self, tok: int, logits: torch.Tensor) -> list[int]:
-        """Greedy (k == 1) step with the argmax token already chosen (the engine takes the argmax of
-        every greedy row in one op). `logits` (V,) are needed only when the argmax is banned."""
+        """Greedy (k == 1) step with the argmax `tok` already chosen for the whole batch; `logits` (V,)
+        are read only when it is banned."""
         out = self.seqs[0]
         if self.no_repeat_ngram or self.min_len:
             banned = self.banned(out)

@@ -1,11 +1,8 @@
 """Dropout whose mask is a hash of (seed, element index).
 
-On CPU a C++ kernel (model/csrc/dropout.cpp) computes the mask and applies it in one parallel pass, and the
-backward recomputes it from the seed instead of keeping it. torch's CPU dropout draws a Bernoulli per
-element from one serial Mersenne Twister where it does not use MKL (any non-Intel CPU): the largest single
-cost of a translator training step (docs/decisions.md). Elsewhere (CUDA, no compiler) `F.dropout` serves.
-Same distribution either way: each element kept with probability 1 - p (to 1/65536), scaled by the inverse of
-that probability.
+On CPU a C++ kernel (model/csrc/dropout.cpp) applies it in one parallel pass and the backward recomputes it
+from the seed; torch's CPU dropout, without MKL, draws from one serial Mersenne Twister (docs/decisions.md).
+Elsewhere `F.dropout` serves, with the same distribution (kept with probability 1 - p, to 1/65536).
 """
 
 from __future__ import annotations

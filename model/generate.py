@@ -1,8 +1,7 @@
 """Offline decoding over the slot KV cache: greedy and batched beam search for the encoder-decoder.
 
-Kept outside the model classes (as gpt-fast's generate.py): the model computes logits, the rules in
-model/decoding.py choose tokens. The serving engine steps the same rules inside its continuous batch;
-this static loop serves training-time evaluation and tests.
+The model computes logits, model/decoding.py's rules choose tokens, as the serving engine does inside its
+continuous batch; this static loop serves training-time evaluation and tests.
 """
 
 from __future__ import annotations
@@ -31,9 +30,8 @@ def beam_search(model: EncoderDecoder, sources: list[list[int]], *, beam_size: i
                 alpha: float = DEFAULT_LENGTH_PENALTY, max_len_a: float = 1.5, max_len_b: int = 10,
                 no_repeat_ngram: int = DEFAULT_NO_REPEAT_NGRAM,
                 min_length_ratio: float = DEFAULT_MIN_LENGTH_RATIO) -> list[list[Hypothesis]]:
-    """Batched beam search (greedy when beam_size is 1): every source's hypotheses occupy `beam_size`
-    cache slots, each source steps its own `BeamState`, and after each step the chosen parents' slots
-    are copied into place (KVCache.copy_slots). Returns, per source, hypotheses best first."""
+    """Batched beam search (greedy when beam_size is 1) -> per source, hypotheses best first. Each source
+    owns `beam_size` cache slots; after each step the chosen parents' slots are copied into place."""
     cfg = model.cfg
     dev = model.embed.weight.device
     b, k = len(sources), beam_size

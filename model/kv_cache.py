@@ -1,10 +1,9 @@
 """A KV cache built for batching across requests.
 
-Buffers are preallocated with a *slot* dimension: `k[layer]` is (slots, kv_heads, max_len, head_dim).
-A request owns a slot; rows of one forward pass may belong to any slots and sit at any positions, so
-sequences of different lengths, admitted at different times, decode together. Freeing a slot is O(1)
-(nothing to clear: a row only ever attends to positions <= its own, which it has written itself).
-Encoder-decoder models also keep cross-attention K/V per slot, computed once per source.
+Buffers have a *slot* dimension, `k[layer]` (slots, kv_heads, max_len, head_dim); a request owns a slot, and
+rows of one forward may use any slots at any positions, so sequences admitted at different times decode
+together. Freeing a slot is O(1): a row only attends positions <= its own, which it has written itself.
+Encoder-decoders also keep cross-attention K/V per slot.
 """
 
 from __future__ import annotations
@@ -20,22 +19,20 @@ HUGE_PAGE = 2 << 20
 
 
 def cache_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Zeros for a cache buffer. A large one on a Linux CPU lives in its own mapping on transparent huge
-    pages: a decode step reads a short run of keys in each of hundreds of (slot, head) blocks per layer, and
-    with 4 KB pages each run costs TLB misses (docs/decisions.md). Its own mapping, because memory the heap
-    hands back already touched keeps its small pages. ATTNSERVE_HUGE_PAGES=0: off."""
+    """Zeros for a cache buffer; a large one on a Linux CPU gets its own mapping on transparent huge pages
+    (a step reads short runs in hundreds of blocks: TLB misses), as touched heap memory keeps small pages.
+    ATTNSERVE_HUGE_PAGES=0: off."""
     numel = math.prod(shape)
     size = numel * torch.empty((), dtype=dtype).element_size()
     if (torch.device(device).type != "cpu" or size < 4 * HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE")
             or os.environ.get("ATTNSERVE_HUGE_PAGES", "1") == "0"):
         return torch.zeros(shape, dtype=dtype, device=device)
-    # private and anonymous (a shared mapping is shmem: another THP setting), untouched: the advice applies
-    # as the pages are first written. The kernel's zeros: writing them here would fault in the whole cache
-    # (GBs) at start-up, where a slot's pages are otherwise faulted in as its positions are first written
+    # private (a shared mapping is shmem: another THP setting) and untouched, as the advice applies at first
+    # write; the kernel's zeros, as writing ours would fault in the whole cache at start-up
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         buf.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # a kernel without transparent huge pages: small pages, as before
+    except OSError:  # a kernel without transparent huge pages: small pages
         pass
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)  # the tensor keeps `buf`
 
@@ -70,12 +67,10 @@ class KVCache:
 
     def copy_slots(self, src: torch.Tensor | list[int], dst: torch.Tensor | list[int], *,
                    length: int | list[int] | None = None, cross: bool = True) -> None:
-        """Copy whole slots (for beam search: reorder hypotheses). src/dst are equal-length lists.
+        """Copy whole slots src[i] -> dst[i] (beam search reorders hypotheses).
 
-        `length` copies only the first `length` self-attention positions (all a hypothesis has
-        written), one for all copies or one per copy; `cross=False` skips the cross-attention K/V, for
-        beams of the same source whose cross K/V are already identical. Cross K/V are copied up to the
-        source's length (`src_len`): positions past it are masked, never read.
+        `length`: only the first positions a hypothesis has written, one for all copies or one each;
+        `cross=False` skips cross K/V, for beams of one source. Cross K/V are copied up to `src_len`.
         """
         src_l = [int(s) for s in src]
         dst_l = [int(d) for d in dst]
@@ -94,15 +89,14 @@ class KVCache:
 
     @staticmethod
     def _copy_per_slot(bufs: list[tuple[torch.Tensor, list[int]]], src: list[int], dst: list[int]) -> None:
-        """One copy_ per slot of the positions it uses, all layers in one view: faster than gathering
-        (docs/decisions.md, benchmarks/bench_slot_copies.py). Disjoint src/dst only."""
+        """One copy_ per slot, all layers in one view (faster than gathering). Disjoint src/dst only."""
         for buf, lengths in bufs:
             for s, d, k in zip(src, dst, lengths, strict=True):
                 if k:
                     buf[:, d, :, :k].copy_(buf[:, s, :, :k])  # (NL, Hkv, k, D)
 
     def _copy_gathered(self, bufs: list[tuple[torch.Tensor, list[int]]], src: list[int], dst: list[int]) -> None:
-        """Gather every source before writing, so overlapping src/dst permutations are safe."""
+        """Gather every source before writing, so overlapping src/dst are safe."""
         src_t = torch.tensor(src, dtype=torch.long, device=self.k.device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=self.k.device)
         for buf, lengths in bufs:
@@ -112,8 +106,8 @@ class KVCache:
                 layer.index_copy_(0, dst_t, layer.index_select(0, src_t))
 
     def prefix_views(self, rows: int, length: int, src_length: int = 0):
-        """Views of slots [0, rows) for the pure decode steps (model/*_step.py), no copy: k, v (NL, rows, Hkv,
-        length, D), and for encoder-decoders cross_k, cross_v (NL, rows, Hkv, src_length, D), src_len (rows,)."""
+        """Views of slots [0, rows) for the pure decode steps: k, v (NL, rows, Hkv, length, D), and for
+        encoder-decoders cross_k, cross_v (NL, rows, Hkv, src_length, D), src_len (rows,)."""
         if rows > self.n_slots or length > self.max_len:
             raise ValueError(f"views of {rows} slots x {length} positions beyond the cache "
                              f"({self.n_slots} x {self.max_len})")
@@ -180,11 +174,8 @@ class CacheContext:
         return self._read(ck, self.length), self._read(cv, self.length), None
 
     def _read(self, buf: torch.Tensor, n: int) -> torch.Tensor:
-        """buf (S, Hkv, L, D) -> these rows' slots, first n positions: (B, Hkv, n, D).
-
-        A view when the slots are contiguous; else index_select (faster than advanced indexing on CPU,
-        docs/decisions.md).
-        """
+        """buf (S, Hkv, L, D) -> these rows' slots, first n positions: (B, Hkv, n, D); a view when the slots
+        are contiguous, else index_select (faster than advanced indexing on CPU)."""
         if isinstance(self.sel, slice):
             return buf[self.sel, :, :n]
         return buf[:, :, :n].index_select(0, self.sel)
@@ -208,12 +199,10 @@ class CacheContext:
 class StepContext:
     """One decode step (one new token per row) over prefix *views* of the cache, without writing it.
 
-    The cache-facing side of the pure step functions (model/decoder_step.py, model/seq2seq_step.py):
-    the model's own forward runs with this in place of a `CacheContext`, so eager and compiled decoding
-    share the module code. Nothing here depends on tensor values, slot lists or in-place writes, all of
-    which would break or specialise a compiled graph. Row r reads the first positions[r] keys of the
-    views (more may be there: masked) and its own new key, which `update` collects in `new_k`, `new_v`
-    for the caller to store (`KVCache.write_step`).
+    Stands in for a `CacheContext` in the pure step functions, so eager and compiled decoding share the
+    module code; nothing here depends on tensor values, slot lists or in-place writes, which would break or
+    specialise a compiled graph. Row r attends the first positions[r] keys of the views and its own new
+    key, which `update` collects in `new_k`, `new_v` for the caller to store (`KVCache.write_step`).
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -257,11 +246,9 @@ class StepContext:
 
 
 class ChunkContext(StepContext):
-    """A prompt chunk of one sequence (T new tokens) over its slot's cached prefix *views*, without writing
-    the cache: `StepContext`'s counterpart for a compiled prefill. Token t attends the first `positions[0, 0]`
-    cached keys (more may be in the views: masked) and new tokens 0..t; `update` returns prefix and new
-    keys joined and collects the new ones for the caller to store (`KVCache.write_chunk`). Here k, v are
-    (NL, 1, Hkv, L, D), the chunk's slot; positions (1, T), consecutive; new keys (1, Hkv, T, D) a layer."""
+    """`StepContext` for a compiled prefill: a prompt chunk of T new tokens over its slot's prefix views.
+    Token t attends the first `positions[0, 0]` cached keys and new tokens 0..t; the new keys are collected
+    for `KVCache.write_chunk`. k, v (NL, 1, Hkv, L, D); positions (1, T), consecutive."""
 
     def self_mask(self) -> torch.Tensor:
         """(1, 1, T, L + T): the cached keys before the chunk, then the chunk's own keys causally."""

@@ -1,17 +1,9 @@
 """C++ kernels compiled on this machine at first use, with torch's extension builder.
 
-The CPU kernels of `attnserve::int8_linear` (model/csrc/int8_linear.cpp), `attnserve::int4_linear`
-(model/csrc/int4_linear.cpp), `attnserve::prefix_attention` (model/csrc/prefix_attention.cpp) and
-`attnserve::dropout` (model/csrc/dropout.cpp, for training); the
-instruction set is picked at run time. A compiled decode step calls them ~150 times a step; with a Python
-kernel each call takes the GIL, and in a Serve replica the event loop holds the GIL while it streams
-tokens, so the step waited for it (docs/decisions.md). The int8 kernel reaches fbgemm through the
-dispatcher without Python.
-
-The library is built once per torch version and source (a few seconds with g++ and ninja) under
-`$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), so every `$ATTNSERVE_HOME` shares it;
-`python -m model.native_ops` builds it ahead (`make install` does). Where it cannot be built (no
-compiler) the Python kernel serves, with a warning. `ATTNSERVE_NATIVE=0` turns it off.
+The CPU kernels of the `attnserve::` ops (model/csrc/*.cpp), instruction set picked at run time: a Python
+kernel takes the GIL on each of a step's calls, which a Serve replica's event loop holds while it streams.
+Built once per torch version and source under `$TORCH_EXTENSIONS_DIR`; `python -m model.native_ops` builds
+it ahead. Without a compiler the Python kernels serve, with a warning; `ATTNSERVE_NATIVE=0` turns it off.
 """
 
 from __future__ import annotations

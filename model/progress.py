@@ -1,15 +1,8 @@
 """Progress of long jobs, one look for the whole project: a tqdm bar on a terminal, plain lines off one.
 
-`progress(...)` returns a tqdm bar when its stream is a terminal. Off a terminal (CI, nohup, a pipe)
-redraws would fill the log with carriage returns, so it returns a `PlainProgress`: the same interface
-(iteration, update, set_postfix, close, context manager), printing one line at most every
-`interval_s` seconds plus a final line, formatted by `tqdm.format_meter` so both read alike:
-
-    train: 40/150 (27%) 12.31step/s, elapsed 00:03, ETA 00:08, loss=2.31, tok/s=5210
-
-Progress goes to stderr, leaving stdout to results (tables, translations, JSON) that callers pipe.
-ATTNSERVE_PROGRESS=bar|lines forces either way; ATTNSERVE_PROGRESS_INTERVAL_S sets the line interval.
-Lines printed while a bar is drawn go through `write_line`, which lifts the bar out of the way.
+Off a terminal, redraws would fill a log with carriage returns, so `progress(...)` returns a `PlainProgress`:
+tqdm's interface, printing a line at most every `interval_s` seconds and one at the end. Progress goes to
+stderr, leaving stdout to results that callers pipe. ATTNSERVE_PROGRESS=bar|lines forces either way.
 """
 
 from __future__ import annotations

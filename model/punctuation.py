@@ -1,11 +1,8 @@
 """Width and punctuation conventions for zh<->en text: normalise inputs, fix the punctuation of outputs.
 
-Inputs are normalised without destroying anything: full-width letters and digits become ASCII, odd
-spaces become one space, invisible characters go; Chinese full-width punctuation stays (NFKC would turn
-"，" into ","). Chinese output uses full-width punctuation (，。：；？！“”‘’（）……) next to Chinese text;
-numbers (3.5, 1,000, 12:30), Latin words and abbreviations, URLs and e-mail addresses pass through
-unchanged. English output uses ASCII punctuation. Both functions are deterministic and idempotent, so
-they are applied to the Chinese / English sides of the data as well as to every translation.
+Inputs are normalised without destroying anything (unlike NFKC, "，" stays). Chinese output gets full-width
+marks next to Chinese text, while numbers, Latin words, URLs and e-mail addresses pass through; English
+output gets ASCII marks. Deterministic and idempotent, so applied to the training data and every translation.
 """
 
 from __future__ import annotations
@@ -242,9 +239,8 @@ def postprocess(text: str, lang: str) -> str:
 
 
 def punctuation_counts(text: str) -> tuple[int, int]:
-    """(full-width marks, ASCII marks next to Chinese text) among , . : ; ? ! ( ) " in a Chinese text: the
-    share of full-width punctuation in Chinese outputs is sum(first) / sum(first + second). The point of
-    an Arabic ordinal opening the text ("30. 最后") is not counted: Chinese writes it "30." (GB/T 15834)."""
+    """(full-width marks, ASCII marks next to Chinese text) among , . : ; ? ! ( ) " in a Chinese text. The
+    point of an Arabic ordinal opening the text ("30. 最后") is not counted: Chinese writes it so (GB/T 15834)."""
     full = sum(text.count(c) for c in "，。：；？！“”（）")
     ascii_ = 0
     for i, c in enumerate(text):

@@ -1,26 +1,9 @@
 """Quantized linear layers for CPU decoding: int8 (W8A8) and int4 (group-wise, weight-only).
 
-`quantize_linears(model, mode)` swaps a model's `nn.Linear` modules for one of these; the model code
-is unchanged (the layers are drop-in modules), so eager and compiled execution both use them.
-
-- int8: weights int8 with one scale per output channel; activations quantized to 8 bits at run time
-  with one scale per row (token), the scheme CTranslate2 int8 uses. The kernel is torch's x86 dynamic
-  quantized linear (fbgemm; VNNI where the CPU has it), which takes a single scale for the whole
-  activation: each row is divided by its own absmax first and two constant columns (+1, -1; zero
-  weights) pin the kernel's range to [-1, 1], so every row gets its own scale and a row's result does
-  not depend on the other rows of its batch. Per-row scales alone lose perplexity (docs/decisions.md):
-  a few input channels carry outliers that set the row's scale. So each input channel j is first divided
-  by s_j = max|X_j|^a / max|W_j|^(1-a) and the weights' column j multiplied by it (SmoothQuant, Xiao et
-  al. 2022), with max|X_j| recorded on a short calibration text (`model/data/calibration_en.txt`) and
-  a = SMOOTH_ALPHA, chosen on that text's perplexity.
-- int4: 4-bit weights in groups of 32 along the input dimension with an fp16 scale and minimum per
-  group (llama.cpp's Q4_1), times activations quantized to int8 per row and group of 32 (as llama.cpp
-  quantizes them); our C++ kernel (model/csrc/int4_linear.cpp) does the integer dot products with
-  VNNI or AVX2. For weights dequantized from a Q4_1 GGUF (SmolLM2's linears) the groups come back
-  exactly: every Q4_1 block holds its minimum (q = 0) and its maximum (q = 15), so min/max of a group
-  recover the block's scale and minimum: the bits llama.cpp computes with.
-
-Quality and speed per host are measured, not assumed: docs/performance.md ("Quantized decoding").
+`quantize_linears(model, mode)` swaps `nn.Linear` modules for drop-in ones, so eager and compiled code both
+use them. int8: per-channel weights, activations scaled per row (token) through fbgemm, with SmoothQuant's
+per-input-channel smoothing calibrated on `CALIBRATION_TEXT`. int4: llama.cpp's Q4_1 groups of 32 times
+int8 activations, in our C++ kernel. Why: docs/decisions.md ("Quantization").
 """
 
 from __future__ import annotations
@@ -45,10 +28,9 @@ INT4_GROUP = 32
 SMOOTH_ALPHA = 0.3
 CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration_en.txt"
 
-# fbgemm's packed weights are a TorchScript object that torch.compile cannot hold in a graph; the op
-# below takes an integer handle to them instead, so a compiled step calls the kernel as an opaque op.
-# A graph exported under `handles_as_inputs()` reads it from a 0-d buffer instead, so one graph can take it
-# as an input and serve every layer of the same shape (service/engine/aot_package.py's shared packages).
+# torch.compile cannot hold fbgemm's packed weights (a TorchScript object) in a graph, so the op takes an
+# integer handle to them. Under `handles_as_inputs()` the handle is read from a 0-d buffer instead, so one
+# exported graph serves every layer of its shape (service/engine/aot_package.py).
 _packed: dict[int, torch.ScriptObject] = {}
 _handles = itertools.count(1)
 _handle_inputs = False
@@ -56,8 +38,7 @@ _handle_inputs = False
 
 @contextlib.contextmanager
 def handles_as_inputs():
-    """While tracing a graph that takes the model's buffers as inputs, int8 layers pass their handle as a
-    value read from their `handle_id` buffer rather than as a constant."""
+    """While tracing a graph that takes the buffers as inputs: int8 layers read their handle from `handle_id`."""
     global _handle_inputs
     before, _handle_inputs = _handle_inputs, True
     try:
@@ -66,9 +47,7 @@ def handles_as_inputs():
         _handle_inputs = before
 
 
-# Defined on a plain `torch.library.Library`: the dispatcher calls the kernel directly, where
-# `torch.library.custom_op`'s Python wrapper (alias checks, dispatch in Python) cost more per call than
-# the op itself at one row (docs/decisions.md).
+# A plain `torch.library.Library`, not `custom_op`, whose Python wrapper costs more per call than the op.
 _lib = torch.library.Library("attnserve", "DEF")
 _lib.define("int8_linear(Tensor x, SymInt handle, int out_features) -> Tensor")
 _lib.define("int4_linear(Tensor x, Tensor packed, int out_features) -> Tensor")
@@ -149,8 +128,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("pins", torch.tensor([1.0, -1.0]), persistent=False)
 
     def _apply(self, fn, recurse=True):
-        # `model.to(bfloat16)` must not round the smoothing factors: the weights were multiplied by the
-        # exact ones, and rounding them to bf16 alone turned SmolLM2's answers into nonsense
+        # `model.to(bfloat16)` must not round the smoothing factors: the weights were multiplied by the exact ones
         inv_smooth = self.inv_smooth
         super()._apply(fn, recurse)
         self.inv_smooth = inv_smooth.to(self.inv_smooth.device)
@@ -159,7 +137,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xf = x.reshape(-1, self.in_features).float() * self.inv_smooth  # (M, K)
-        row = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)  # (M, 1): each row's own scale
+        # fbgemm takes one scale for the whole input: pinning its range to [-1, 1] gives each row its own
+        row = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)  # (M, 1)
         xn = torch.cat([xf / row, self.pins.expand(xf.shape[0], 2)], dim=-1)  # (M, K + 2) in [-1, 1]
         handle = self.handle_id.item() if _handle_inputs else self.handle
         y = int8_linear(xn, handle, self.out_features) * row  # (M, N)
@@ -233,6 +212,7 @@ class Int4Linear(nn.Module):
         n, k = w.shape
         self.in_features, self.out_features = k, n
         wg = w.view(n, k // INT4_GROUP, INT4_GROUP)  # (N, K/g, g)
+        # a Q4_1 block holds q = 0 and q = 15, so a dequantized GGUF's groups come back exactly
         lo, hi = wg.amin(-1), wg.amax(-1)  # (N, K/g)
         scale = ((hi - lo) / 15).to(torch.float16).float().clamp(min=6e-8)  # fp16, as Q4_1 stores it
         lo = lo.to(torch.float16).float()
@@ -258,13 +238,11 @@ class Int4Linear(nn.Module):
 
 def quantize_linears(model: nn.Module, mode: str, calibrate: Callable[[], object] | None = None,
                      keep: tuple[str, ...] = (), maxima: Path | None = None) -> int:
-    """Replace the `nn.Linear` modules of `model` (in place) by their `mode` counterparts -> how many.
+    """Replace `model`'s `nn.Linear` modules in place by their `mode` counterparts -> how many.
 
-    `calibrate` runs the model on calibration input (int8: records each layer's input maxima for
-    smoothing); `maxima`, a file that keeps them: read where it exists (no calibration run), else written.
-    Layers named in `keep` and layers whose shape the int4 kernel cannot take stay in
-    floating point. A tied output projection becomes a quantized copy; the embedding it shared keeps
-    its float weights for the lookup."""
+    `calibrate` runs the model to record int8's input maxima; `maxima` caches them in a file. Layers in
+    `keep`, and shapes the int4 kernel cannot take, stay float. A tied output projection becomes a
+    quantized copy; the embedding keeps its float weights."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {mode!r}")
     if mode == "none":
@@ -345,10 +323,9 @@ def prepacked_linear(linear: nn.Linear, rows: int) -> Callable[[torch.Tensor], t
 def time_linears(mode: str, rows: int, dtype: torch.dtype = torch.float32,
                  shapes: tuple[tuple[int, int], ...] = ((576, 1536), (1536, 576)), copies: int = 30,
                  repeats: int = 3, prepacked: bool = False) -> float:
-    """Best-of-`repeats` seconds of one pass through `copies` x `shapes` ((in, out) pairs) at `rows` rows,
-    in `mode` ('none': float linears in `dtype`, oneDNN-prepacked with `prepacked`, as a compiled step runs
-    them). 30 copies of an MLP are SmolLM2's 53M MLP weights: too many bytes for the caches, as in a real
-    decode step, where small stacks would time cache-resident weights."""
+    """Best-of-`repeats` seconds of one pass through `copies` x `shapes` ((in, out) pairs) at `rows` rows in
+    `mode` ('none': float in `dtype`, oneDNN-prepacked with `prepacked`). Many copies, so the weights do not
+    fit the caches, as in a real decode step."""
     torch.manual_seed(0)
     layers = []
     shapes = shapes * copies
@@ -375,10 +352,9 @@ AUTO_ROWS = (1, 16)  # one stream, and a busy batch
 
 @lru_cache(maxsize=4)
 def choose_quantization(dtype: torch.dtype = torch.float32, compiled: bool = False) -> str:
-    """'auto': the mode with the least linear time summed over AUTO_ROWS rows on this CPU, measured once
-    per process (what `dtype: auto` does for bf16; hosts differ, docs/performance.md), float linears
-    as the engine will run them (`compiled`: prepacked). int8 competes only where the CPU has VNNI: the
-    7-bit activations needed without it cost perplexity (docs/decisions.md)."""
+    """'auto': the fastest mode on this CPU over AUTO_ROWS rows, measured once per process (hosts differ);
+    `compiled`: float linears prepacked, as the engine runs them. int8 only with VNNI (7-bit activations
+    without it cost perplexity)."""
     modes = [m for m in QUANTIZATIONS if m != "int8" or not _REDUCE_RANGE]
     totals = {mode: sum(time_linears(mode, rows, dtype, prepacked=compiled) for rows in AUTO_ROWS) for mode in modes}
     return min(totals, key=totals.get)
@@ -392,9 +368,8 @@ def quantization_of(model: nn.Module) -> str:
 
 def quantize_decoder(model: nn.Module, tokenizer, mode: str, maxima: Path | None = None) -> int:
     """Quantize a decoder-only LM for serving -> layers replaced. int8: every linear, calibrated on
-    CALIBRATION_TEXT. int4: the blocks' linears in int4 and the output projection in int8 (SmolLM2's
-    comes from a Q8_0 tensor, which 4 bits in groups of 32 would not hold: docs/decisions.md).
-    `maxima`: where the calibration's result is kept for these weights and mode (`quantize_linears`)."""
+    CALIBRATION_TEXT. int4: the blocks' linears; the output projection int8 (SmolLM2's is Q8_0, which int4
+    would not hold). `maxima`: the calibration's cache file (`quantize_linears`)."""
     if mode == "none":
         return 0
     ids = torch.tensor([tokenizer.encode(CALIBRATION_TEXT.read_text(encoding="utf-8"))])  # (1, T)

@@ -1,9 +1,8 @@
 """Encoder-decoder Transformer of "Attention Is All You Need".
 
-Sinusoidal positions, shared source/target/output embeddings scaled by sqrt(d_model),
-post-LN residual blocks by default (`norm_first=True` gives pre-LN with final norms).
-`encode` runs the encoder; `set_cross` stores each decoder layer's cross-attention K/V in the cache
-slots once per source; `decode` runs decoder steps over the cache. `forward` is teacher forcing.
+Sinusoidal positions, shared source/target/output embeddings scaled by sqrt(d_model), post-LN by default.
+`set_cross` stores each decoder layer's cross-attention K/V in the cache once per source; `decode` steps
+over the cache; `forward` is teacher forcing.
 """
 
 from __future__ import annotations
@@ -127,11 +126,8 @@ class EncoderDecoder(nn.Module):
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | StepContext,
                slots: torch.Tensor | list[int] | None = None) -> torch.Tensor:
-        """Decoder step(s) over the cache: tokens, positions (B, T) -> logits (B, T, V).
-
-        With a `KVCache`, row b's new K/V go to slot `slots[b]`; with a `StepContext` (T = 1,
-        `decode_step`), rows attend its prefix views and their new K/V are collected in it instead.
-        """
+        """Decoder step(s) over the cache: tokens, positions (B, T) -> logits (B, T, V). With a `KVCache`, row
+        b's new K/V go to slot `slots[b]`; a `StepContext` (T = 1) collects them instead."""
         if isinstance(cache, KVCache):
             if int(positions.max()) >= self.cfg.max_tgt_len:
                 raise ValueError(f"target position {int(positions.max())} beyond max_tgt_len {self.cfg.max_tgt_len}")

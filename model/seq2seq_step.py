@@ -1,6 +1,5 @@
-"""One decoder step of the encoder-decoder as a pure tensor function, shaped for `torch.compile`:
-`EncoderDecoder.decode` over a `StepContext` (model/kv_cache.py has the contract; why not the `KVCache`
-path: docs/decisions.md, "torch.compile"), so one compiled graph serves every batch."""
+"""One decoder step of the encoder-decoder as a pure tensor function (`EncoderDecoder.decode` over a
+`StepContext`), so one compiled graph serves every batch (docs/decisions.md, "torch.compile")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Config dicts to dataclasses, refusing unknown keys: one rule for every config file we read (model and
-training configs, the Serve config's args, engine settings, `user_config`), so a typo fails loudly with
+"""Config dicts to dataclasses, refusing unknown keys, for every config we read: a typo fails loudly with
 the known names instead of being ignored."""
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ _SCALARS = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
-    """Whether `value` fits a scalar annotation (bool, int, float, str, None, unions of them); other
-    annotations (Literal, containers, dataclasses) are checked where they are used."""
+    """Whether `value` fits a scalar annotation (or a union of them); others are checked where used."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return any(_type_ok(value, h) for h in typing.get_args(hint))
     if hint is type(None):

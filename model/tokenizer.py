@@ -79,10 +79,9 @@ class SentencePieceTokenizer:
 
 
 class IncrementalDetokenizer:
-    """Token ids -> text deltas that never split a UTF-8 character. It decodes a short window of recent tokens;
-    a delta ending in U+FFFD (a partial character, as byte-level and byte-fallback tokenizers produce) waits
-    for the next token to complete it. Comparing decodes of the same window suits SentencePiece's
-    leading-space markers and byte-level BPE alike."""
+    """Token ids -> text deltas that never split a UTF-8 character: a delta ending in U+FFFD (a partial
+    character) waits for the next token. It diffs decodes of a short window of recent tokens, which suits
+    SentencePiece's leading-space markers and byte-level BPE alike."""
 
     def __init__(self, tokenizer: Tokenizer, skip_ids: Iterable[int] = ()):
         self.tok = tokenizer

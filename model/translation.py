@@ -49,9 +49,8 @@ def check_decoding_options(names: dict[str, str], **options: float) -> None:
 
 def detect_lang(text: str) -> str:
     """'zh' if the text has CJK characters and at least as many of them as Latin words, else 'en': a Chinese
-    sentence naming "Visual Studio Code" stays Chinese, an English one quoting 北京 stays English.
-    URLs, e-mail addresses and code are not words. Read as normalised (full-width letters are Latin), so the
-    text and each of its normalised sentences are judged alike."""
+    sentence naming "Visual Studio Code" stays Chinese. URLs, e-mail addresses and code are not words. Read
+    as normalised, so a text and each of its normalised sentences are judged alike."""
     text = without_protected(normalise_input(text))
     cjk = len(_CJK.findall(text))
     return "zh" if cjk and cjk >= len(_LATIN_WORD.findall(text)) else "en"
@@ -71,8 +70,7 @@ _ITEM_LABEL = re.compile(r"[(（]?(?:\d{1,3}|[IVXivx]{1,5})[.)）]")  # "1." / "
 
 
 def split_sentences(text: str) -> list[str]:
-    """Split one line of text into sentences; each is translated as its own item and the outputs are joined
-    again (`join_sentences`)."""
+    """One line of text -> its sentences, each translated as its own item (`join_sentences` rejoins them)."""
     ends = [m.end() for m in _SENT_END.finditer(text)]
     out: list[str] = []
     for p in (text[a:b].strip() for a, b in zip([0, *ends], [*ends, len(text)], strict=True)):
@@ -94,8 +92,7 @@ _EDGE_EMOJI = re.compile(f"([{EMOJI_CHARS}\\s]*)(.*?)([{EMOJI_CHARS}\\s]*)", re.
 
 def pieces(sentence: str, fits) -> list[str]:
     """What the model translates one by one: the sentence cut around URLs and e-mail addresses and off the
-    emoji that open or close it (they pass through as they are: `needs_translation` is False for them; the
-    model's vocabulary hardly holds emoji), and any piece too long cut at clauses."""
+    emoji at its ends (they pass through: the vocabulary hardly holds emoji), long pieces cut at clauses."""
     out = []
     for p in split_links(sentence):
         if is_link(p):
@@ -108,8 +105,7 @@ def pieces(sentence: str, fits) -> list[str]:
 
 def split_long(sentence: str, fits) -> list[str]:
     """Cut a sentence too long for the model (`fits(piece)` is False) into pieces that fit: at the clause mark
-    nearest its middle, else at the space nearest it, else between characters; each piece is translated as
-    a sentence of its own and the pieces are joined as sentences are."""
+    nearest its middle, else at the space nearest it, else between characters."""
     if fits(sentence) or len(sentence) < 2:
         return [sentence]
     cuts = [m.end() for m in _CLAUSE_END.finditer(sentence) if 0 < m.end() < len(sentence)]
@@ -157,9 +153,8 @@ def join_text(lines: list[list[str]], lang: str) -> str:
 
 
 def needs_translation(sentence: str, target_lang: str, source_lang: str | None = None) -> bool:
-    """False for a sentence without letters (numbers, marks, emoji) or already in the target language (as
-    detected, unless the caller names the source language): it passes through (with the target's
-    punctuation) instead of being rewritten by the model."""
+    """False for a sentence without letters or already in the target language (detected unless `source_lang`
+    says): it passes through, with the target's punctuation, rather than being rewritten by the model."""
     if not any(c.isalpha() for c in without_protected(sentence)):
         return False
     return source_lang != target_lang if source_lang is not None else detect_lang(sentence) != target_lang

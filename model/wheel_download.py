@@ -1,8 +1,7 @@
 """Fetch one wheel with `pip download --no-deps`, showing its bytes in our progress bar (model/progress.py).
 
-pip resolves the index, its configuration and proxies; `--progress-bar raw` makes it print
-"Progress <bytes> of <total>" lines instead of drawing its own bar, and we draw ours from them, so a
-download looks like every other long job, bar on a terminal or plain lines in a log.
+pip resolves the index, its configuration and proxies; we draw our bar from its `--progress-bar raw` lines,
+so a download looks like every other long job.
 """
 
 from __future__ import annotations
@@ -42,8 +41,7 @@ def pip_download(package: str, version: str, dest: Path) -> Path:
 
 
 def _run_with_progress(cmd: list[str], desc: str) -> int:
-    """Run pip, turning its raw progress lines into our bar; its other chatter on stdout is dropped (its
-    errors go to stderr as they are)."""
+    """Run pip, turning its raw progress lines into our bar; its other stdout is dropped (errors: stderr)."""
     with progress(desc=desc, unit="B", unit_scale=True) as bar:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         for line in proc.stdout:

@@ -1,15 +1,8 @@
 """Import a Llama-architecture GGUF file (llama.cpp's format) into our `DecoderLM`.
 
-Reads metadata -> `DecoderConfig`, dequantizes every tensor to fp32 with `gguf.quants.dequantize`,
-renames llama.cpp tensors to our parameter names, fuses q/k/v and gate/up, and undoes llama.cpp's
-Q/K row permutation (it reorders each head's rows for its interleaved RoPE; we use the Hugging Face
-"rotate half" RoPE, which wants the original order). The tokenizer and chat template come out as
-plain metadata for `model.bpe_tokenizer.BPETokenizer.from_gguf_metadata`.
-
-Anything we cannot represent faithfully (another architecture, a quantization type we do not
-dequantize, a truncated file, a missing or unused tensor) raises `GGUFImportError` naming it, and so
-does a corrupted header: lengths past the end of the file, tensors not packed the way llama.cpp
-requires, metadata of the wrong type or an impossible size.
+Tensors are dequantized to fp32, and llama.cpp's Q/K row permutation (for its interleaved RoPE) is undone for
+our "rotate half" RoPE. Anything we cannot represent faithfully, and any corrupt or truncated file, raises
+`GGUFImportError` naming it rather than loading wrong weights.
 """
 
 from __future__ import annotations
@@ -53,9 +46,8 @@ GGML_MAX_DIMS = 4
 
 
 class _HeaderWalk:
-    """Bounds-checked walk over a GGUF header, run before gguf-py's reader sees the file: the reader
-    trusts counts and lengths, so one flipped bit in an array length makes it loop past the end of the
-    file, growing a list until memory runs out."""
+    """Bounds-checked walk over a GGUF header before gguf-py's reader sees the file: the reader trusts
+    lengths, so one flipped bit in an array length grows a list until memory runs out."""
 
     def __init__(self, buf, path: Path):
         self.buf, self.path, self.pos = buf, path, 0
@@ -134,9 +126,8 @@ def _check_header(path: Path) -> None:
 
 
 def _check_tensor_layout(reader, path: Path, size: int) -> None:
-    """Tensors must be packed in file order, each starting at the previous one's aligned end (llama.cpp
-    refuses a file otherwise), and the file must end with the last one. That ties every tensor's offset,
-    shape and type to its neighbours', so a corrupted one cannot silently read another tensor's bytes."""
+    """Tensors must be packed in file order at aligned ends, as llama.cpp requires, up to the file's end: so
+    a corrupted offset, shape or type cannot silently read another tensor's bytes."""
     from gguf import GGML_QUANT_SIZES
 
     align = int(reader.alignment)
@@ -182,8 +173,8 @@ _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_t
 
 
 def check_metadata_types(reader, path: Path) -> None:
-    """A flipped type tag makes a float decode as an integer of the same width (or the reverse): a
-    plausible-looking, wrong value. Refuse any key we use whose type is not the kind it must be."""
+    """Refuse a key we use whose type is of the wrong kind: a flipped type tag decodes a float as a
+    plausible-looking integer (or the reverse)."""
     arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
     wanted = {**{f"{arch}.{k}": ("an integer", _INT_TYPES) for k in _INT_KEYS},
               **{f"{arch}.{k}": ("a float", _FLOAT_TYPES) for k in _FLOAT_KEYS},
@@ -316,9 +307,8 @@ def tokenizer_metadata(meta: dict) -> dict:
 
 
 def load_gguf(path: str | Path, show_progress: bool = False) -> GGUFModel:
-    """Read and dequantize a GGUF file into our config + state dict (+ tokenizer metadata).
-    Any malformed content (truncated, corrupt metadata, inconsistent shapes) raises GGUFImportError.
-    `show_progress`: a bar (or plain lines) over the tensors, for a conversion a user waits on."""
+    """Read and dequantize a GGUF file into our config + state dict (+ tokenizer metadata); malformed
+    content raises GGUFImportError. `show_progress`: a bar over the tensors."""
     import dataclasses
 
     path = Path(path)

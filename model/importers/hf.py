@@ -1,9 +1,7 @@
 """Hugging Face layout <-> our DecoderLM: config.json + model.safetensors with Llama or GPT-2 names.
 
-`export_hf` writes a folder that `transformers` loads as `LlamaForCausalLM` or `GPT2LMHeadModel`
-(and other engines that read that layout); `import_hf` reads such a folder (ours or one trained
-elsewhere) into a `DecoderLM`. Differences handled here: we fuse q/k/v and gate/up into one matrix
-each; GPT-2's `Conv1D` stores weights transposed, (in, out); tied heads are stored once.
+`export_hf` writes a folder `transformers` loads as `LlamaForCausalLM` or `GPT2LMHeadModel`; `import_hf` reads
+one. We fuse q/k/v and gate/up into one matrix each; GPT-2's `Conv1D` stores weights transposed, (in, out).
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Our EncoderDecoder -> the Hugging Face Marian layout (config.json + model.safetensors, `MarianMTModel`).
 
-The exported folder loads in `transformers` as `MarianMTModel` and converts to CTranslate2
-(benchmarks/ct2_convert.py) with the very same weights. Differences handled here:
-
-- Positions: our sinusoidal table interleaves sin (even dims) and cos (odd dims); Marian puts every
-  sin first and every cos second, with the same frequencies. Marian computes its table itself (it is
-  never read from the checkpoint), so we instead permute the model dimension of every weight by
-  `PERM = [0, 2, 4, ..., 1, 3, 5, ...]`: hidden state h_hf = h_ours[PERM] at every layer boundary.
-  LayerNorm (mean/variance are permutation invariant), attention and the FFN are equivariant to a
-  consistent permutation, and the tied output projection contracts the permuted axis away, so the
-  logits are identical.
-- We fuse q/k/v (self-attention) and k/v (cross-attention) into one matrix each; Marian keeps them apart.
-- Marian positions start at 0 with no padding offset and its embeddings are scaled by sqrt(d_model),
-  like ours; padding_idx only affects training gradients. Its LayerNorm eps is fixed at 1e-5 and its
-  layers are post-LN with no final LayerNorm, so pre-LN configs cannot be exported.
-- Decoding starts from our bos token (decoder_start_token_id), not Marian's usual pad token.
+The folder loads in `transformers` and converts to CTranslate2 with the very same weights. Our sinusoidal
+table interleaves sin and cos, Marian's puts every sin first and computes it itself, so we permute the model
+dimension of every weight by `PERM` instead: LayerNorm, attention and the FFN are equivariant to it and the
+tied output projection contracts it away, so the logits are identical. Decoding starts from our bos token.
 """
 
 from __future__ import annotations
@@ -148,10 +137,8 @@ def vocabulary(tokenizer, cfg: Seq2SeqConfig) -> list[str]:
 
 def export_marian(model: EncoderDecoder, tokenizer, out_dir: str | Path, *,
                   dtype: torch.dtype | None = None) -> Path:
-    """Write config.json, generation_config.json, model.safetensors and vocab.json to `out_dir`; with a
-    SentencePiece tokenizer also source.spm/target.spm + tokenizer_config.json, so AutoTokenizer gives
-    a MarianTokenizer that encodes as ours does plus eos (the `<2en>`/`<2zh>` tag is for the caller
-    to put first, as `model.translation.encode_source` does)."""
+    """Write the Marian folder to `out_dir`; with a SentencePiece tokenizer also the files AutoTokenizer
+    reads, so it encodes as ours plus eos (the caller puts the `<2en>`/`<2zh>` tag first)."""
     from safetensors.torch import save_file
 
     cfg = model.cfg

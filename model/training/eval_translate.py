@@ -1,15 +1,8 @@
 """`attnserve eval translate`: sacreBLEU and chrF on a held-out split, both directions.
 
-Splits: `test` (HK, the published figures) and `ted_test`; choices between checkpoints (which
-snapshots to average, ...) are made on `dev` (HK) or `ted_dev`, so the test splits stay a measurement.
-Chinese outputs also report the share of their punctuation marks that is full-width.
-
-English output is scored with sacreBLEU's default 13a tokenizer, Chinese output with its `zh`
-tokenizer. Greedy and beam search; writes a JSON report with a few sample translations and the loop
-rate of outputs and references (`loop_rate`). The translations come from a `translate(texts,
-target_lang, beam_size, done)` function (`done(n)`: n texts finished, for the progress bar):
-`attnserve eval translate` passes the served engine's (service/local.py), so the scores are those of
-what `/v1/translate` answers.
+Choices between checkpoints are made on the dev splits, so `test` and `ted_test` stay a measurement. The
+translations come from the served engine's `translate`, so the scores are those of what `/v1/translate`
+answers. Also reports loop rates and, for Chinese, the full-width share of punctuation.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
     python -m model.training.plot_progress docs/translate_progress.json docs/translate_bleu_progress.png
 
-The trend `BLEU = a + b ln(hours)` is fitted to the measured points (least squares) and extended to
-where it meets each goal: an extrapolation, printed as such. It says roughly how many more CPU-hours
-this recipe needs; it cannot know where the model saturates.
+The fitted trend `BLEU = a + b ln(hours)` is extended to each goal: an extrapolation of the CPU-hours this
+recipe needs, blind to where the model saturates.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """`attnserve train translate --config configs/translate.json`: train the zh<->en translator.
 
-As in "Attention Is All You Need": Adam(0.9, 0.98, 1e-9), inverse-sqrt warm-up, label smoothing,
-dropout, batches by token count. Resumable: model, optimizer, RNG and data position are saved (as
-safetensors + JSON, never pickle) every few minutes and on SIGTERM or SIGINT, which then raise
-`Interrupted` (the command exits 143 or 130); `--resume` continues from there.
-Logs JSON lines (loss, tokens/s, lr, dev BLEU) to `<run>/train.log`. At the end the last snapshots
-are averaged and exported as a checkpoint folder (`<run>/export` unless `export_to` names another).
+The recipe of "Attention Is All You Need" (Adam(0.9, 0.98, 1e-9), inverse-sqrt warm-up, label smoothing,
+batches by token count). Resumable: the whole state is saved, never pickled, every few minutes and on SIGTERM
+or SIGINT, which then raise `Interrupted`. Logs JSON lines to `<run>/train.log`; at the end the last snapshots
+are averaged and exported.
 """
 
 from __future__ import annotations
@@ -71,12 +69,10 @@ class TrainConfig:
     avg_last: int = 5
     log_every: int = 20
     rewarm_steps: int = 300  # --init-from: fresh Adam moments, so ramp the lr back up over these steps
-    # the last steps before max_steps: the lr falls linearly to zero (the decay phase of a
-    # warmup-stable-decay schedule), which a run that has flattened at a slowly falling lr gains from
-    cooldown_steps: int = 0
+    cooldown_steps: int = 0  # the lr falls linearly to zero over these last steps (warmup-stable-decay)
     compile_loss: bool = True  # the loss over the vocabulary through inductor: one fused pass each way
-    # > 1: batches of one padded length (a multiple of this) and a fixed row count per length, so a GPU
-    # sees a few dozen tensor shapes instead of a new one per batch, each costly the first time (decisions.md)
+    # > 1: batches padded to a multiple of this, a fixed row count per length, so a GPU sees a few dozen
+    # shapes instead of a new one per batch, each costly the first time
     shape_multiple: int = 1
 
     def __post_init__(self):
@@ -260,7 +256,7 @@ def load_state(run: Path, model, opt) -> dict:
     tensors = load_file(str(path))
     with safe_open(str(path), "pt") as f:
         kept = (f.metadata() or {}).get("state")
-    # runs saved before the metadata moved into the tensors' file have it in state.json only
+    # older runs keep it in state.json only
     meta = json.loads(kept) if kept is not None else json.loads((run / "state.json").read_text())
     try:
         model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
@@ -433,11 +429,10 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
             rng = random.Random(cfg.seed * 1000 + meta["epoch"])
             batches = make_batches(examples, cfg.batch_tokens, rng, cfg.shape_multiple)
             seen = meta.get("epoch_batches")  # the batch list the position counts in (absent in older runs)
-            # the batching's own settings too: another shape_multiple can give as many batches, of other examples
+            # with the batching settings: another shape_multiple can give as many batches of other examples
             current = [len(examples), len(batches), cfg.batch_tokens, cfg.shape_multiple]
             if seen and seen != current and meta["batch_in_epoch"]:
-                # other data or batching since the checkpoint: keep the epoch's fraction, not an index into
-                # a different list
+                # other data or batching since the checkpoint: keep the epoch's fraction, not the index
                 pos = round(meta["batch_in_epoch"] * len(batches) / seen[1])
                 log(event="epoch_rebatched", step=meta["step"], examples=[seen[0], len(examples)],
                     batches=[seen[1], len(batches)], batch_in_epoch=[meta["batch_in_epoch"], pos])
@@ -542,8 +537,8 @@ def finished(meta: dict, cfg: TrainConfig) -> bool:
 
 
 def warm_start(model, ckpt: Path) -> dict:
-    """Continue from a shipped checkpoint's weights (its optimizer state is not shipped) and its training
-    record's counters, so the lr schedule (re-warmed: Adam's moments start from zero) and the logs go on."""
+    """Continue from a shipped checkpoint's weights and training counters, so the lr schedule (re-warmed, as
+    Adam's moments are not shipped) and the logs go on."""
     from model.checkpoint import load_state as load_weights
     from model.checkpoint import read_config
 
@@ -560,9 +555,8 @@ def warm_start(model, ckpt: Path) -> dict:
 
 
 def widen_feed_forward(model, weights: Path) -> None:
-    """Load a checkpoint with narrower feed-forward layers, computing the same function (Net2Net-style): its
-    units fill the first rows of each `fc` and columns of each `proj`; the new units get zero `proj`
-    columns, so they add nothing until training moves them."""
+    """Load a checkpoint with narrower feed-forward layers, computing the same function (Net2Net-style): the
+    new units get zero `proj` columns, so they add nothing until training moves them."""
     from safetensors.torch import load_file
 
     state = load_file(str(weights))

