@@ -70,14 +70,6 @@ def write_line(text: str, file=None) -> None:
     out.flush()
 
 
-def format_postfix(ordered: Mapping | None = None, **kwargs) -> str:
-    """tqdm's `set_postfix` text: key=value pairs, numbers in tqdm's short form."""
-    items = dict(ordered or {})
-    items.update(sorted(kwargs.items()))
-    return ", ".join(f"{k}={tqdm.format_num(v) if isinstance(v, Number) else str(v).strip()}"
-                     for k, v in items.items())
-
-
 class PlainProgress:
     """tqdm's interface as plain lines: one at most every `interval_s` seconds (on update), one at close."""
 
@@ -114,13 +106,14 @@ class PlainProgress:
         self.n += n
         self.refresh()
 
-    def set_postfix(self, ordered_dict: Mapping | None = None, refresh: bool = True, **kwargs) -> None:
-        self.set_postfix_str(format_postfix(ordered_dict, **kwargs), refresh)
+    def set_postfix(self, ordered_dict: Mapping) -> None:
+        """tqdm's text: key=value pairs, numbers in tqdm's short form."""
+        self.set_postfix_str(", ".join(f"{k}={tqdm.format_num(v) if isinstance(v, Number) else str(v).strip()}"
+                                       for k, v in ordered_dict.items()))
 
-    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
-        self.postfix = str(s)
-        if refresh:
-            self.refresh()
+    def set_postfix_str(self, s: str) -> None:
+        self.postfix = s
+        self.refresh()
 
     def refresh(self) -> None:
         """A line if one is due: callers that wait without updating (a subprocess) still show they live."""
