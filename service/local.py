@@ -68,7 +68,7 @@ async def translate_async(translator, texts: list[str], *, progress: Callable[[i
                     results[i] = await translator.translate(TranslateRequest(texts=[texts[i]], **request))
                     break
                 except EngineOverloaded as e:  # long texts filled the queue: wait as an HTTP client would
-                    await asyncio.sleep(e.retry_after or 0.1)
+                    await asyncio.sleep(e.retry_after)
         done += 1
         if progress is not None:
             progress(done)

@@ -73,7 +73,7 @@ class Scheduler(Generic[W]):
             return
         if beyond >= self.config.max_waiting:
             raise EngineOverloaded(f"{beyond} {self.noun} waiting for a slot (max_waiting="
-                                   f"{self.config.max_waiting}); retry later", retry_after=1.0)
+                                   f"{self.config.max_waiting}); retry later")
 
     def add(self, groups: list[list[W]]) -> None:
         """Queue one request's groups, all or none (`check_room` first)."""

@@ -25,10 +25,7 @@ class EngineOverloaded(EngineError):
     """The waiting queue is full: HTTP 429 with Retry-After."""
 
     status_code = 429
-
-    def __init__(self, message: str, retry_after: float = 1.0):
-        super().__init__(message)
-        self.retry_after = retry_after
+    retry_after = 1.0  # seconds
 
 
 class RequestRejected(EngineError):
