@@ -275,9 +275,7 @@ class EngineLoop:
 
     def stats(self) -> EngineStats:
         return EngineStats(running=len(self.scheduler.running), waiting=self.scheduler.n_waiting,
-                           slots_total=self.config.max_slots,
-                           slots_used=self.scheduler.table.n_used, kv_usage_ratio=self._kv_usage(),
-                           steps=self.steps, last_batch_size=self.last_batch_size,
+                           slots_used=self.scheduler.table.n_used, steps=self.steps,
                            requests_finished=self.requests_finished)
 
     @property

@@ -27,9 +27,6 @@ class MetricsSink:
 class EngineStats:
     running: int = 0  # requests holding slots
     waiting: int = 0  # requests queued for a slot
-    slots_total: int = 0
     slots_used: int = 0
-    kv_usage_ratio: float = 0.0  # cache positions in use / total positions
     steps: int = 0  # forward steps run so far
-    last_batch_size: int = 0  # rows of the last step
     requests_finished: int = 0
