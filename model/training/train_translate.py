@@ -345,13 +345,12 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     run.mkdir(parents=True, exist_ok=True)
     # the tensors' file commits a state (save_state), before state.json is written: a kill between the two
     # renames of a run's first checkpoint leaves no state.json
-    has_state = (run / "state.safetensors").is_file()
-    resuming = (resume or export_only) and has_state
-    if not resuming and has_state:
+    has_state = (run / "state.safetensors").is_file()  # past these checks, a run with a state resumes it
+    if has_state and not (resume or export_only):
         # a new run here would mix its snapshots (and maybe its vocabulary) with the old run's
         raise FileExistsError(f"{run} already holds a training run (state.safetensors): pass --resume to continue "
                               "it, or --run-dir to start a new run elsewhere")
-    if export_only and not resuming:  # else an untrained model would be exported
+    if export_only and not has_state:  # else an untrained model would be exported
         raise FileNotFoundError(f"{run} holds no training run (state.safetensors) to export")
     torch.set_num_threads(cfg.threads)
     if cfg.bf16 == "auto":
@@ -371,7 +370,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     train_pairs, sources = translate_data.training_pairs(data_dir, {*cfg.upsample, *cfg.one_way})
     dev_pairs = {split: translate_data.read_heldout(split, data_dir) for split in cfg.eval_splits}
     spm_path = run / "spm.model"
-    if init_from and not resuming:  # warm start: the checkpoint's own vocabulary
+    if init_from and not has_state:  # warm start: the checkpoint's own vocabulary
         shutil.copyfile(Path(init_from) / SentencePieceTokenizer.FILE, spm_path)
     if not spm_path.is_file():
         t0 = time.time()
@@ -385,7 +384,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     model = build_model(mcfg).to(dev)
     opt = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
     meta = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_seconds": 0.0, "tokens": 0}
-    if resuming:
+    if has_state:
         meta = load_state(run, model, opt)
         log(event="resumed", step=meta["step"], epoch=meta["epoch"])
     elif init_from:
