@@ -255,7 +255,9 @@ def load_state(run: Path, model, opt) -> dict:
     path = run / "state.safetensors"
     tensors = load_file(str(path))
     with safe_open(str(path), "pt") as f:
-        meta = json.loads(f.metadata()["state"])
+        kept = (f.metadata() or {}).get("state")
+    # older runs keep it in state.json only
+    meta = json.loads(kept) if kept is not None else json.loads((run / "state.json").read_text())
     try:
         model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     except RuntimeError as e:  # a run folder of another recipe: say so in the CLI's one line, not a traceback
