@@ -70,7 +70,7 @@ class AttnServe:
                     state = "ready (eager until its compiled steps are built, after start-up)"
                 elif compiling:
                     state = (f"ready (step compiled or loaded in {engine.compiled.compile_seconds:.1f} s)"
-                             if engine.compiled is not None else "ready (torch.compile failed: running eagerly)")
+                             if engine.compiled is not None else "ready (compiling failed: running eagerly)")
                 self.startup.model(model_id, state)
                 log.info("%s engine: %s", attr, state)
                 setattr(self.backends, attr, backend)

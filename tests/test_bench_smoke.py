@@ -190,7 +190,7 @@ def test_profile_translate(home):
 
 
 def test_check_compiled_translator(home):
-    out = tool(home, "check_compiled_translator", "--tiny", "--threads", "1", "--sentences", "4", "--clients", "2",
+    out = tool(home, "check_compiled_translator", "--tiny", "--threads", "1", "--sentences", "4", "--clients", "3",
                "--dtype", "float32")
     m = re.search(r"identical outputs eager vs compiled: (\d+) / (\d+)", out)
     assert m and int(m[2]) == 4 and 0 <= int(m[1]) <= 4

@@ -190,6 +190,26 @@ def test_compiled_generation_engine_matches_eager_alone_and_in_company():
     assert compiled[3] == 0
 
 
+def test_the_fewest_slots_a_compiled_engine_takes():
+    """Three slots: the steps are exported at sizes below the cache's (rows 2, sources 2 or 3), and a slot freed
+    and taken again reads right. Two slots run eagerly: no example size is both >= 2 and below the cache's."""
+    with pytest.raises(ValueError, match="slots"):
+        CompiledTranslator(MODEL, MODEL.new_cache(2, max_len=32, cross_len=16))
+
+    async def main():
+        engine = TranslationEngine(MODEL, EngineConfig(max_slots=3, compile=True))
+        await engine.start()
+        try:
+            req = TranslateRequest(TEXTS, target_lang="zh", beam_size=1, no_repeat_ngram=0)
+            return engine.compiled, await translate(engine, req)
+        finally:
+            await engine.stop()
+
+    compiled, result = asyncio.run(main())
+    assert compiled is not None, "compilation failed (see the warning in the log)"
+    assert result.translations == offline(TEXTS, 1)
+
+
 def test_a_failed_compile_falls_back_to_eager(monkeypatch, caplog):
     def broken(self):
         raise RuntimeError("no C++ compiler")
@@ -206,7 +226,7 @@ def test_a_failed_compile_falls_back_to_eager(monkeypatch, caplog):
 
     compiled, result = asyncio.run(main())
     assert compiled is None and result.translations == offline(TEXTS[:2], 1)
-    assert "torch.compile failed; running eagerly" in caplog.text
+    assert "compiling its steps failed; running eagerly" in caplog.text
 
 
 @torch.inference_mode()

@@ -250,7 +250,6 @@ def test_quantized_step_from_shared_packages_equals_the_eager_step(mode, package
             m(torch.tensor([p]), torch.arange(len(p))[None], cache, slots=[slot])
     step = CompiledDecoder(m, cache)
     step.warm_up(build_prefill="prefill" in packages)  # the prefill package as the service runs it: int4
-    assert step.min_rows == 1
     built = sorted(p.name.split("-")[1] for p in (tmp_path / "aoti").glob("*.pt2"))
     assert built == packages
     for slots in ([0], [0, 2]):  # slot 1 is a pad row in the second
@@ -350,7 +349,6 @@ def test_second_start_loads_compiled_steps_from_attnserve_home(tmp_path):
     assert first[2:] == second[2:]  # same logits from the built and the loaded packages
     assert runs[0].stderr.count(": built ") == 4 and ": loaded " not in runs[0].stderr
     assert runs[1].stderr.count(": loaded ") == 4 and ": built " not in runs[1].stderr
-    assert "AOTInductor failed" not in runs[0].stderr + runs[1].stderr
 
 
 def test_package_fingerprint_follows_weights_and_quantized_kernels():

@@ -1,11 +1,10 @@
 """Compiled per-step work of the engines (`EngineConfig.compile`): AOTInductor packages kept under
-`$ATTNSERVE_HOME` (service/engine/aot_package.py), or `torch.compile` where a step cannot be exported.
+`$ATTNSERVE_HOME` (service/engine/aot_package.py); where one cannot be built, the engine runs eagerly.
 
 An eager decode step pays per-op overhead and unfused elementwise passes; inductor fuses them into C++ and,
 with `freezing`, prepacks float linears for oneDNN. The compiled functions are the pure steps of
 model/seq2seq_step.py and model/decoder_step.py; other prompt prefill stays eager. Every size is dynamic, so
-one graph per function serves every batch; torch.compile specialises sizes 0 and 1 (a recompile mid-serving),
-so its fallback pads the rows to two with a free slot. All of it happens in `warm_up`, before requests.
+one graph per function serves every batch. All of it happens in `warm_up`, before requests.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch._inductor.config
 from torch.export import Dim
 
 from model.cpu_features import cpu_flags
@@ -52,7 +50,7 @@ def use_persistent_cache() -> Path:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(d)
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
-MIN_SIZE = 2  # dynamo specialises sizes 0 and 1
+MIN_SIZE = 2  # torch.export specialises example sizes 0 and 1
 # cross-attention reads source keys 1.. as a prefix (model/attention.py): that prefix too stays >= MIN_SIZE
 MIN_SRC = MIN_SIZE + 1
 # The cached prefix a decode step reads is rounded up to a multiple of this (the extra keys masked): oneDNN
@@ -66,10 +64,10 @@ def prefix_length(positions: list[int], limit: int) -> int:
 
 
 def _hint_sizes(*wanted: tuple[int, int]) -> list[int]:
-    """Warm-up sizes close to serving's (inductor tunes the code for its first call's sizes), in
-    [MIN_SIZE, limit] and pairwise distinct (equal sizes would share a symbol and recompile when they differ).
-    Callers keep limits below the cache's: a view spanning a whole dimension gets strides traced as functions of
-    the sizes, and every later view recompiles."""
+    """Example sizes to export at, close to serving's (inductor tunes the code for them), in [MIN_SIZE, limit]
+    and pairwise distinct (torch.export would take equal sizes for one dimension). Callers keep limits below
+    the cache's: a view spanning a whole dimension has its strides traced as functions of the sizes, and the
+    package then reads every shorter view wrongly."""
     out: list[int] = []
     for want, limit in wanted:
         n = max(MIN_SIZE, min(want, limit))
@@ -81,33 +79,11 @@ def _hint_sizes(*wanted: tuple[int, int]) -> list[int]:
     return out
 
 
-def _compile(fn):
-    """torch.compile without guards on the model's modules (they never change while serving, and checking
-    them costs every call); input guards stay. Wrapped on the first call, so a step loaded from packages
-    never imports inductor's compiler."""
-    compiled = None
-
-    def call(*args):
-        nonlocal compiled
-        if compiled is None:
-            skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-            compiled = torch.compile(fn, dynamic=None, options={"guard_filter_fn": skip})
-        return compiled(*args)
-
-    return call
-
-
 def _wants_freezing(model: torch.nn.Module) -> bool:
     """Freeze (weights as constants, float linears prepacked for oneDNN) only where a float `nn.Linear`
-    is left: a graph compiled with freezing cannot enter AOTAutograd's cache, so every start would trace
-    it again, while a quantized model's linears are opaque ops that freezing does not change."""
+    is left: a quantized model's linears are opaque ops that freezing does not change, and its shared
+    packages take the weights as inputs."""
     return any(isinstance(m, torch.nn.Linear) for m in model.modules())
-
-
-def _mark_dynamic(*spec) -> None:
-    for t, dims in spec:
-        for dim in dims:
-            torch._dynamo.mark_dynamic(t, dim)
 
 
 class CompiledTranslator:
@@ -115,46 +91,31 @@ class CompiledTranslator:
 
     def __init__(self, model: EncoderDecoder, cache: KVCache, key: tuple | None = None):
         """`key`: the packages' key where the caller already has it (`self.key`): it hashes every weight."""
-        if cache.n_slots < MIN_SIZE or cache.max_len < MIN_SIZE or cache.cross_len <= MIN_SRC:
-            raise ValueError(f"compiled steps need >= {MIN_SIZE} slots and positions, > {MIN_SRC} source positions")
+        # example sizes stay below the cache's (`_hint_sizes`), and at least MIN_SIZE
+        if min(cache.n_slots, cache.max_len) <= MIN_SIZE or cache.cross_len <= MIN_SRC:
+            raise ValueError(f"compiled steps need > {MIN_SIZE} slots and positions, > {MIN_SRC} source positions")
         self.model, self.cache = model, cache
         use_persistent_cache()
         self.pad_id = model.cfg.pad_id
         self.dev = cache.k.device
         self.key = key if key is not None else self._key()
-        self._decode = _compile(functools.partial(decode_step, model))
-        self._encode = _compile(functools.partial(encode_cross, model))
-        self.min_rows = MIN_SIZE  # torch.compile specialises one row; an exported package takes it
+        self._decode = self._encode = None  # the packages' run functions, set by warm_up
         self.compile_seconds: float | None = None
 
     def warm_up(self) -> float:
-        """Load or build the decode step and both encoder graphs as packages, else torch.compile them."""
+        """Load or build the decode step's and the encoder's packages (raises where they cannot be built)."""
         t0 = time.perf_counter()
         c = self.cache
-        rows, length, src, n_src = _hint_sizes((15, c.n_slots - 1), (47, c.max_len - 1), (41, c.cross_len - 1), (3, 64))
+        rows, length, src = _hint_sizes((15, c.n_slots - 1), (47, c.max_len - 1), (41, c.cross_len - 1))
+        # the encoder's package is exported apart: its source count is distinct from its width only, <= n_slots
+        n_src = _hint_sizes((src, src), (3, c.n_slots))[1]
         tokens = torch.full((rows,), self.pad_id, dtype=torch.long, device=self.dev)
         positions = torch.zeros(rows, dtype=torch.long, device=self.dev)
         k, v, ck, cv, src_len = self.cache.prefix_views(rows, length, src)
         src_len = src_len.clamp(min=1)
-        step_args = (tokens, positions, k, v, ck, cv, src_len)
-        encoder_args = []
-        for n in (n_src, 1):  # any number of sources >= 2; a lone source
-            sources = torch.full((n, src), self.pad_id, dtype=torch.long, device=self.dev)
-            sources[:, 0] = self.model.cfg.eos_id
-            encoder_args.append((sources, sources != self.pad_id))
-        try:
-            self._aot_load_or_build(step_args, encoder_args[0])
-            self.min_rows = 1
-        except Exception:  # torch.export or AOTInductor cannot take it: torch.compile (recompiled every start)
-            log.warning("translator: AOTInductor failed; compiling with torch.compile", exc_info=True)
-            # freezing is read at the first call; patched rather than a torch.compile option, which was slower
-            with torch.inference_mode(), torch._inductor.config.patch(freezing=True):
-                _mark_dynamic((tokens, (0,)), (positions, (0,)), (src_len, (0,)), (k, (1, 3)), (v, (1, 3)),
-                              (ck, (1, 3)), (cv, (1, 3)))
-                self._decode(*step_args)
-                for (sources, mask), dims in zip(encoder_args, ((0, 1), (1,)), strict=True):
-                    _mark_dynamic((sources, dims), (mask, dims))
-                    self._encode(sources, mask)
+        sources = torch.full((n_src, src), self.pad_id, dtype=torch.long, device=self.dev)
+        sources[:, 0] = self.model.cfg.eos_id
+        self._aot_load_or_build((tokens, positions, k, v, ck, cv, src_len), (sources, sources != self.pad_id))
         self.compile_seconds = time.perf_counter() - t0
         log.info("translator's encoder and decode step ready in %.1f s", self.compile_seconds)
         return self.compile_seconds
@@ -203,20 +164,15 @@ class CompiledTranslator:
 
     def decode(self, tokens: list[int], positions: list[int], src_lengths: list[int]) -> torch.Tensor:
         """tokens, positions, source lengths of rows [0, R) -> logits (R, V); writes their K/V."""
-        r = len(tokens)
-        n = max(r, self.min_rows)
-        if n > r:  # pad with a free slot: a pad token at position 0
-            tokens = tokens + [self.pad_id] * (n - r)
-            positions = positions + [0] * (n - r)
+        n = len(tokens)
         length = prefix_length(positions, self.cache.max_len - 1)
         src = min(max(max(src_lengths), MIN_SRC), self.cache.cross_len)
         tokens_t = torch.tensor(tokens, device=self.dev)  # (n,)
         positions_t = torch.tensor(positions, device=self.dev)  # (n,)
         k, v, ck, cv, src_len = self.cache.prefix_views(n, length, src)
-        # a pad row has no source: one (stale, finite) key keeps its softmax finite, so no NaN is stored
         logits, new_k, new_v = self._decode(tokens_t, positions_t, k, v, ck, cv, src_len.clamp(min=1))
         self.cache.write_step(new_k, new_v, positions_t)
-        return logits[:r]  # (R, V)
+        return logits  # (R, V)
 
 
 SHARED_LAYERS = 3  # at most this many layers per shared package call (the rest of the layers reuse it)
@@ -253,13 +209,12 @@ class CompiledDecoder:
     longest part of a first start."""
 
     def __init__(self, model: DecoderLM, cache: KVCache):
-        if cache.n_slots < MIN_SIZE or cache.max_len < MIN_SIZE:
-            raise ValueError(f"a compiled decode step needs >= {MIN_SIZE} slots and positions")
+        if min(cache.n_slots, cache.max_len) <= MIN_SIZE:  # as CompiledTranslator's
+            raise ValueError(f"a compiled decode step needs > {MIN_SIZE} slots and positions")
         self.model, self.cache = model, cache
         use_persistent_cache()
         self.dev = cache.k.device
-        self._decode = _compile(functools.partial(decoder_step, model))
-        self.min_rows = MIN_SIZE  # torch.compile specialises one row; an exported package takes it
+        self._decode = None  # the package's run function, set by warm_up
         self.compile_seconds: float | None = None
         self._chunk: tuple | None = None  # the compiled prefill's blocks package and runs of layers, once loaded
         self._chunk_spec: tuple | None = None  # what loading or building it takes (quantized models)
@@ -271,8 +226,8 @@ class CompiledDecoder:
         return self._chunk_spec is not None and self._chunk is None
 
     def warm_up(self, build_prefill: bool = True) -> float:
-        """Load or build the decode step as packages, else torch.compile it. A quantized model's prompt
-        prefill gets a package too; without `build_prefill` it is left to `load_prefill` (a replica's first
+        """Load or build the decode step's packages (raises where they cannot be built). A quantized model's
+        prompt prefill gets a package too; without `build_prefill` it is left to `load_prefill` (a replica's first
         start builds it in a child once ready)."""
         t0 = time.perf_counter()
         self.threads = torch.get_num_threads()
@@ -281,25 +236,15 @@ class CompiledDecoder:
         tokens = torch.zeros(rows, dtype=torch.long, device=self.dev)
         positions = torch.zeros(rows, dtype=torch.long, device=self.dev)
         k, v = c.prefix_views(rows, length)
-        freezing = _wants_freezing(self.model)
-        try:
-            # lengths below the cache's: a view spanning a whole dimension has other strides (positions < max_len)
-            r, n = Dim("rows", min=1, max=c.n_slots), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
-            shape = (type(self.model).__name__, repr(self.model.cfg), c.n_slots, c.max_len, str(c.k.dtype),
-                     str(self.dev))
-            if freezing:
-                self._decode = load_or_build(use_persistent_cache(), "decoder-decode", decoder_step, self.model,
-                                             (tokens, positions, k, v), ({0: r}, {0: r}, {1: r, 3: n}, {1: r, 3: n}),
-                                             freezing=True, key=(*shape, fingerprint(self.model)))
-            else:
-                self._decode = self._shared_step(tokens, positions, k, v, r, n, shape)
-            self.min_rows = 1
-        except Exception:  # torch.export or AOTInductor cannot take it: torch.compile (recompiled every start)
-            log.warning("decoder: AOTInductor failed; compiling with torch.compile", exc_info=True)
-            self._decode = _compile(functools.partial(decoder_step, self.model))
-            with torch.inference_mode(), torch._inductor.config.patch(freezing=freezing):
-                _mark_dynamic((tokens, (0,)), (positions, (0,)), (k, (1, 3)), (v, (1, 3)))
-                self._decode(tokens, positions, k, v)
+        # lengths below the cache's: a view spanning a whole dimension has other strides (positions < max_len)
+        r, n = Dim("rows", min=1, max=c.n_slots), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
+        shape = (type(self.model).__name__, repr(self.model.cfg), c.n_slots, c.max_len, str(c.k.dtype), str(self.dev))
+        if _wants_freezing(self.model):
+            self._decode = load_or_build(use_persistent_cache(), "decoder-decode", decoder_step, self.model,
+                                         (tokens, positions, k, v), ({0: r}, {0: r}, {1: r, 3: n}, {1: r, 3: n}),
+                                         freezing=True, key=(*shape, fingerprint(self.model)))
+        else:
+            self._decode = self._shared_step(tokens, positions, k, v, r, n, shape)
         try:
             self.load_prefill(build=build_prefill)
         except Exception:  # prompts then prefill eagerly: slower to a first token, not wrong
@@ -341,7 +286,7 @@ class CompiledDecoder:
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Rows in `slots` (ascending) take `tokens` at `positions` -> logits (len(slots), V); their K/V
         are written. Other slots below the largest are pad rows (token 0 at position 0, not stored)."""
-        n = max(slots[-1] + 1, self.min_rows)
+        n = slots[-1] + 1
         all_tokens, all_positions = [0] * n, [0] * n
         for slot, tok, pos in zip(slots, tokens, positions, strict=True):
             all_tokens[slot], all_positions[slot] = tok, pos

@@ -224,7 +224,7 @@ class EngineLoop:
         try:
             self.runner.compile()
         except Exception:  # no C++ compiler, an unsupported device...: serve eagerly rather than not at all
-            log.warning("engine %s: torch.compile failed; running eagerly", self.name, exc_info=True)
+            log.warning("engine %s: compiling its steps failed; running eagerly", self.name, exc_info=True)
 
     def _plan(self) -> Any:
         """The next step's work, its `last_batch_size` set; None when nothing runs."""
