@@ -81,14 +81,10 @@ def beam_candidates(states: list[BeamState], logits: torch.Tensor,
     for k in sorted({st.k for st in states}):
         mine = [i for i, st in enumerate(states) if st.k == k]
         logp = torch.log_softmax(logits[[r for i in mine for r in rows[i]]].float(), -1)  # (n k, V)
-        ban_rows, ban_toks = [], []
-        for a, i in enumerate(mine):
-            for j, seq in enumerate(states[i].seqs):
-                for tok in states[i].banned(seq):
-                    ban_rows.append(a * k + j)
-                    ban_toks.append(tok)
-        if ban_rows:
-            logp[ban_rows, ban_toks] = NEG_INF
+        bans = [(a * k + j, tok) for a, i in enumerate(mine) for j, seq in enumerate(states[i].seqs)
+                for tok in states[i].banned(seq)]
+        if bans:
+            logp[[r for r, _ in bans], [t for _, t in bans]] = NEG_INF
         scores = torch.tensor([x for i in mine for x in states[i].scores], dtype=logp.dtype,
                               device=logp.device)[:, None]  # (n k, 1)
         # a source's best 2k lie among its rows' own best 2k: select per row, then per source over k x 2k
