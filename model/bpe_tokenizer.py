@@ -56,11 +56,10 @@ class BPETokenizer:
         alphabet = set(spelling.values())
         tokens = list(tok["tokens"])
         types = tok.get("token_type") or [1] * len(tokens)
-        vocab = {}
-        for i, (t, ty) in enumerate(zip(tokens, types, strict=True)):
-            # a token outside the byte alphabet is respelled byte by byte; a control token keeps its text,
-            # the one it is matched by (DeepSeek's "<｜begin▁of▁sentence｜>" is not byte-level spelling)
-            vocab[t if ty == CONTROL or set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))] = i
+        # a token outside the byte alphabet is respelled byte by byte; a control token keeps its text,
+        # the one it is matched by (DeepSeek's "<｜begin▁of▁sentence｜>" is not byte-level spelling)
+        vocab = {t if ty == CONTROL or set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+                 for i, (t, ty) in enumerate(zip(tokens, types, strict=True))}
         merges = [tuple(m.split(" ")) for m in tok["merges"]]
         tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -127,11 +126,8 @@ class BPETokenizer:
         """Every id's bytes in decoded text, for grammar libraries (special tokens: their name's UTF-8).
         Shared: callers do not modify it."""
         byte_of = {c: b for b, c in bytes_to_unicode().items()}
-        out = []
-        for i in range(self.vocab_size):
-            t = self.id_to_token(i) or ""
-            out.append(bytes(byte_of[c] for c in t) if set(t) <= byte_of.keys() else t.encode("utf-8"))
-        return out
+        tokens = [self.id_to_token(i) or "" for i in range(self.vocab_size)]
+        return [bytes(byte_of[c] for c in t) if set(t) <= byte_of.keys() else t.encode("utf-8") for t in tokens]
 
     def special_tokens(self) -> dict[str, str]:
         """The special tokens' names a chat template may use ({{ bos_token }}, {{ eos_token }}), as HF passes them."""
