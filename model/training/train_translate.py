@@ -153,11 +153,9 @@ def make_bt_examples(rows, tok, max_len: int) -> list[tuple[list[int], list[int]
     from model.training.back_translate import TAG_PIECE
 
     bt_tag = tok.token_to_id(TAG_PIECE)
-    ex = []
-    for en, zh, real in progress(rows, desc="encoding synthetic pairs", unit="pair"):
-        src, tgt = (en, zh) if real == "zh" else (zh, en)
-        ex += filter(None, [_example(tok, src, tgt, real, max_len, bt_tag)])
-    return ex
+    examples = (_example(tok, *((en, zh) if real == "zh" else (zh, en)), real, max_len, bt_tag)
+                for en, zh, real in progress(rows, desc="encoding synthetic pairs", unit="pair"))
+    return [e for e in examples if e]
 
 
 def _example(tok, src: str, tgt: str, lang: str, max_len: int, extra_tag: int | None = None
