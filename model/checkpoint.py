@@ -56,16 +56,12 @@ def save_checkpoint(model: nn.Module, directory: str | Path, *, tokenizer=None,
     arch = "decoder" if isinstance(cfg, DecoderConfig) else "seq2seq"
     meta = {"architecture": arch, "config": cfg.to_dict(), **(extra or {})}
     (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
-    state = {}
-    seen: set[int] = set()
+    state, seen = {}, set()
     for name, t in model.state_dict().items():
-        if t.data_ptr() in seen:  # tied weights are stored once
-            continue
-        seen.add(t.data_ptr())
-        t = t.detach()
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        state[name] = t.contiguous().cpu()
+        if t.data_ptr() not in seen:  # tied weights are stored once
+            seen.add(t.data_ptr())
+            t = t.detach()
+            state[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous().cpu()
     try:
         _save_tensors(state, tmp / WEIGHTS_FILE)
         if tokenizer is not None:
