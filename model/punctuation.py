@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from itertools import zip_longest
 
 # CJK ideographs (incl. extension A and compatibility), kana, Hangul: text after which a mark is Chinese
 _CJK_CHARS = r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\u3040-\u30ff\uac00-\ud7af"
@@ -143,15 +144,12 @@ def _chinese_pass(text: str, bracket_context) -> str:
         if b is None:
             if bracket_context(_neighbour(chars, a, -1)) or bracket_context(_neighbour(chars, a, 1)):
                 chars[a] = "（" if chars[a] == "(" else "）"
-            continue
-        if _pair_is_zh(chars, a, b, bracket_context):
+        elif _pair_is_zh(chars, a, b, bracket_context):
             chars[a], chars[b] = "（", "）"
 
     # double quotes: paired in order of appearance
     quotes = [i for i, c in enumerate(chars) if c == '"' and not protected[i]]
-    for k in range(0, len(quotes), 2):
-        a = quotes[k]
-        b = quotes[k + 1] if k + 1 < len(quotes) else None
+    for a, b in zip_longest(quotes[::2], quotes[1::2]):
         if b is None:  # a quote whose partner is in another sentence
             left = _neighbour(chars, a, -1)
             if left is not None and left in _ENDS_BEFORE_CLOSE:
@@ -160,8 +158,7 @@ def _chinese_pass(text: str, bracket_context) -> str:
                 chars[a] = "“"
             elif _is_zh(left):
                 chars[a] = "”"
-            continue
-        if _pair_is_zh(chars, a, b, _is_zh):
+        elif _pair_is_zh(chars, a, b, _is_zh):
             chars[a], chars[b] = "“", "”"
 
     # single quotes used as quotation marks, paired in order (an apostrophe between Latin letters is none)
