@@ -37,13 +37,8 @@ class SentencePieceTokenizer:
             raise FileNotFoundError(f"SentencePiece model not found: {self.path}")
         self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
         self.vocab_size = self.sp.get_piece_size()
-        self.bos_id = self._opt(self.sp.bos_id())
-        self.eos_id = self._opt(self.sp.eos_id())
-        self.pad_id = self._opt(self.sp.pad_id())
-
-    @staticmethod
-    def _opt(i: int) -> int | None:
-        return None if i < 0 else i
+        ids = (self.sp.bos_id(), self.sp.eos_id(), self.sp.pad_id())
+        self.bos_id, self.eos_id, self.pad_id = (None if i < 0 else i for i in ids)  # -1: the model has none
 
     @classmethod
     def train(cls, texts: Iterable[str], prefix: str | Path, vocab_size: int, *,
