@@ -45,10 +45,9 @@ def _run_with_progress(cmd: list[str], desc: str) -> int:
     with progress(desc=desc, unit="B", unit_scale=True) as bar:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         for line in proc.stdout:
-            m = RAW_PROGRESS.match(line)
-            if m:
+            if m := RAW_PROGRESS.match(line):
                 done, total = int(m[1]), int(m[2])
-                if total and bar.total != total:
+                if total:
                     bar.total = total
                 bar.update(done - bar.n)
         return proc.wait()
