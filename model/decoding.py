@@ -161,14 +161,11 @@ class BeamState:
         if len(self.finished) >= self.k or not new_seqs or best_done >= bound or self.step >= self.limit:
             self.done = True
             return []
-        while len(new_seqs) < self.k:  # pad with dead beams
-            new_seqs.append([])
-            new_scores.append(NEG_INF)
-            parents.append(0)
-        self.seqs, self.scores = new_seqs, new_scores
-        self.last = [seq[-1] if seq else self.pad_id for seq in new_seqs]  # a live hypothesis is never empty
+        dead = self.k - len(new_seqs)  # padding beams
+        self.seqs, self.scores = new_seqs + [[] for _ in range(dead)], new_scores + [NEG_INF] * dead
+        self.last = [seq[-1] if seq else self.pad_id for seq in self.seqs]  # a live hypothesis is never empty
         self.step += 1
-        return parents
+        return parents + [0] * dead
 
     def push(self, tok: int, logits: torch.Tensor) -> list[int]:
         """Greedy (k == 1) step with the argmax `tok` already chosen for the whole batch; `logits` (V,)
