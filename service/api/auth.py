@@ -50,10 +50,7 @@ class KeySet:
 
     def matches(self, candidate: str) -> bool:
         d = hashlib.sha256(candidate.encode("utf-8", "surrogatepass")).digest()
-        found = False
-        for ref in self._digests:  # no early exit: every key is compared
-            found |= hmac.compare_digest(d, ref)
-        return found
+        return any([hmac.compare_digest(d, ref) for ref in self._digests])  # a list: every key is compared
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> KeySet | None:
