@@ -28,11 +28,11 @@ class Backends:
     def ids(self) -> list[str]:
         return [b.name for b in (self.generator, self.translator) if b is not None]
 
-    def need_generator(self, model: str | None, request=None) -> GeneratorFrontend:
+    def need_generator(self, model: str | None, request) -> GeneratorFrontend:
         """The generator serving `model` (the request's metrics label then names it), else an ApiError."""
         return self._need(model, self.generator, GENERATOR_ID, "completions/generation", request)
 
-    def need_translator(self, model: str | None, request=None) -> TranslationFrontend:
+    def need_translator(self, model: str | None, request) -> TranslationFrontend:
         return self._need(model, self.translator, TRANSLATOR_ID, "translation", request)
 
     def _need(self, model, backend, default_id: str, what: str, request):
@@ -44,8 +44,7 @@ class Backends:
         if backend is None:
             reason = self.unavailable.get(name, "not loaded")
             raise ApiError(503, f"model {name} is not available: {reason}", "model")
-        if request is not None:
-            request.state.model = backend.name
+        request.state.model = backend.name
         return backend
 
     async def start(self) -> None:
