@@ -1,5 +1,7 @@
 """`attnserve` subcommands, one module each (service/cli.py runs them)."""
 
+import contextlib
+
 
 class CommandError(Exception):
     """A command that cannot go on: service/cli.py prints `attnserve <command>: <message>` and exits with
@@ -8,6 +10,15 @@ class CommandError(Exception):
     def __init__(self, message: str, code: int = 2):
         super().__init__(message)
         self.code = code
+
+
+@contextlib.contextmanager
+def as_command_error(*errors: type[Exception], code: int = 2):
+    """Any of `errors` raised in the block becomes a CommandError with its message."""
+    try:
+        yield
+    except errors as e:
+        raise CommandError(str(e), code) from e
 
 
 def check_decoding_flags(**options) -> dict:

@@ -2,7 +2,7 @@
 attnserve data sample translate [--n 50] [--seed 50];
 attnserve data backtranslate translate [--sentences 30000] [--model DIR] [--languages zh,en]"""
 
-from service.commands import CommandError
+from service.commands import CommandError, as_command_error
 
 
 def add_arguments(p):
@@ -33,7 +33,7 @@ def run(args) -> int:
     for flag, value in counts:
         if value is not None and value < 1:
             raise CommandError(f"{flag} must be >= 1, got {value}")
-    try:
+    with as_command_error(ModelUnavailable, OSError, ValueError):  # no checkpoint, data not prepared yet, ...
         if args.action == "prepare":
             translate_data.prepare(out, heldout_sentences=args.heldout_sentences)
             return 0
@@ -41,8 +41,6 @@ def run(args) -> int:
             return backtranslate(args, out)
         for k, (en, zh) in enumerate(translate_data.alignment_sample(args.n, args.seed, out), 1):
             print(f"{k}. ZH {zh}\n   EN {en}")
-    except (ModelUnavailable, OSError, ValueError) as e:  # no checkpoint, data not prepared yet, ...
-        raise CommandError(str(e)) from e
     return 0
 
 

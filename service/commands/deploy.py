@@ -7,7 +7,7 @@ import os
 import threading
 import time
 
-from service.commands import CommandError
+from service.commands import CommandError, as_command_error
 from service.startup import watch_startup
 
 
@@ -34,10 +34,8 @@ def run(args) -> int:
 
     ray_local.loopback_env()
     token_auth_if_available()  # before anything imports ray, which reads RAY_AUTH_MODE once
-    try:
+    with as_command_error(OSError, ValueError):  # OSError: missing, unreadable, a directory
         config = ray_local.read_config(args.config)
-    except (OSError, ValueError) as e:  # OSError: missing, unreadable, a directory
-        raise CommandError(str(e)) from e
     if not _reachable(args.address, min(args.timeout, 10.0)):
         raise CommandError(f"no Ray cluster answers at {args.address} (`attnserve cluster up` starts one)", 1)
     import ray

@@ -2,7 +2,7 @@
 [--split test|dev|ted_test|ted_dev] [--data DIR] [--no-repeat-ngram N] [--length-penalty A]
 [--min-length-ratio R]"""
 
-from service.commands import CommandError, check_decoding_flags
+from service.commands import CommandError, as_command_error, check_decoding_flags
 
 
 def add_arguments(p):
@@ -45,10 +45,8 @@ def run(args) -> int:
     if out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
         raise CommandError(f"--out {out} cannot be written (a folder, or under a file)")
     checkpoint = args.model or paths.SHIPPED_TRANSLATOR
-    try:
+    with as_command_error(ModelUnavailable, OSError, ValueError):
         translator = local.load_translator(local.translator_spec(checkpoint))
-    except (ModelUnavailable, OSError, ValueError) as e:
-        raise CommandError(str(e)) from e
 
     def translate(texts: list[str], target_lang: str, beam_size: int, done) -> list[str]:
         """The translator behind /v1/translate, with the served decoding defaults; done(n) as texts finish."""

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 
 from model.quantize import QUANTIZATIONS
-from service.commands import CommandError
+from service.commands import CommandError, as_command_error
 
 
 def add_arguments(p):
@@ -123,12 +123,10 @@ def run(args) -> int:
     # load on this thread single-threaded: the engine's own thread runs the steps (service/engine/cpu_runtime.py)
     single_threaded_caller()
     t0 = time.perf_counter()
-    try:
+    with as_command_error(ModelUnavailable, OSError, RuntimeError, ValueError):  # CheckpointError is a ValueError
         spec = local.generator_spec(config=args.config, dtype=args.dtype, quantization=args.quantization,
                                     device=args.device, threads=args.threads, compile=False if args.eager else None)
         generator = load_generator(spec, log=lambda m: print(m, file=sys.stderr))
-    except (ModelUnavailable, OSError, RuntimeError, ValueError) as e:  # CheckpointError is a ValueError
-        raise CommandError(str(e)) from e
     engine = generator.engine
     mode = quantization_of(engine.model)
     label = engine.config.dtype if mode == "none" else f"{engine.config.dtype}, {mode} linears"
@@ -136,7 +134,7 @@ def run(args) -> int:
     if engine.config.compile:
         print("[compiling the step (once per host) or loading it from $ATTNSERVE_HOME/compile]", file=sys.stderr)
     stats: dict = {}
-    try:
+    with as_command_error(EngineError):  # a rejection (the field named) or a failed step
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
             ids = generator.encode_chat([*messages, {"role": "user", "content": prompt}])
@@ -151,8 +149,6 @@ def run(args) -> int:
         for delta in stream_engine(engine, ids, params, stats):
             sys.stdout.write(delta)
             sys.stdout.flush()
-    except EngineError as e:  # a rejection (the field named) or a failed step
-        raise CommandError(str(e)) from e
     sys.stdout.write("\n")
     n, decode_s = stats.get("tokens", 0), stats["decode_s"]
     rate = f" = {n / decode_s:.1f} tok/s" if decode_s > 0 else ""  # one token: it came with the prefill, no decode

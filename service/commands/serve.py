@@ -11,7 +11,7 @@ import threading
 import time
 
 from model.paths import home
-from service.commands import CommandError
+from service.commands import CommandError, as_command_error
 
 
 def pid_file():
@@ -35,15 +35,11 @@ def run(args) -> int:
     from service import ray_local
     from service.startup import watch_startup
 
-    try:
+    with as_command_error(OSError, ValueError):  # OSError: missing, unreadable, a directory
         config = ray_local.read_config(args.config, args.host, args.port)
-    except (OSError, ValueError) as e:  # OSError: missing, unreadable, a directory
-        raise CommandError(str(e)) from e
     http = config["http_options"]
-    try:
+    with as_command_error(ValueError, OSError):  # a name that does not resolve (socket.gaierror), an address not ours
         free = _port_free(http["host"], http["port"])
-    except (ValueError, OSError) as e:  # a name that does not resolve (socket.gaierror), an address not ours
-        raise CommandError(str(e)) from e
     if not free:
         raise CommandError(f"{http['host']}:{http['port']} is already in use (another `attnserve serve`? "
                            f"`attnserve stop` ends it); or choose --port")

@@ -10,7 +10,7 @@ import sys
 
 from model.progress import progress
 from model.translation import DEFAULT_BEAM_SIZE, DEFAULT_NO_REPEAT_NGRAM
-from service.commands import CommandError, check_decoding_flags
+from service.commands import CommandError, as_command_error, check_decoding_flags
 
 # the request's fields as this command's flags: the translator's refusals name the flag
 _FLAGS = {"beam_size": "--beam", "max_length": "--max-length", "source_lang": "--from", "target_lang": "--to",
@@ -61,15 +61,13 @@ def run(args) -> int:
     texts = [t for t in lines if t.strip()]  # as given: /v1/translate keeps a text's blank lines too
     if not texts:
         raise CommandError("no text given")
-    try:
+    with as_command_error(RequestRejected, ModelUnavailable, OSError, ValueError):
         translator = local.load_translator(local.translator_spec(args.model, config=args.config))
         # a file on stdin can take minutes: the texts done on stderr (stdout keeps the translations)
         with progress(desc="translate", total=len(texts), unit="text", disable=len(texts) < 2) as bar:
             result = local.translate(translator, texts, target_lang=args.to, source_lang=args.source,
                                      beam_size=args.beam, progress=lambda n: bar.update(n - bar.n),
                                      field_names=_FLAGS, **options)
-    except (RequestRejected, ModelUnavailable, OSError, ValueError) as e:
-        raise CommandError(str(e)) from e
     outputs = iter(result.translations)
     for t in lines:
         out = next(outputs) if t.strip() else ""
