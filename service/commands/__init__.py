@@ -21,6 +21,13 @@ def as_command_error(*errors: type[Exception], code: int = 2):
         raise CommandError(str(e), code) from e
 
 
+def check_at_least_one(**flags: int | None) -> None:
+    """Each flag given (not None; `avg_last` is --avg-last) is >= 1, else a CommandError naming it."""
+    for name, value in flags.items():
+        if value is not None and value < 1:
+            raise CommandError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
 def check_decoding_flags(**options) -> dict:
     """The translator's decoding bounds (model/translation.py) for command-line flags, checked before a model
     loads -> the options given (None = not given: the request's default applies)."""

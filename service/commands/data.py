@@ -2,7 +2,7 @@
 attnserve data sample translate [--n 50] [--seed 50];
 attnserve data backtranslate translate [--sentences 30000] [--model DIR] [--languages zh,en]"""
 
-from service.commands import CommandError, as_command_error
+from service.commands import CommandError, as_command_error, check_at_least_one
 
 
 def add_arguments(p):
@@ -29,10 +29,7 @@ def run(args) -> int:
     from service.models import ModelUnavailable
 
     out = Path(args.out) if args.out else None
-    counts = (("--n", args.n), ("--sentences", args.sentences), ("--heldout-sentences", args.heldout_sentences))
-    for flag, value in counts:
-        if value is not None and value < 1:
-            raise CommandError(f"{flag} must be >= 1, got {value}")
+    check_at_least_one(n=args.n, sentences=args.sentences, heldout_sentences=args.heldout_sentences)
     with as_command_error(ModelUnavailable, OSError, ValueError):  # no checkpoint, data not prepared yet, ...
         if args.action == "prepare":
             translate_data.prepare(out, heldout_sentences=args.heldout_sentences)

@@ -2,7 +2,7 @@
 [--split test|dev|ted_test|ted_dev] [--data DIR] [--no-repeat-ngram N] [--length-penalty A]
 [--min-length-ratio R]"""
 
-from service.commands import CommandError, as_command_error, check_decoding_flags
+from service.commands import CommandError, as_command_error, check_at_least_one, check_decoding_flags
 
 
 def add_arguments(p):
@@ -37,8 +37,7 @@ def run(args) -> int:
         beams = ()
     if not beams or not all(1 <= b <= 32 for b in beams):
         raise CommandError(f"--beams takes comma-separated beam sizes in 1..32, got {args.beams!r}")
-    if args.limit is not None and args.limit < 1:
-        raise CommandError(f"--limit must be >= 1, got {args.limit}")
+    check_at_least_one(limit=args.limit)
     options = check_decoding_flags(length_penalty=args.length_penalty, no_repeat_ngram=args.no_repeat_ngram,
                                    min_length_ratio=args.min_length_ratio)
     out = Path(args.out) if args.out else paths.REPO_ROOT / "docs" / "translate_eval.json"

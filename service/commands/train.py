@@ -2,7 +2,7 @@
 
 import sys
 
-from service.commands import CommandError
+from service.commands import CommandError, check_at_least_one
 
 
 def add_arguments(p):
@@ -26,9 +26,7 @@ def add_arguments(p):
 def run(args) -> int:
     from model.training.train_translate import Interrupted, train
 
-    for flag, value in (("--threads", args.threads), ("--avg-last", args.avg_last)):
-        if value is not None and value < 1:
-            raise CommandError(f"{flag} must be >= 1, got {value}")
+    check_at_least_one(threads=args.threads, avg_last=args.avg_last)
     try:
         train(args.config, args.run_dir, resume=args.resume, export_only=args.export_only,
               export_to=args.export_to, threads=args.threads,
