@@ -52,9 +52,9 @@ def load_translator(spec: ModelSpec):
 
 async def translate_async(translator, texts: list[str], *, progress: Callable[[int], None] | None = None,
                           **request) -> TranslationResult:
-    """Translate `texts` through a started translator frontend, one request per text with as many in flight
-    as the engine queues, results in input order. `request`: TranslateRequest fields (target_lang, beam_size,
-    no_repeat_ngram, ...). `progress(n)` is called with the number of texts finished so far."""
+    """Start `translator` (a frontend), translate `texts` through it, one request per text with as many in flight
+    as the engine queues, results in input order, and stop it. `request`: TranslateRequest fields (target_lang,
+    beam_size, no_repeat_ngram, ...). `progress(n)` is called with the number of texts finished so far."""
     window = max(1, min(64, translator.engine.config.max_waiting // 4))  # texts in flight; a text may be many sentences
     results: list[TranslationResult | None] = [None] * len(texts)
     done = 0
@@ -73,7 +73,11 @@ async def translate_async(translator, texts: list[str], *, progress: Callable[[i
         if progress is not None:
             progress(done)
 
-    await asyncio.gather(*(one(i) for i in range(len(texts))))
+    await translator.start()
+    try:
+        await asyncio.gather(*(one(i) for i in range(len(texts))))
+    finally:
+        await translator.stop()
     return TranslationResult(translations=[t for r in results for t in r.translations],
                              source_langs=[lang for r in results for lang in r.source_langs],
                              target_langs=[lang for r in results for lang in r.target_langs],
@@ -83,7 +87,7 @@ async def translate_async(translator, texts: list[str], *, progress: Callable[[i
 
 def translate(translator, texts: list[str], *, progress: Callable[[int], None] | None = None,
               **request) -> TranslationResult:
-    """Start `translator`, translate `texts` (see translate_async), stop it."""
+    """translate_async in a new event loop."""
     from service.engine.cpu_runtime import default_threads
 
     engine = translator.engine
@@ -91,12 +95,4 @@ def translate(translator, texts: list[str], *, progress: Callable[[int], None] |
     if engine.config.compile and not engine.runner.compiled_steps_built(threads):
         print("attnserve: compiling the translator's steps for this host (once; later runs load them from "
               "$ATTNSERVE_HOME/compile)", file=sys.stderr, flush=True)
-
-    async def main() -> TranslationResult:
-        await translator.start()
-        try:
-            return await translate_async(translator, texts, progress=progress, **request)
-        finally:
-            await translator.stop()
-
-    return asyncio.run(main())
+    return asyncio.run(translate_async(translator, texts, progress=progress, **request))
