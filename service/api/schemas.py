@@ -97,9 +97,7 @@ class Sampling(Strict):
     ignore_eos: bool = False  # fixed-length outputs for benchmarks
 
     def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 class PromptOrMessages(Strict):
