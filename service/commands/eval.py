@@ -52,11 +52,8 @@ def run(args) -> int:
         return local.translate(translator, texts, target_lang=target_lang, beam_size=beam_size, progress=done,
                                **options).translations
 
-    try:
+    # the prepared data: missing or torn; a bad checkpoint; a decoding option the engine refuses
+    with as_command_error(FileNotFoundError, ValueError, EngineError):
         evaluate(checkpoint, out, translate=translate, beams=beams, limit=args.limit, split=args.split,
                  data_dir=Path(args.data) if args.data else None)
-    except (FileNotFoundError, ValueError) as e:  # the prepared data: missing or torn; a bad checkpoint
-        raise CommandError(str(e)) from e
-    except EngineError as e:  # a decoding option the engine refuses
-        raise CommandError(str(e)) from None
     return 0
