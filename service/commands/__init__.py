@@ -13,12 +13,12 @@ class CommandError(Exception):
 
 
 @contextlib.contextmanager
-def as_command_error(*errors: type[Exception], code: int = 2):
-    """Any of `errors` raised in the block becomes a CommandError with its message."""
+def as_command_error(*errors: type[Exception]):
+    """Any of `errors` raised in the block becomes a CommandError (exit 2) with its message."""
     try:
         yield
     except errors as e:
-        raise CommandError(str(e), code) from e
+        raise CommandError(str(e)) from e
 
 
 def check_at_least_one(**flags: int | None) -> None:
@@ -34,8 +34,6 @@ def check_decoding_flags(**options) -> dict:
     from model.translation import DecodingOptionError, check_decoding_options
 
     given = {k: v for k, v in options.items() if v is not None}
-    try:
+    with as_command_error(DecodingOptionError):
         check_decoding_options({k: f"--{k.replace('_', '-')}" for k in given}, **given)
-    except DecodingOptionError as e:
-        raise CommandError(str(e)) from None
     return given
