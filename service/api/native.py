@@ -65,11 +65,8 @@ async def translate(body: TranslateBody, request: Request):
         if value is not None and value > min(limit, engine_limit):
             raise ApiError(400, f"{field} must be <= {min(limit, engine_limit)} (ApiLimits.{limit_name} {limit}; "
                                 f"the translator has {engine_limit} {what}), got {value}", field)
-    req = TranslateRequest(texts=texts, target_lang=body.target_lang, source_lang=body.source_lang,
-                           beam_size=body.beam_size,
-                           length_penalty=body.length_penalty, max_length=body.max_length,
-                           no_repeat_ngram=body.no_repeat_ngram, min_length_ratio=body.min_length_ratio,
-                           max_sentences=limits.max_sentences)
+    options = body.model_dump(exclude={"model", "text"})  # languages, decoding options: named as in TranslateRequest
+    req = TranslateRequest(texts=texts, max_sentences=limits.max_sentences, **options)
     try:
         result = await unless_disconnected(request, tr.translate(req))
     except TimeoutError as e:  # the engine's per-request deadline (EngineConfig.default_deadline_s)
