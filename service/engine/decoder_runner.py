@@ -16,7 +16,7 @@ ONE_BY_ONE_MIN_AVERAGE = 32  # tokens a chunk, on average, for more than two to 
 
 class DecoderRunner:
     def __init__(self, model: DecoderLM, config: EngineConfig):
-        self.model = model
+        self.model = model.to(device=config.device, dtype=config.torch_dtype).eval()
         self.config = config
         self.device = config.device
         self.cache = model.new_cache(config.max_slots, config.max_seq_len, dtype=config.kv_torch_dtype)

@@ -62,7 +62,6 @@ class GenerationEngine(EngineLoop):
                  name: str = GENERATOR_ID, sink: MetricsSink | None = None):
         if config.max_seq_len > model.cfg.max_seq_len:
             config.max_seq_len = model.cfg.max_seq_len  # a slot can never hold more than the model
-        model = model.to(device=config.device, dtype=config.torch_dtype).eval()
         super().__init__(config, name, sink, DecoderRunner(model, config), "requests")
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)

@@ -14,7 +14,7 @@ from service.engine.config import EngineConfig
 
 class Seq2SeqRunner:
     def __init__(self, model: EncoderDecoder, config: EngineConfig):
-        self.model = model
+        self.model = model.to(device=config.device, dtype=config.torch_dtype).eval()
         self.device = config.device
         self.max_tgt = min(config.max_seq_len, model.cfg.max_tgt_len)
         # one spare source position: the compiled step's views of the sources never span a whole dimension

@@ -76,7 +76,6 @@ class _Step:
 class TranslationEngine(EngineLoop):
     def __init__(self, model: EncoderDecoder, config: EngineConfig, *, name: str = TRANSLATOR_ID,
                  sink: MetricsSink | None = None):
-        model = model.to(device=config.device, dtype=config.torch_dtype).eval()
         super().__init__(config, name, sink, Seq2SeqRunner(model, config), "sentences")
         self.cfg = model.cfg
 
