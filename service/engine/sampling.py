@@ -63,7 +63,7 @@ def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torc
                    min_p: torch.Tensor) -> torch.Tensor:
     """Mask (-inf) sorted (N, V) logits beyond each row's top_k (0 = off), below min_p times the top
     probability, and beyond the top_p nucleus of what is left."""
-    n, v = sorted_logits.shape
+    v = sorted_logits.shape[1]
     rank = torch.arange(v, device=sorted_logits.device)[None, :]  # (1, V)
     k = torch.where(top_k > 0, top_k, v)[:, None]  # (N, 1)
     drop = rank >= k
@@ -80,8 +80,7 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams],
     """logits (B, V) float32 -> one token id per row. temperature 0 (below `GREEDY_BELOW`) = greedy (argmax).
     `histories`: prompt + output per row, for the repetition penalty; `outputs`: the output so far,
     for the presence and frequency penalties (rows without them may pass []). Modifies `logits` in place."""
-    b = logits.shape[0]
-    if b == 0:
+    if logits.shape[0] == 0:
         return []
     apply_logit_bias(logits, params)
     apply_repetition_penalty(logits, params, histories)
