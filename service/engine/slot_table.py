@@ -28,8 +28,7 @@ class HoldsSlots(Protocol):
 class SlotTable:
     def __init__(self, cache: KVCache):
         self.cache = cache
-        self.n_slots = cache.n_slots
-        self._free = list(range(self.n_slots))  # a heap: lowest slot first
+        self._free = list(range(cache.n_slots))  # a heap: lowest slot first
         self._used: set[int] = set()
 
     @property
