@@ -796,6 +796,28 @@ def test_deploy_to_an_address_nothing_answers_at_fails_at_once(restore_env, caps
         assert f"no Ray cluster answers at {address}" in capsys.readouterr().err
 
 
+def test_deploy_reads_every_address_form(restore_env, capsys, monkeypatch):
+    """host:port, ray://, bracketed or bare IPv6, no port (Ray's 6379): the host and port deploy checks."""
+    import socket
+
+    import ray
+
+    tried = []
+
+    def refuse(where, timeout=None):
+        tried.append(where)
+        raise ConnectionRefusedError
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(ray, "init", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("connected")))
+    addresses = ["127.0.0.1:7000", "ray://127.0.0.1:7001", "[::1]:7002", "[::1]", "::1", "fe80::2", "localhost"]
+    for address in addresses:
+        assert main(["deploy", "--address", address, "--timeout", "5"]) == 1
+    assert tried == [("127.0.0.1", 7000), ("127.0.0.1", 7001), ("::1", 7002), ("::1", 6379), ("::1", 6379),
+                     ("fe80::2", 6379), ("localhost", 6379)]
+    capsys.readouterr()
+
+
 def test_waiting_for_the_applications_ends_on_ctrl_c(monkeypatch):
     """`attnserve serve` passes its stop event (set by Ctrl-C / SIGTERM) to the deploy wait: a deploy that never
     turns RUNNING ends when stopped, not after its timeout (a TimeoutError here)."""

@@ -66,7 +66,9 @@ def _reachable(address: str, timeout_s: float) -> bool:
     if address in ("auto", "local"):
         return True
     address = address.removeprefix("ray://")
-    host, _, port = address.rpartition(":") if ":" in address else (address, "", "6379")
+    host, sep, port = address.rpartition(":")
+    if not sep or "]" in port or (":" in host and not host.endswith("]")):  # no port, or a bare IPv6 address
+        host, port = address, "6379"
     try:
         with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s):
             return True
