@@ -278,6 +278,13 @@ def test_overload_and_rejections():
     assert run(main, max_slots=2, max_waiting=3)
 
 
+def test_a_context_longer_than_the_models_is_capped_in_the_engine_not_in_the_callers_config():
+    cfg = EngineConfig(max_slots=2, max_seq_len=4096)
+    engine = GenerationEngine(tiny_llama(), TOK, cfg, eos_ids={TOK.eos_id})
+    assert engine.max_context == engine.config.max_seq_len == 128 and engine.runner.cache.max_len == 128
+    assert cfg.max_seq_len == 4096  # the caller may build another engine from it
+
+
 def test_stop_fails_pending_and_rejects_new():
     async def main():
         engine = make_engine()

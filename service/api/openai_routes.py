@@ -31,19 +31,20 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 512
 
 
+def _model_card(model_id: str, request: Request) -> dict:
+    return {"id": model_id, "object": "model", "created": request.app.state.created, "owned_by": "attnserve"}
+
+
 @router.get("/v1/models")
 async def models(request: Request):
-    created = request.app.state.created
-    return {"object": "list",
-            "data": [{"id": m, "object": "model", "created": created, "owned_by": "attnserve"}
-                     for m in request.app.state.backends.ids()]}
+    return {"object": "list", "data": [_model_card(m, request) for m in request.app.state.backends.ids()]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request):
     if model_id not in request.app.state.backends.ids():
         raise ApiError(404, f"model {model_id!r} is not served here; GET /v1/models lists them", "model")
-    return {"id": model_id, "object": "model", "created": request.app.state.created, "owned_by": "attnserve"}
+    return _model_card(model_id, request)
 
 
 def _envelope(rid: str, obj: str, model: str, choices: list[dict], created: int | None = None, **more) -> dict:

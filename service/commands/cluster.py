@@ -34,18 +34,19 @@ def add_arguments(p) -> None:
     p.add_argument("--client-port", type=int, default=CLIENT_PORT, help="Ray client server port on the head")
 
 
-def _ray() -> list[str]:
+def ray_cli() -> list[str]:
+    """The `ray` command of this environment (beside its python), not whichever is on PATH."""
     return [os.path.join(os.path.dirname(sys.executable), "ray")]
 
 
 def commands(args) -> list[list[str]]:
     store = str(args.object_store_mb * 2**20)
     common = ["--node-ip-address=127.0.0.1", f"--object-store-memory={store}", "--disable-usage-stats"]
-    head = [*_ray(), "start", "--head", f"--port={args.port}", f"--num-cpus={args.head_cpus}",
+    head = [*ray_cli(), "start", "--head", f"--port={args.port}", f"--num-cpus={args.head_cpus}",
             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={args.dashboard_port}",
             f"--ray-client-server-port={args.client_port}",
             f"--system-config={json.dumps({'metrics_report_interval_ms': METRICS_REPORT_MS})}", *common]
-    worker = [*_ray(), "start", f"--address=127.0.0.1:{args.port}", f"--num-cpus={args.worker_cpus}",
+    worker = [*ray_cli(), "start", f"--address=127.0.0.1:{args.port}", f"--num-cpus={args.worker_cpus}",
               "--resources={\"worker_node\": 1}", *common]
     return [head, worker]
 
@@ -56,7 +57,7 @@ def ensure_auth_token() -> Path | None:
     in practice: the home folder). Returns the new token's path, or None when one was already set up."""
     if os.environ.get("RAY_AUTH_MODE") != "token" or has_auth_token():
         return None
-    subprocess.run([*_ray(), "get-auth-token", "--generate"], check=True, capture_output=True, text=True)
+    subprocess.run([*ray_cli(), "get-auth-token", "--generate"], check=True, capture_output=True, text=True)
     return Path.home() / ".ray" / "auth_token"
 
 

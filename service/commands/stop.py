@@ -18,6 +18,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from service.commands.cluster import ray_cli
     from service.commands.serve import pid_file
 
     if not args.timeout > 0:
@@ -44,7 +45,7 @@ def run(args) -> int:
             print(f"attnserve stop: not allowed to signal pid {pid}", file=sys.stderr)
             rc = 1
     if args.ray:
-        rc |= subprocess.call([os.path.join(os.path.dirname(sys.executable), "ray"), "stop"])
+        rc |= subprocess.call([*ray_cli(), "stop"])
     return rc
 
 

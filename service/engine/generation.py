@@ -9,6 +9,7 @@ rows that ask.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 import weakref
@@ -60,8 +61,8 @@ BORROW_DECODE_ROWS = 2
 class GenerationEngine(EngineLoop):
     def __init__(self, model: DecoderLM, tokenizer, config: EngineConfig, *, eos_ids: set[int],
                  name: str = GENERATOR_ID, sink: MetricsSink | None = None):
-        if config.max_seq_len > model.cfg.max_seq_len:
-            config.max_seq_len = model.cfg.max_seq_len  # a slot can never hold more than the model
+        # a slot can never hold more than the model; the caller's config stays as given
+        config = dataclasses.replace(config, max_seq_len=min(config.max_seq_len, model.cfg.max_seq_len))
         super().__init__(config, name, sink, DecoderRunner(model, config), "requests")
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
