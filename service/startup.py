@@ -71,13 +71,6 @@ class Startup:
             return body
 
 
-def ready_startup() -> Startup:
-    """A Startup already done (apps built around engines that are loaded, e.g. in tests or uvicorn)."""
-    s = Startup()
-    s.done()
-    return s
-
-
 def watch_startup(url: str, stop: threading.Event, t0: float, say: Callable[..., None] = print,
                   poll_s: float = 0.5, timeout_s: float | None = None) -> bool:
     """Poll `url`/readyz, printing each new phase and model state with the elapsed time (from `t0`), until

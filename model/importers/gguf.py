@@ -132,7 +132,6 @@ def _check_tensor_layout(reader, path: Path, size: int) -> None:
 
     align = int(reader.alignment)
     expected = 0
-    end = reader.data_offset
     for t in reader.tensors:
         block, _ = GGML_QUANT_SIZES[t.tensor_type]
         if len(t.shape) and int(t.shape[0]) % block:

@@ -82,11 +82,10 @@ class TrainConfig:
         if bad:
             raise ValueError(f"TrainConfig.one_way: a language must be one of {list(LANGS)}, got {bad}")
         # avg_last 0 would keep and average every snapshot (snapshots[-0:]); log_every and warmup_steps divide
-        for name in ("avg_last", "batch_tokens", "log_every", "warmup_steps", "threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.cooldown_steps < 0:
-            raise ValueError(f"TrainConfig.cooldown_steps must be >= 0, got {self.cooldown_steps}")
+        for name, least in (("avg_last", 1), ("batch_tokens", 1), ("log_every", 1), ("warmup_steps", 1),
+                            ("threads", 1), ("cooldown_steps", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"TrainConfig.{name} must be >= {least}, got {getattr(self, name)}")
         if self.cooldown_steps and self.max_steps == NO_STEP_LIMIT:
             raise ValueError("TrainConfig.cooldown_steps counts back from max_steps: set max_steps too")
 

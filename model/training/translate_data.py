@@ -156,24 +156,15 @@ def clean(rows) -> tuple[dict[str, list[tuple[str, str]]], Counter]:
     seen: set[tuple[str, str]] = set()
     splits: dict[str, list[tuple[str, str]]] = {"train": [], "dev": [], "test": []}
     for _, en_raw, zh_raw in progress(rows, desc="hk: cleaning", unit="row"):
-        if not en_raw and not zh_raw:
-            counts["dropped_malformed"] += 1
-            continue
-        if _BROKEN.search(en_raw) or _BROKEN.search(zh_raw):
-            counts["dropped_broken_chars"] += 1
-            continue
         en, zh = normalise(en_raw), normalise(zh_raw)
-        if not en or not zh:
-            counts["dropped_empty"] += 1
-            continue
-        if not _CJK.search(zh) and en != zh and re.search(r"[A-Za-z]{3}", en):
-            counts["dropped_no_chinese"] += 1
-            continue
-        if bad_length(en, zh):
-            counts["dropped_length_ratio"] += 1
-            continue
-        if (en, zh) in seen:
-            counts["dropped_duplicate"] += 1
+        reason = ("dropped_malformed" if not en_raw and not zh_raw
+                  else "dropped_broken_chars" if _BROKEN.search(en_raw) or _BROKEN.search(zh_raw)
+                  else "dropped_empty" if not en or not zh
+                  else "dropped_no_chinese" if not _CJK.search(zh) and en != zh and re.search(r"[A-Za-z]{3}", en)
+                  else "dropped_length_ratio" if bad_length(en, zh)
+                  else "dropped_duplicate" if (en, zh) in seen else None)
+        if reason:
+            counts[reason] += 1
             continue
         seen.add((en, zh))
         splits[split_of(en, zh)].append((english(en_raw), chinese(zh_raw)))
@@ -352,8 +343,7 @@ def short_pairs(wheel: Wheel, counts: dict[str, Counter]) -> dict[str, list[tupl
             c["dropped_no_short_gloss"] += 1
     words = {zh for zh, g in first.items() if g}
     freq = word_frequencies(wheel, words)
-    unseen = sum(1 for w in words if not freq[w])
-    c["dropped_not_in_monolingual_text"] += unseen
+    c["dropped_not_in_monolingual_text"] += sum(1 for w in words if not freq[w])
     ranked = sorted((w for w in words if freq[w]), key=lambda w: (-freq[w], hashlib.sha1(w.encode()).hexdigest()))
     cedict = [(english(first[w]), chinese(w)) for w in ranked]
     return {"thought": thought, "cedict": cedict}

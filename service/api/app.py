@@ -13,12 +13,12 @@ from fastapi.staticfiles import StaticFiles
 
 from service import metrics
 from service.api import errors, native, openai_routes, vllm_compat
-from service.api.auth import ApiKeyAuth, KeySet
+from service.api.auth import ApiKeyAuth, KeySet, load_keys
 from service.api.backends import Backends
 from service.api.middleware import BodyLimit, CountResponses, ReceiveErrorsAsDisconnect, StartupGate
 from service.api.streaming import ClientDisconnected
 from service.config import ApiLimits
-from service.startup import RETRY_AFTER_S, Startup, ready_startup
+from service.startup import RETRY_AFTER_S, Startup
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 
@@ -43,10 +43,11 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
     app = FastAPI(title="attnserve", version="0.1.0", lifespan=lifespan,
                   description="From-scratch Transformers behind Ray Serve: native and OpenAI-compatible API.")
     app.state.backends = backends
-    app.state.startup = startup or ready_startup()
+    app.state.startup = startup or Startup(phase="ready", ready=True, ready_s=0.0)  # engines loaded already
     app.state.limits = limits or ApiLimits()
     app.state.created = int(time.time())
-    app.state.api_keys = KeySet.from_env() if api_keys is None else (KeySet(api_keys) if api_keys else None)
+    keys = load_keys() if api_keys is None else api_keys
+    app.state.api_keys = KeySet(keys) if keys else None  # no keys: authentication off
     errors.install(app)
     app.include_router(native.router)
     app.include_router(openai_routes.router)

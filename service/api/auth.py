@@ -52,11 +52,6 @@ class KeySet:
         d = hashlib.sha256(candidate.encode("utf-8", "surrogatepass")).digest()
         return any([hmac.compare_digest(d, ref) for ref in self._digests])  # a list: every key is compared
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> KeySet | None:
-        keys = load_keys(env)
-        return cls(keys) if keys else None
-
 
 def _bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
     for name, value in headers:

@@ -30,14 +30,14 @@ class Choice:
             self.cumulative_logprob = ev.cumulative_logprob
 
 
+@dataclass
 class UsageTotal:
     """Usage over a request's choices, from their finishing events."""
 
-    def __init__(self):
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-        self.finished = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finished: int = 0
 
     def add(self, ev: GenerationEvent) -> None:
         if ev.choice_finished:

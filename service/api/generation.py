@@ -39,15 +39,6 @@ def encode_input(gen: GeneratorFrontend, body: PromptOrMessages, limits: ApiLimi
     return gen.encode_prompt(body.prompt), "prompt"
 
 
-def check_token_ids(gen: GeneratorFrontend, ids: list[int], param: str) -> list[int]:
-    """A prompt given as token ids: each within the model's vocabulary, or a 400 naming the field."""
-    bad = [t for t in ids if t >= gen.vocab_size]
-    if bad:
-        raise ApiError(400, f"{param}: token ids must be in [0, {gen.vocab_size}) for model {gen.name}; got "
-                            f"{bad[:5]}", param)
-    return list(ids)
-
-
 def check_stop(stop: list[str], limits: ApiLimits) -> None:
     if len(stop) > limits.max_stop:
         raise ApiError(400, f"stop has {len(stop)} strings; the limit is {limits.max_stop}", "stop")

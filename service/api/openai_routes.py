@@ -15,7 +15,6 @@ from service.api.generation import (
     build_request,
     check_choices,
     check_prompt,
-    check_token_ids,
     encode_messages,
     new_id,
     usage_dict,
@@ -108,8 +107,7 @@ async def completions(body: CompletionBody, request: Request):
         check_prompt(prompt, limits, "prompt")
         ids = gen.encode_prompt(prompt)
     else:
-        ids = check_token_ids(gen, prompt, "prompt")
-        prompt = gen.decode(ids)  # what echo returns
+        ids = list(prompt)  # checked against the vocabulary by the engine's one check (submit)
     n, best_of = _completion_choices(body, gen, limits)
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens=0 generates nothing: it only scores the prompt, with echo true "
@@ -125,7 +123,7 @@ async def completions(body: CompletionBody, request: Request):
                         **_penalties(body), n=best_of, logprobs=track, prompt_logprobs=score_prompt, json_schema=schema)
     events = gen.submit(req)
     texts = TokenTexts(gen.decode, lambda: gen.vocab_bytes, gen.hidden_ids)
-    echo = prompt if body.echo else ""
+    echo = (prompt if isinstance(prompt, str) else gen.decode(ids)) if body.echo else ""
 
     def echo_pairs(prompt_lp) -> list:
         # a choice that ended (timeout, cancel) before its prompt was scored has no prompt logprobs

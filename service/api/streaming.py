@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
@@ -30,7 +30,7 @@ def sse(data: dict | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-async def sse_stream(source: AsyncIterator, render: Callable[[object], list[dict]],
+async def sse_stream(source: AsyncGenerator, render: Callable[[object], list[dict]],
                      tail: Callable[[], list[dict]] | None = None) -> AsyncIterator[bytes]:
     """Render each engine event as zero or more SSE `data:` lines, then `tail()`, then `[DONE]`.
     An engine error mid-stream becomes one error event (the status line has already been sent)."""
@@ -44,7 +44,7 @@ async def sse_stream(source: AsyncIterator, render: Callable[[object], list[dict
         a = engine_error(e)
         yield sse(error_body(a.status, a.message, a.param))
     finally:
-        await _aclose(source)
+        await source.aclose()
     yield sse("[DONE]")
 
 
@@ -74,16 +74,10 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected
 
 
-async def collect(source: AsyncIterator) -> list:
+async def collect(source: AsyncGenerator) -> list:
     """All events of an engine stream (closing it even when cancelled)."""
     try:
         return [event async for event in source]
     finally:
-        await _aclose(source)
+        await source.aclose()
 
-
-async def _aclose(source: AsyncIterator) -> None:
-    """Close an engine stream (which cancels what it still runs); plain iterators have nothing to close."""
-    close = getattr(source, "aclose", None)
-    if close is not None:
-        await close()

@@ -1,6 +1,5 @@
-"""attnserve data prepare translate [--out DIR] [--heldout-sentences 1000];
-attnserve data sample translate [--n 50] [--seed 50];
-attnserve data backtranslate translate [--sentences 30000] [--model DIR] [--languages zh,en]"""
+"""`attnserve data prepare|sample|backtranslate translate`: the translator's corpus, samples of it, synthetic
+pairs (flags: `attnserve data --help`)."""
 
 from service.commands import CommandError, as_command_error, check_at_least_one
 

@@ -1,6 +1,4 @@
-"""attnserve eval translate [--model DIR] [--out docs/translate_eval.json] [--beams 1,4] [--limit N]
-[--split test|dev|ted_test|ted_dev] [--data DIR] [--no-repeat-ngram N] [--length-penalty A]
-[--min-length-ratio R]"""
+"""`attnserve eval translate`: BLEU and chrF of a translator on the held-out splits (flags: `--help`)."""
 
 from service.commands import CommandError, as_command_error, check_at_least_one, check_decoding_flags
 

@@ -1,9 +1,6 @@
-"""attnserve generate "prompt" [--chat] [--max-tokens N] [--temperature T] [--top-p P] [--seed S] [--stop TEXT]
-[--dtype D] [--quantization Q] [--device D] [--threads N] [--eager] [--config FILE]
-
-Streams a completion from SmolLM2 to the terminal, without Ray: the generator is built from the Serve
-config's spec as a replica builds it (each setting overridable here), so the same request gives the same
-text here as from `/v1/generate` on this host.
+"""`attnserve generate "prompt"` (flags: `--help`) streams a completion from SmolLM2 to the terminal,
+without Ray: the generator is built from the Serve config's spec as a replica builds it (each setting
+overridable here), so the same request gives the same text here as from `/v1/generate` on this host.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""attnserve translate [--to en|zh] [--from en|zh] [--beam N] [--no-repeat-ngram N] [--length-penalty A]
-[--min-length-ratio R] [--max-length N] TEXT...
-
-Runs the engine behind `/v1/translate` in this process (service/local.py), with the served translator's
-settings from the Serve config: the same text gives the same translation here and over HTTP.
+"""`attnserve translate TEXT...` (flags: `--help`) runs the engine behind `/v1/translate` in this process
+(service/local.py), with the served translator's settings from the Serve config: the same text gives the
+same translation here and over HTTP.
 """
 
 import io

@@ -46,15 +46,12 @@ class EngineConfig(FromDict):
 
     def __post_init__(self):
         check_choices(self)
-        for name in ("max_slots", "max_seq_len", "prefill_chunk", "prefill_budget"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.prefill_max_padding < 0:
-            raise ValueError(f"EngineConfig.prefill_max_padding must be >= 0, got {self.prefill_max_padding}")
+        for name, least in (("max_slots", 1), ("max_seq_len", 1), ("prefill_chunk", 1), ("prefill_budget", 1),
+                            ("prefill_max_padding", 0), ("max_waiting", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"EngineConfig.{name} must be >= {least}, got {getattr(self, name)}")
         if self.default_deadline_s is not None and not self.default_deadline_s > 0:  # NaN too
             raise ValueError(f"EngineConfig.default_deadline_s must be > 0 or None, got {self.default_deadline_s}")
-        if self.max_waiting < 0:
-            raise ValueError(f"EngineConfig.max_waiting must be >= 0, got {self.max_waiting}")
         for name in ("threads", "prefill_threads", "decode_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1 or None, got {getattr(self, name)}")

@@ -44,6 +44,7 @@ class Sequence:
     cum_logprob: float = 0.0  # with params.logprobs: sum over the sampled tokens
     matcher: object | None = None  # with params.json_schema: this choice's grammar state
     schema_field: str = "json_schema"  # the request's name for its schema, in errors
+    slots_needed = 1  # not a field (no annotation): a choice holds one KV slot
 
     @property
     def slot(self) -> int:
@@ -53,10 +54,6 @@ class Sequence:
     def cached_ids(self) -> list[int]:
         """The tokens whose K/V its slot holds, in order (the last sampled token is not yet among them)."""
         return (self.prompt + self.output)[:self.n_cached]
-
-    @property
-    def slots_needed(self) -> int:
-        return 1
 
     @property
     def kv_len(self) -> int:
