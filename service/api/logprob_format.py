@@ -24,16 +24,13 @@ class TokenTexts:
         """`vocab_bytes`: returns each id's bytes (or None), called on the first `bytes` (building the table
         takes a while: a request without logprobs never needs it)."""
         self.text = functools.cache(lambda token_id: decode([token_id]))
-        self._vocab, self.hidden = vocab_bytes, hidden
-
-    @functools.cached_property
-    def vocab_bytes(self) -> list[bytes] | None:
-        return self._vocab()
+        self.vocab_bytes, self.hidden = functools.cache(vocab_bytes), hidden
 
     def bytes(self, token_id: int) -> bytes:
         """The token's own bytes; a special token's are those of its text as listed (the name)."""
-        if self.vocab_bytes is not None and 0 <= token_id < len(self.vocab_bytes) and token_id not in self.hidden:
-            return self.vocab_bytes[token_id]
+        table = self.vocab_bytes()
+        if table is not None and 0 <= token_id < len(table) and token_id not in self.hidden:
+            return table[token_id]
         return self.text(token_id).encode("utf-8")
 
 
