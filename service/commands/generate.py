@@ -100,12 +100,11 @@ def run(args) -> int:
 
     if args.system is not None and not args.chat:
         raise CommandError("--system needs --chat (a system message goes into the chat template)")
-    check_at_least_one(max_tokens=args.max_tokens)
+    check_at_least_one(max_tokens=args.max_tokens, threads=args.threads)
     if not 0.0 <= args.temperature <= 2.0:  # /v1/generate's bounds
         raise CommandError(f"--temperature must be in [0, 2], got {args.temperature}")
     if args.top_k < -1:
         raise CommandError(f"--top-k must be >= -1 (0 or -1: off), got {args.top_k}")
-    check_at_least_one(threads=args.threads)
     if args.seed is not None and not 0 <= args.seed <= SEED_MAX:  # /v1/generate's bounds; torch takes 64 bits
         raise CommandError(f"--seed must be in [0, {SEED_MAX}], got {args.seed}")
     try:
