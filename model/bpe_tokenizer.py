@@ -18,6 +18,7 @@ CONTROL = 3  # llama.cpp token type of control (special) tokens
 DIGITS_FIRST_PRE = ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b")
 CONFIG_FILE = "tokenizer_config.json"
 TOKENIZER_FILE = "tokenizer.json"
+TEMPLATE_FILE = "chat_template.jinja"
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -27,12 +28,19 @@ def bytes_to_unicode() -> dict[int, str]:
     return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
 
 
+def _token_text(value):
+    """transformers may save a special token as an AddedToken's fields ({"content": "<s>", ...}): its text."""
+    if isinstance(value, list):
+        return [_token_text(v) for v in value]
+    return value["content"] if isinstance(value, dict) and "content" in value else value
+
+
 class BPETokenizer:
     """Satisfies `model.tokenizer.Tokenizer`."""
 
     def __init__(self, tokenizer, config: dict):
         self.tk = tokenizer  # tokenizers.Tokenizer
-        self.config = config
+        self.config = config = {k: _token_text(v) for k, v in config.items()}
         self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
         self.bos_id = self.token_to_id(config.get("bos_token") or "")
         self.eos_id = self.token_to_id(config.get("eos_token") or "")
@@ -94,6 +102,8 @@ class BPETokenizer:
         if not (d / TOKENIZER_FILE).is_file():
             raise FileNotFoundError(f"{d / TOKENIZER_FILE} not found")
         config = json.loads((d / CONFIG_FILE).read_text()) if (d / CONFIG_FILE).is_file() else {}
+        if "chat_template" not in config and (d / TEMPLATE_FILE).is_file():  # where transformers now saves it
+            config["chat_template"] = (d / TEMPLATE_FILE).read_text(encoding="utf-8")
         return cls(Tokenizer.from_file(str(d / TOKENIZER_FILE)), config)
 
     def save(self, directory: str | Path) -> None:

@@ -1,4 +1,5 @@
-"""Checkpoints: a directory of config.json + model.safetensors + tokenizer files.
+"""Checkpoints: a directory of config.json + model.safetensors + tokenizer files (ours, or a Hugging Face
+Llama / GPT-2 folder).
 
 Loading never unpickles. A missing file, a wrong tensor shape, or an unknown architecture raises
 `CheckpointError` naming it.
@@ -152,10 +153,25 @@ def _weights_left_uninitialised():
                 setattr(nn.init, name, fn)
 
 
+def is_hf_folder(directory: str | Path) -> bool:
+    """A Hugging Face model folder: its config.json names a `model_type` (ours, an `architecture`)."""
+    try:
+        meta = json.loads((Path(directory) / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # read_config says what is wrong with it
+        return False
+    return isinstance(meta, dict) and "architecture" not in meta and "model_type" in meta
+
+
 def load_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None) -> nn.Module:
+    """Our checkpoint folder, or a Llama / GPT-2 folder as transformers saves it (model/importers/hf.py)."""
     d = Path(directory)
     if not d.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {d}")
+    if is_hf_folder(d):
+        from model.importers.hf import import_hf
+
+        model = import_hf(d)
+        return (model if dtype is None else model.to(dtype)).eval()
     cfg, _ = read_config(d)
     previous = torch.get_default_dtype()
     if dtype is not None and dtype.is_floating_point:
@@ -176,7 +192,8 @@ def load_tokenizer(directory: str | Path):
     from model.tokenizer import SentencePieceTokenizer
 
     d = Path(directory)
-    if (d / SentencePieceTokenizer.FILE).is_file():
+    # a Hugging Face folder may hold the SentencePiece model its tokenizer.json was made from: the latter is used
+    if (d / SentencePieceTokenizer.FILE).is_file() and not ((d / "tokenizer.json").is_file() and is_hf_folder(d)):
         return SentencePieceTokenizer(d / SentencePieceTokenizer.FILE)
     if (d / "tokenizer.json").is_file():
         from model.bpe_tokenizer import BPETokenizer

@@ -106,7 +106,9 @@ def load_generator(spec: ModelSpec, sink=None, log=print) -> GeneratorFrontend:
 
         d = ensure_smollm2(dtype="bfloat16" if cfg.dtype == "bfloat16" else "float32", log=log)
     model, tok = load_checkpoint(d, dtype=cfg.torch_dtype), load_tokenizer(d)
-    quantize_generator(model, tok, spec.quantization, cfg, d / WEIGHTS_FILE, log=log)
+    # a Hugging Face folder may hold its weights in shards, listed by an index
+    weights = d / WEIGHTS_FILE if (d / WEIGHTS_FILE).is_file() else d / "model.safetensors.index.json"
+    quantize_generator(model, tok, spec.quantization, cfg, weights, log=log)
     eos = tok.stop_ids() if hasattr(tok, "stop_ids") else {tok.eos_id} - {None}
     engine = GenerationEngine(model, tok, cfg, eos_ids=eos, name=GENERATOR_ID, sink=sink)
     return GeneratorFrontend(engine, tok, name=GENERATOR_ID,

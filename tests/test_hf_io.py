@@ -120,3 +120,82 @@ def test_tensors_the_config_has_no_place_for_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] - 1}))
     with pytest.raises(HFFormatError, match="no place for"):
         import_hf(tmp_path)
+
+
+def _byte_level_tokenizer(d, specials):
+    """A tokenizer.json as transformers' byte-level BPE tokenizers save it: one token per byte, no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from model.bpe_tokenizer import bytes_to_unicode
+
+    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(bytes_to_unicode().values())}, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(specials)  # ids 256, 257, ...
+    tk.save(str(d / "tokenizer.json"))
+
+
+def test_a_transformers_folder_is_served_as_a_checkpoint(tmp_path):
+    """`generator.checkpoint` may name a Llama folder as transformers saves it (as vLLM serves them): its
+    tokenizer.json, special tokens saved as AddedToken fields, chat_template.jinja; greedy output equals the
+    argmax of transformers' own logits."""
+    from service.commands.generate import stream_engine
+    from service.config import ModelSpec
+    from service.engine.types import SamplingParams
+    from service.models import load_generator
+
+    _byte_level_tokenizer(tmp_path, ["<|im_start|>", "<|im_end|>"])
+    added = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<|im_start|>", **added}, "eos_token": {"content": "<|im_end|>", **added},
+        "additional_special_tokens": [{"content": "<|im_start|>", **added}, {"content": "<|im_end|>", **added}]}))
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    hf_cfg = transformers.LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      bos_token_id=256, eos_token_id=257, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    theirs = transformers.LlamaForCausalLM(hf_cfg).eval()
+    theirs.save_pretrained(tmp_path)
+
+    gen = load_generator(ModelSpec(checkpoint=str(tmp_path), device="cpu", dtype="float32", quantization="none",
+                                   engine={"max_slots": 2, "max_seq_len": 64}))
+    assert gen.chat_template is not None and gen.engine.eos_ids == {257}
+    prompt = gen.encode_chat([{"role": "user", "content": "hi"}])
+    assert gen.decode(prompt) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" and prompt[0] == 256
+    stats: dict = {}
+    "".join(stream_engine(gen.engine, prompt, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
+                          stats))
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            ids.append(int(theirs(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert stats["ids"] == ids[len(prompt):]
+
+
+def test_a_sharded_transformers_folder_is_served_quantized(tmp_path, monkeypatch):
+    """Shards (model.safetensors.index.json) and int8 linears: the calibration cache keys on the index."""
+    from service.commands.generate import stream_engine
+    from service.config import ModelSpec
+    from service.engine.types import SamplingParams
+    from service.models import load_generator
+
+    monkeypatch.setenv("ATTNSERVE_HOME", str(tmp_path / "home"))
+    _byte_level_tokenizer(tmp_path, ["<|endoftext|>"])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    hf_cfg = transformers.LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      eos_token_id=256)
+    torch.manual_seed(4)
+    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path, max_shard_size="64KB")
+    assert not (tmp_path / "model.safetensors").exists()
+    gen = load_generator(ModelSpec(checkpoint=str(tmp_path), device="cpu", dtype="float32", quantization="int8",
+                                   engine={"max_slots": 2, "max_seq_len": 64}))
+    from model.quantize import quantization_of
+
+    assert quantization_of(gen.engine.model) == "int8"
+    stats: dict = {}
+    "".join(stream_engine(gen.engine, gen.encode_prompt("hello"), SamplingParams(max_new_tokens=4, temperature=0.0,
+                                                                                ignore_eos=True), stats))
+    assert len(stats["ids"]) == 4
