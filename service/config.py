@@ -59,11 +59,13 @@ class ModelSpec(FromDict):
     """One model: where its checkpoint is, and the engine that serves it.
 
     `checkpoint` None means the default source (SmolLM2 via `ensure_smollm2()` for the generator,
-    `weights/attnserve-zh-en` for the translator). "auto" `device`/`dtype` and `quantization` (CPU,
-    generator: int8 or int4 linears, model/quantize.py) are resolved on the replica (service/models.py)."""
+    `weights/attnserve-zh-en` for the translator); `name` None, that source's model id. "auto" `device`/`dtype`
+    and `quantization` (CPU, generator: int8 or int4 linears, model/quantize.py) are resolved on the replica
+    (service/models.py)."""
 
     enabled: bool = True
     checkpoint: str | None = None
+    name: str | None = None  # the id clients send as `model` (and the metrics' model label)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Literal["auto", "none", "int8", "int4"] = "none"
@@ -72,6 +74,10 @@ class ModelSpec(FromDict):
 
     def __post_init__(self):
         check_choices(self)
+        name = self.name
+        if name is not None and not (isinstance(name, str) and 0 < len(name) <= 128 and name.strip() == name):
+            raise ValueError(f"ModelSpec.name must be a model id of 1 to 128 characters without surrounding "
+                             f"spaces, got {name!r}")
         if self.engine is None:  # `engine:` left empty in YAML
             self.engine = {}
         if not isinstance(self.engine, dict):
@@ -98,12 +104,23 @@ class ServiceConfig:
 
     def __post_init__(self):
         check_choices(self)
+        if self.generator_id == self.translator_id:
+            raise ValueError(f"ServiceConfig: generator.name and translator.name must differ, both are "
+                             f"{self.generator_id!r}")
         if self.serve_batch_size < 1 or self.serve_batch_wait_s < 0:
             raise ValueError("ServiceConfig.serve_batch_size must be >= 1 and serve_batch_wait_s >= 0")
         origins = self.cors_allowed_origins
         if not isinstance(origins, list) or not all(isinstance(o, str) and o for o in origins):
             raise ValueError("ServiceConfig.cors_allowed_origins must be a list of origins such as "
                              "'http://localhost:3000' (or '*')")
+
+    @property
+    def generator_id(self) -> str:
+        return self.generator.name or GENERATOR_ID
+
+    @property
+    def translator_id(self) -> str:
+        return self.translator.name or TRANSLATOR_ID
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> ServiceConfig:

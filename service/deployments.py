@@ -15,7 +15,7 @@ from ray import serve
 
 from service.api.app import create_app
 from service.api.backends import Backends
-from service.config import GENERATOR_ID, TRANSLATOR_ID, ServiceConfig, limits_from_user_config
+from service.config import ServiceConfig, limits_from_user_config
 from service.startup import Startup
 
 log = logging.getLogger("ray.serve")
@@ -36,7 +36,8 @@ class AttnServe:
         self.limits = self.config.limits
         self.fastapi = None
         self.startup = Startup()
-        self.backends = Backends()  # filled in place by _load: the app holds this object
+        # filled in place by _load: the app holds this object
+        self.backends = Backends(generator_id=self.config.generator_id, translator_id=self.config.translator_id)
         self._loading = asyncio.get_running_loop().create_task(self._load(metrics.EngineMetrics()))
 
     async def _load(self, sink) -> None:
@@ -52,7 +53,7 @@ class AttnServe:
                                                        self.config.serve_batch_wait_s)
             self.backends.unavailable.update(loaded.unavailable)
             later = loaded.translator is not None and translator_build_needed(self.config, loaded.translator)
-            for model_id, attr in ((GENERATOR_ID, "generator"), (TRANSLATOR_ID, "translator")):
+            for model_id, attr in ((self.config.generator_id, "generator"), (self.config.translator_id, "translator")):
                 backend = getattr(loaded, attr)
                 if backend is None:
                     continue

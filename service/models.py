@@ -110,8 +110,9 @@ def load_generator(spec: ModelSpec, sink=None, log=print) -> GeneratorFrontend:
     weights = d / WEIGHTS_FILE if (d / WEIGHTS_FILE).is_file() else d / "model.safetensors.index.json"
     quantize_generator(model, tok, spec.quantization, cfg, weights, log=log)
     eos = tok.stop_ids() if hasattr(tok, "stop_ids") else {tok.eos_id} - {None}
-    engine = GenerationEngine(model, tok, cfg, eos_ids=eos, name=GENERATOR_ID, sink=sink)
-    return GeneratorFrontend(engine, tok, name=GENERATOR_ID,
+    name = spec.name or GENERATOR_ID
+    engine = GenerationEngine(model, tok, cfg, eos_ids=eos, name=name, sink=sink)
+    return GeneratorFrontend(engine, tok, name=name,
                             chat_template=spec.chat_template or getattr(tok, "chat_template", None))
 
 
@@ -166,7 +167,8 @@ def load_translator(spec: ModelSpec, sink=None) -> TranslationFrontend:
         raise ValueError(f"translator.quantization {spec.quantization!r}: the translator is served in full "
                          f"precision (its quality in int8/int4 is not measured); use none")
     cfg = engine_config(spec)
-    engine = TranslationEngine(load_checkpoint(d, dtype=cfg.torch_dtype), cfg, name=TRANSLATOR_ID, sink=sink)
+    engine = TranslationEngine(load_checkpoint(d, dtype=cfg.torch_dtype), cfg, name=spec.name or TRANSLATOR_ID,
+                               sink=sink)
     return TranslationFrontend(engine, load_tokenizer(d))
 
 
@@ -185,9 +187,9 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Bac
                    torch.OutOfMemoryError)
     single_threaded_caller()  # engines parallelise on their own threads (see cpu_runtime)
     startup = startup or Startup()
-    backends = Backends()
-    for name, spec, loader, attr in ((TRANSLATOR_ID, cfg.translator, load_translator, "translator"),
-                                     (GENERATOR_ID, cfg.generator, functools.partial(load_generator, log=log),
+    backends = Backends(generator_id=cfg.generator_id, translator_id=cfg.translator_id)
+    for name, spec, loader, attr in ((cfg.translator_id, cfg.translator, load_translator, "translator"),
+                                     (cfg.generator_id, cfg.generator, functools.partial(load_generator, log=log),
                                       "generator")):
         if not spec.enabled:
             backends.unavailable[name] = "disabled in the service config"

@@ -159,8 +159,9 @@ def test_a_transformers_folder_is_served_as_a_checkpoint(tmp_path):
     theirs = transformers.LlamaForCausalLM(hf_cfg).eval()
     theirs.save_pretrained(tmp_path)
 
-    gen = load_generator(ModelSpec(checkpoint=str(tmp_path), device="cpu", dtype="float32", quantization="none",
-                                   engine={"max_slots": 2, "max_seq_len": 64}))
+    gen = load_generator(ModelSpec(checkpoint=str(tmp_path), name="tiny-llama", device="cpu", dtype="float32",
+                                   quantization="none", engine={"max_slots": 2, "max_seq_len": 64}))
+    assert gen.name == gen.engine.name == "tiny-llama"
     assert gen.chat_template is not None and gen.engine.eos_ids == {257}
     prompt = gen.encode_chat([{"role": "user", "content": "hi"}])
     assert gen.decode(prompt) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" and prompt[0] == 256

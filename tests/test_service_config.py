@@ -128,6 +128,33 @@ def test_missing_translator_is_reported_not_fatal(tmp_path):
     assert "disabled" in b.unavailable[GENERATOR_ID]
 
 
+def test_a_configured_name_is_the_model_id_clients_send_and_the_reports_use(tmp_path):
+    """`name` (vLLM's --served-model-name): /v1/models, the `model` a request sends, and while the model is
+    missing, the 503 that names it; an empty, padded or shared name is refused."""
+    from types import SimpleNamespace
+
+    from service.api.errors import ApiError
+
+    cfg = ServiceConfig.from_dict({"generator": {"enabled": False, "name": "my-llama"},
+                                   "translator": {"checkpoint": str(tmp_path / "nothing"), "name": "zh-en"}})
+    assert (cfg.generator_id, cfg.translator_id) == ("my-llama", "zh-en")
+    b = load_backends(cfg, log=lambda *_: None)
+    assert set(b.unavailable) == {"my-llama", "zh-en"}
+    request = SimpleNamespace(state=SimpleNamespace())
+    for ask in (None, "my-llama"):
+        with pytest.raises(ApiError, match="model my-llama is not available: disabled") as e:
+            b.need_generator(ask, request)
+        assert e.value.status == 503
+    with pytest.raises(ApiError, match="does not serve completions") as e:
+        b.need_generator("zh-en", request)
+    assert e.value.status == 400
+    for bad in ("", " padded", "x" * 129):
+        with pytest.raises(ValueError, match="ModelSpec.name"):
+            ModelSpec(name=bad)
+    with pytest.raises(ValueError, match="must differ"):
+        ServiceConfig.from_dict({"generator": {"name": "one"}, "translator": {"name": "one"}})
+
+
 def test_a_model_that_runs_out_of_device_memory_is_reported_and_the_other_still_served(monkeypatch):
     from service import models
 

@@ -24,16 +24,18 @@ class Backends:
     generator: GeneratorFrontend | None = None
     translator: TranslationFrontend | None = None
     unavailable: dict[str, str] = field(default_factory=dict)  # model id -> why it is not served
+    generator_id: str = GENERATOR_ID  # the configured ids (ServiceConfig), named while a model is missing
+    translator_id: str = TRANSLATOR_ID
 
     def ids(self) -> list[str]:
         return [b.name for b in (self.generator, self.translator) if b is not None]
 
     def need_generator(self, model: str | None, request) -> GeneratorFrontend:
         """The generator serving `model` (the request's metrics label then names it), else an ApiError."""
-        return self._need(model, self.generator, GENERATOR_ID, "completions/generation", request)
+        return self._need(model, self.generator, self.generator_id, "completions/generation", request)
 
     def need_translator(self, model: str | None, request) -> TranslationFrontend:
-        return self._need(model, self.translator, TRANSLATOR_ID, "translation", request)
+        return self._need(model, self.translator, self.translator_id, "translation", request)
 
     def _need(self, model, backend, default_id: str, what: str, request):
         name = backend.name if backend is not None else default_id

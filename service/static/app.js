@@ -111,8 +111,7 @@ async function sendChat(event) {
   if (!text || chat.controller) return;
   let body;
   try {
-    body = {
-      model: CHAT_MODEL,
+    body = {  // no model: the service's generator, whatever its configured name
       messages: [...chat.history, { role: "user", content: text }],
       temperature: numberInput("temperature", 0, 2, "temperature"),
       top_p: numberInput("top-p", 0.01, 1, "top-p"),
