@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -33,6 +34,12 @@ def _token_text(value):
     if isinstance(value, list):
         return [_token_text(v) for v in value]
     return value["content"] if isinstance(value, dict) and "content" in value else value
+
+
+def piece_bytes(piece: str) -> bytes:
+    """A SentencePiece-style token's bytes (Llama 2 or Mistral tokenizer.json): "▁" is a space, "<0x0A>" one byte."""
+    byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+    return bytes([int(byte[1], 16)]) if byte else piece.replace("\u2581", " ").encode("utf-8")
 
 
 class BPETokenizer:
@@ -135,8 +142,11 @@ class BPETokenizer:
     def token_bytes(self) -> list[bytes]:
         """Every id's bytes in decoded text, for grammar libraries (special tokens: their name's UTF-8).
         Shared: callers do not modify it."""
-        byte_of = {c: b for b, c in bytes_to_unicode().items()}
         tokens = [self.id_to_token(i) or "" for i in range(self.vocab_size)]
+        decoder = self.tk.decoder
+        if decoder is not None and b'"ByteLevel"' not in decoder.__getstate__():  # SentencePiece-style pieces
+            return [piece_bytes(t) for t in tokens]
+        byte_of = {c: b for b, c in bytes_to_unicode().items()}
         return [bytes(byte_of[c] for c in t) if set(t) <= byte_of.keys() else t.encode("utf-8") for t in tokens]
 
     def special_tokens(self) -> dict[str, str]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 
+from model.bpe_tokenizer import bytes_to_unicode
 from model.config import TINY_GPT2, TINY_LLAMA
 from model.decoder import DecoderLM
 from model.importers.hf import HFFormatError, export_hf, import_hf
@@ -126,8 +127,6 @@ def _byte_level_tokenizer(d, specials):
     """A tokenizer.json as transformers' byte-level BPE tokenizers save it: one token per byte, no merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from model.bpe_tokenizer import bytes_to_unicode
-
     tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(bytes_to_unicode().values())}, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
@@ -200,3 +199,27 @@ def test_a_sharded_transformers_folder_is_served_quantized(tmp_path, monkeypatch
     "".join(stream_engine(gen.engine, gen.encode_prompt("hello"), SamplingParams(max_new_tokens=4, temperature=0.0,
                                                                                 ignore_eos=True), stats))
     assert len(stats["ids"]) == 4
+
+
+def test_sentencepiece_style_pieces_give_their_bytes(tmp_path):
+    """Llama 2 / Mistral tokenizer.json (Metaspace, byte fallback): "▁" is a space and "<0xNN>" one byte in the
+    vocabulary bytes the grammars and logprobs read, while byte-level vocabularies keep GPT-2's byte map."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    from model.bpe_tokenizer import BPETokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}, "\u2581": 259,
+             "\u2581Hello": 260, "é": 261}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tk.save(str(tmp_path / "tokenizer.json"))
+    tok = BPETokenizer.load(tmp_path)
+    table = tok.token_bytes()
+    assert table[3 + 0x0A] == b"\n" and table[259] == b" " and table[260] == b" Hello" and table[261] == "é".encode()
+    ids = tok.encode("Hello é\n")
+    assert b"".join(table[i] for i in ids) == b" Hello \xc3\xa9\n" and tok.decode(ids) == "Hello é\n"
+    _byte_level_tokenizer(tmp_path, ["<|endoftext|>"])
+    table = BPETokenizer.load(tmp_path).token_bytes()
+    assert table[:256] == [bytes([b]) for b in bytes_to_unicode()] and table[256] == b"<|endoftext|>"
