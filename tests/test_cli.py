@@ -220,6 +220,18 @@ def test_generate_streams_the_greedy_continuation(standin, capsys):
     assert m and int(m[1]) == len(ids) and int(m[2]) == len(new)
 
 
+def test_generate_runs_a_transformers_folder_given_by_model(standin, capsys, tmp_path):
+    """--model: the stand-in exported as transformers saves a Llama folder says what the stand-in says."""
+    from model.checkpoint import load_checkpoint, load_tokenizer
+    from model.importers.hf import export_hf
+
+    export_hf(load_checkpoint(standin), tmp_path / "hf", tokenizer=load_tokenizer(standin))
+    assert main([*GENERATE, "--max-tokens", "12", "Once upon a time"]) == 0
+    ours = capsys.readouterr().out
+    assert main([*GENERATE, "--model", str(tmp_path / "hf"), "--max-tokens", "12", "Once upon a time"]) == 0
+    assert capsys.readouterr().out == ours
+
+
 def test_generate_ends_where_a_stop_text_would_begin(standin, capsys):
     assert main([*GENERATE, "--max-tokens", "12", "Once upon a time"]) == 0
     full = capsys.readouterr().out[:-1]

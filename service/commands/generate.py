@@ -9,6 +9,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from model.quantize import QUANTIZATIONS
 from service.commands import CommandError, as_command_error, check_at_least_one
@@ -34,6 +35,8 @@ def add_arguments(p):
     p.add_argument("--threads", type=int, help="torch threads (default: as served)")
     p.add_argument("--eager", action="store_true", help="do not compile the step (the service compiles it)")
     p.add_argument("--config", help="Serve config whose generator settings to use (default: deploy/serve_config.yaml)")
+    p.add_argument("--model", help="checkpoint folder, ours or a Llama / GPT-2 folder as transformers saves it "
+                   "(default: the served generator's)")
 
 
 def stream_engine(engine, prompt_ids: list[int], params, stats: dict | None = None) -> Iterator[str]:
@@ -119,7 +122,8 @@ def run(args) -> int:
     t0 = time.perf_counter()
     with as_command_error(ModelUnavailable, OSError, RuntimeError, ValueError):  # CheckpointError is a ValueError
         spec = local.generator_spec(config=args.config, dtype=args.dtype, quantization=args.quantization,
-                                    device=args.device, threads=args.threads, compile=False if args.eager else None)
+                                    device=args.device, threads=args.threads, compile=False if args.eager else None,
+                                    checkpoint=str(Path(args.model).resolve()) if args.model else None)
         generator = load_generator(spec, log=lambda m: print(m, file=sys.stderr))
     engine = generator.engine
     mode = quantization_of(engine.model)
