@@ -157,11 +157,12 @@ def test_a_transformers_folder_is_served_as_a_checkpoint(tmp_path):
     torch.manual_seed(3)
     theirs = transformers.LlamaForCausalLM(hf_cfg).eval()
     theirs.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, 10]}))
 
     gen = load_generator(ModelSpec(checkpoint=str(tmp_path), name="tiny-llama", device="cpu", dtype="float32",
                                    quantization="none", engine={"max_slots": 2, "max_seq_len": 64}))
     assert gen.name == gen.engine.name == "tiny-llama"
-    assert gen.chat_template is not None and gen.engine.eos_ids == {257}
+    assert gen.chat_template is not None and gen.engine.eos_ids == {257, 10}  # the generation config's too
     prompt = gen.encode_chat([{"role": "user", "content": "hi"}])
     assert gen.decode(prompt) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" and prompt[0] == 256
     stats: dict = {}
@@ -223,3 +224,16 @@ def test_sentencepiece_style_pieces_give_their_bytes(tmp_path):
     _byte_level_tokenizer(tmp_path, ["<|endoftext|>"])
     table = BPETokenizer.load(tmp_path).token_bytes()
     assert table[:256] == [bytes([b]) for b in bytes_to_unicode()] and table[256] == b"<|endoftext|>"
+
+
+def test_generation_config_stop_ids(tmp_path):
+    from model.importers.hf import generation_stop_ids
+
+    assert generation_stop_ids(tmp_path) == set()
+    for eos, ids in ((2, {2}), ([128001, 128009], {128001, 128009}), (None, set())):
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+        assert generation_stop_ids(tmp_path) == ids
+    for bad in ('{"eos_token_id": "</s>"}', '{"eos_token_id": [-1]}', "[1, 2]", "not json"):
+        (tmp_path / "generation_config.json").write_text(bad)
+        with pytest.raises(HFFormatError, match="generation_config.json"):
+            generation_stop_ids(tmp_path)

@@ -208,6 +208,20 @@ def _read_hf_weights(d: Path) -> dict[str, torch.Tensor]:
                         "not read: it needs unpickling)")
 
 
+def generation_stop_ids(directory: str | Path) -> set[int]:
+    """The ids generation_config.json ends generating at (`eos_token_id`: one or a list, as Llama 3 lists
+    its end-of-turn tokens); none without the file."""
+    path = Path(directory) / "generation_config.json"
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    except (ValueError, AttributeError) as e:  # not JSON, or not an object
+        raise HFFormatError(f"{path}: not a generation config ({e})") from None
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise HFFormatError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return set(ids)
+
+
 def import_hf(directory: str | Path):
     """A Hugging Face Llama / GPT-2 folder -> our DecoderLM (eval mode)."""
     from model.decoder import DecoderLM
