@@ -1,5 +1,5 @@
 """Checkpoints: a directory of config.json + model.safetensors + tokenizer files (ours, or a Hugging Face
-Llama / GPT-2 folder).
+Llama, Mistral, Qwen2 or GPT-2 folder).
 
 Loading never unpickles. A missing file, a wrong tensor shape, or an unknown architecture raises
 `CheckpointError` naming it.
@@ -163,7 +163,8 @@ def is_hf_folder(directory: str | Path) -> bool:
 
 
 def load_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None) -> nn.Module:
-    """Our checkpoint folder, or a Llama / GPT-2 folder as transformers saves it (model/importers/hf.py)."""
+    """Our checkpoint folder, or a Llama, Mistral, Qwen2 or GPT-2 folder as transformers saves it
+    (model/importers/hf.py)."""
     d = Path(directory)
     if not d.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {d}")

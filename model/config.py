@@ -43,6 +43,7 @@ class DecoderConfig(_Config):
     rope_theta: float = 10000.0
     mlp: Literal["gelu", "swiglu"] = "gelu"
     attn_bias: bool = True
+    attn_out_bias: bool | None = None  # the output projection's bias; None = attn_bias (Qwen2: q/k/v only)
     mlp_bias: bool = True
     norm_bias: bool = True
     tie_embeddings: bool = True

@@ -78,6 +78,51 @@ def test_import_of_a_transformers_saved_model(tmp_path, shard):
     assert _max_diff(ours, theirs, torch.randint(0, 50, (2, 10))) < 1e-4
 
 
+QWEN2 = dataclasses.replace(TINY_LLAMA, attn_bias=True, attn_out_bias=False)
+
+
+def test_qwen2_style_exports_and_imports_with_transformers_logits(tmp_path):
+    """Biased q/k/v with an unbiased output projection is Qwen2: exported as one, and a Qwen2 model saved by
+    transformers imports with its logits."""
+    ours = _random(QWEN2)
+    assert ours.blocks[0].attn.o_proj.bias is None and ours.blocks[0].attn.qkv_proj.bias is not None
+    export_hf(ours, tmp_path / "ours")
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["model_type"] == "qwen2"
+    theirs = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    assert _max_diff(ours, theirs, _tokens(QWEN2)) < 1e-4
+    hf_cfg = transformers.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      rope_theta=1e6, tie_word_embeddings=True)
+    torch.manual_seed(5)
+    theirs = transformers.Qwen2ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():  # transformers starts biases at zero: make them count
+        for name, p in theirs.named_parameters():
+            if name.endswith("bias"):
+                p.add_(torch.randn_like(p))
+    theirs.save_pretrained(tmp_path / "theirs")
+    back = import_hf(tmp_path / "theirs")
+    assert back.cfg.attn_bias and back.cfg.attn_out_bias is False and back.cfg.tie_embeddings
+    assert _max_diff(back, theirs, torch.randint(0, 50, (2, 10))) < 1e-4
+    (tmp_path / "theirs" / "config.json").write_text(json.dumps(
+        {**json.loads((tmp_path / "theirs" / "config.json").read_text()), "use_sliding_window": True}))
+    with pytest.raises(HFFormatError, match="sliding-window"):
+        import_hf(tmp_path / "theirs")
+
+
+def test_mistral_imports_with_its_window_as_the_context(tmp_path):
+    """Mistral is Llama's computation while positions stay within its sliding window: the context is capped
+    there."""
+    hf_cfg = transformers.MistralConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        sliding_window=16, head_dim=8)
+    torch.manual_seed(6)
+    theirs = transformers.MistralForCausalLM(hf_cfg).eval()
+    theirs.save_pretrained(tmp_path)
+    ours = import_hf(tmp_path)
+    assert ours.cfg.max_seq_len == 16 and ours.cfg.kv_heads == 2
+    assert _max_diff(ours, theirs, torch.randint(0, 50, (2, 16))) < 1e-4
+
+
 def test_unsupported_layouts_are_named(tmp_path):
     odd = dataclasses.replace(TINY_GPT2, n_kv_heads=2)  # GPT-2 has no grouped-query attention
     with pytest.raises(HFFormatError, match="no Hugging Face architecture"):

@@ -1,7 +1,8 @@
 """Hugging Face layout <-> our DecoderLM: config.json + model.safetensors with Llama or GPT-2 names.
 
-`export_hf` writes a folder `transformers` loads as `LlamaForCausalLM` or `GPT2LMHeadModel`; `import_hf` reads
-one. We fuse q/k/v and gate/up into one matrix each; GPT-2's `Conv1D` stores weights transposed, (in, out).
+`export_hf` writes a folder `transformers` loads as `LlamaForCausalLM`, `Qwen2ForCausalLM` or `GPT2LMHeadModel`;
+`import_hf` reads those and Mistral's. We fuse q/k/v and gate/up into one matrix each; GPT-2's `Conv1D` stores
+weights transposed, (in, out).
 """
 
 from __future__ import annotations
@@ -21,22 +22,29 @@ class HFFormatError(ValueError):
 # --- which layout ------------------------------------------------------------------------------
 
 def hf_family(cfg: DecoderConfig) -> str:
-    """'llama' or 'gpt2': the Hugging Face architecture that computes exactly what `cfg` computes."""
+    """'llama', 'qwen2' or 'gpt2': the Hugging Face architecture that computes exactly what `cfg` computes
+    (Qwen2 is Llama with biased q/k/v and nothing else biased)."""
+    out_bias = cfg.attn_bias if cfg.attn_out_bias is None else cfg.attn_out_bias
     if (cfg.norm, cfg.positions, cfg.mlp) == ("rmsnorm", "rope", "swiglu") and not cfg.norm_bias:
-        return "llama"
+        if out_bias == cfg.attn_bias:
+            return "llama"
+        if cfg.attn_bias and not cfg.mlp_bias:
+            return "qwen2"
     if ((cfg.norm, cfg.positions, cfg.mlp) == ("layernorm", "learned", "gelu") and cfg.kv_heads == cfg.n_heads
-            and cfg.attn_bias and cfg.mlp_bias and cfg.norm_bias and cfg.tie_embeddings
+            and cfg.attn_bias and out_bias and cfg.mlp_bias and cfg.norm_bias and cfg.tie_embeddings
             and cfg.dim_head * cfg.n_heads == cfg.d_model):
         return "gpt2"
     raise HFFormatError(f"no Hugging Face architecture matches this config (norm={cfg.norm}, positions="
                         f"{cfg.positions}, mlp={cfg.mlp}, kv_heads={cfg.kv_heads}, biases attn={cfg.attn_bias} "
-                        f"mlp={cfg.mlp_bias} norm={cfg.norm_bias}); supported: Llama-style and GPT-2-style")
+                        f"attn out={out_bias} mlp={cfg.mlp_bias} norm={cfg.norm_bias}); supported: Llama-, Qwen2- and "
+                        f"GPT-2-style")
 
 
 def hf_config(cfg: DecoderConfig, dtype: torch.dtype = torch.float32) -> dict:
     dt = str(dtype).removeprefix("torch.")
-    if hf_family(cfg) == "llama":
-        return {
+    family = hf_family(cfg)
+    if family != "gpt2":
+        c = {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_head,
@@ -45,6 +53,10 @@ def hf_config(cfg: DecoderConfig, dtype: torch.dtype = torch.float32) -> dict:
             "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.attn_bias, "mlp_bias": cfg.mlp_bias,
             "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "torch_dtype": dt, "dtype": dt,
         }
+        if family == "qwen2":  # its q/k/v are always biased, nothing else is
+            c.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False)
+            del c["attention_bias"], c["mlp_bias"]
+        return c
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
         "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": cfg.d_ff,
@@ -57,7 +69,7 @@ def hf_config(cfg: DecoderConfig, dtype: torch.dtype = torch.float32) -> dict:
 def config_from_hf(c: dict, where: str = "config.json") -> DecoderConfig:
     mt = c.get("model_type")
     try:
-        if mt == "llama":
+        if mt in ("llama", "mistral", "qwen2"):
             rope = c.get("rope_parameters") or {}
             scaling = c.get("rope_scaling") or rope
             if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
@@ -65,14 +77,20 @@ def config_from_hf(c: dict, where: str = "config.json") -> DecoderConfig:
                                     "is not supported")
             if c.get("hidden_act", "silu") != "silu":  # our SwiGLU gates with SiLU only
                 raise HFFormatError(f"{where}: Llama activation {c['hidden_act']!r} is not supported (only silu)")
+            if mt == "qwen2" and c.get("use_sliding_window"):
+                raise HFFormatError(f"{where}: Qwen2's sliding-window attention is not supported")
             heads = c["num_attention_heads"]
+            context = c.get("max_position_embeddings", 2048)
+            if mt == "mistral" and c.get("sliding_window"):  # within the window, attention is full attention
+                context = min(context, c["sliding_window"])
             return DecoderConfig(
                 vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
                 n_heads=heads, n_kv_heads=c.get("num_key_value_heads") or heads, d_ff=c["intermediate_size"],
-                max_seq_len=c.get("max_position_embeddings", 2048), norm="rmsnorm",
+                max_seq_len=context, norm="rmsnorm",
                 norm_eps=c.get("rms_norm_eps", 1e-6), positions="rope",
                 rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))), mlp="swiglu",
-                attn_bias=bool(c.get("attention_bias", False)), mlp_bias=bool(c.get("mlp_bias", False)),
+                attn_bias=mt == "qwen2" or bool(c.get("attention_bias", False)),
+                attn_out_bias=False if mt == "qwen2" else None, mlp_bias=bool(c.get("mlp_bias", False)),
                 norm_bias=False, tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                 head_dim=c.get("head_dim") if c.get("head_dim") not in (None, c["hidden_size"] // heads) else None,
                 bos_id=c.get("bos_token_id"), eos_id=_first(c.get("eos_token_id")),
@@ -93,7 +111,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> DecoderConfig:
             )
     except KeyError as e:
         raise HFFormatError(f"{where}: missing config field {e}") from None
-    raise HFFormatError(f"{where}: model_type {mt!r} not supported; supported: ['llama', 'gpt2']")
+    raise HFFormatError(f"{where}: model_type {mt!r} not supported; supported: ['llama', 'mistral', 'qwen2', 'gpt2']")
 
 
 def _first(x):
@@ -106,8 +124,9 @@ def _name_map(cfg: DecoderConfig) -> list[tuple[str, list[str], list[int] | None
     """(our tensor, the Hugging Face tensors it concatenates on dim 0, their row counts, stored transposed)
     for every parameter of the model; one table for both directions."""
     q_dim, kv_dim = cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head
+    out_bias = cfg.attn_bias if cfg.attn_out_bias is None else cfg.attn_out_bias
     rows: list[tuple[str, list[str], list[int] | None, bool]] = []
-    if hf_family(cfg) == "llama":
+    if hf_family(cfg) != "gpt2":  # Llama's names, Qwen2's too
         rows += [("embed.weight", ["model.embed_tokens.weight"], None, False),
                  ("norm.weight", ["model.norm.weight"], None, False)]
         if not cfg.tie_embeddings:
@@ -117,9 +136,10 @@ def _name_map(cfg: DecoderConfig) -> list[tuple[str, list[str], list[int] | None
             rows += [(p + "attn_norm.weight", [h + "input_layernorm.weight"], None, False),
                      (p + "mlp_norm.weight", [h + "post_attention_layernorm.weight"], None, False)]
             for s in ("weight", "bias") if cfg.attn_bias else ("weight",):
-                rows += [(p + f"attn.qkv_proj.{s}", [h + f"self_attn.{n}_proj.{s}" for n in "qkv"],
-                          [q_dim, kv_dim, kv_dim], False),
-                         (p + f"attn.o_proj.{s}", [h + f"self_attn.o_proj.{s}"], None, False)]
+                rows.append((p + f"attn.qkv_proj.{s}", [h + f"self_attn.{n}_proj.{s}" for n in "qkv"],
+                             [q_dim, kv_dim, kv_dim], False))
+            for s in ("weight", "bias") if out_bias else ("weight",):
+                rows.append((p + f"attn.o_proj.{s}", [h + f"self_attn.o_proj.{s}"], None, False))
             for s in ("weight", "bias") if cfg.mlp_bias else ("weight",):
                 rows += [(p + f"mlp.gate_up.{s}", [h + f"mlp.gate_proj.{s}", h + f"mlp.up_proj.{s}"],
                           [cfg.d_ff, cfg.d_ff], False),
@@ -151,7 +171,7 @@ def to_hf_state(model) -> dict[str, torch.Tensor]:
 
 def from_hf_state(hf: dict[str, torch.Tensor], cfg: DecoderConfig, where: str = "") -> dict[str, torch.Tensor]:
     """Hugging Face names -> our state dict; raises HFFormatError naming a missing tensor."""
-    prefix = "model." if hf_family(cfg) == "llama" else "transformer."
+    prefix = "transformer." if hf_family(cfg) == "gpt2" else "model."
     # accept checkpoints saved without the base-model prefix (old GPT-2 files, bare LlamaModel)
     hf = {(k if k.startswith(prefix) or k == "lm_head.weight" else prefix + k): v for k, v in hf.items()}
     table = _name_map(cfg)

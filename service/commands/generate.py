@@ -35,8 +35,8 @@ def add_arguments(p):
     p.add_argument("--threads", type=int, help="torch threads (default: as served)")
     p.add_argument("--eager", action="store_true", help="do not compile the step (the service compiles it)")
     p.add_argument("--config", help="Serve config whose generator settings to use (default: deploy/serve_config.yaml)")
-    p.add_argument("--model", help="checkpoint folder, ours or a Llama / GPT-2 folder as transformers saves it "
-                   "(default: the served generator's)")
+    p.add_argument("--model", help="checkpoint folder, ours or a Llama, Mistral, Qwen2 or GPT-2 folder as "
+                   "transformers saves it (default: the served generator's)")
 
 
 def stream_engine(engine, prompt_ids: list[int], params, stats: dict | None = None) -> Iterator[str]:
