@@ -68,6 +68,10 @@ class DecoderConfig(_Config):
     def dim_head(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
 
+    @property
+    def o_proj_bias(self) -> bool:
+        return self.attn_bias if self.attn_out_bias is None else self.attn_out_bias
+
 
 @dataclass(frozen=True)
 class Seq2SeqConfig(_Config):

@@ -22,7 +22,7 @@ class DecoderBlock(nn.Module):
         super().__init__()
         self.attn_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head,
-                              bias=cfg.attn_bias, out_bias=cfg.attn_out_bias, dropout=cfg.dropout)
+                              bias=cfg.attn_bias, out_bias=cfg.o_proj_bias, dropout=cfg.dropout)
         self.mlp_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
         self.mlp = (SwiGLU if cfg.mlp == "swiglu" else GeluMLP)(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
         self.drop = Dropout(cfg.dropout)

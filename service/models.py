@@ -95,7 +95,8 @@ def _resolve(path: str) -> Path:
 
 
 def load_generator(spec: ModelSpec, sink=None, log=print) -> GeneratorFrontend:
-    from model.checkpoint import WEIGHTS_FILE, is_hf_folder, load_checkpoint, load_tokenizer
+    from model.checkpoint import WEIGHTS_FILE, load_checkpoint, load_tokenizer
+    from model.importers.hf import generation_stop_ids
     from service.engine.generation import GenerationEngine
 
     cfg = engine_config(spec)
@@ -110,10 +111,7 @@ def load_generator(spec: ModelSpec, sink=None, log=print) -> GeneratorFrontend:
     weights = d / WEIGHTS_FILE if (d / WEIGHTS_FILE).is_file() else d / "model.safetensors.index.json"
     quantize_generator(model, tok, spec.quantization, cfg, weights, log=log)
     eos = tok.stop_ids() if hasattr(tok, "stop_ids") else {tok.eos_id} - {None}
-    if is_hf_folder(d):  # as transformers stops: at every id its generation config lists too
-        from model.importers.hf import generation_stop_ids
-
-        eos |= generation_stop_ids(d)
+    eos |= generation_stop_ids(d)  # a transformers folder's generation config: it stops there too
     name = spec.name or GENERATOR_ID
     engine = GenerationEngine(model, tok, cfg, eos_ids=eos, name=name, sink=sink)
     return GeneratorFrontend(engine, tok, name=name,

@@ -1,4 +1,5 @@
-"""Hugging Face layout <-> our DecoderLM: config.json + model.safetensors with Llama or GPT-2 names.
+"""Hugging Face layout <-> our DecoderLM: config.json + model.safetensors with Llama (Qwen2, Mistral) or GPT-2
+names.
 
 `export_hf` writes a folder `transformers` loads as `LlamaForCausalLM`, `Qwen2ForCausalLM` or `GPT2LMHeadModel`;
 `import_hf` reads those and Mistral's. We fuse q/k/v and gate/up into one matrix each; GPT-2's `Conv1D` stores
@@ -24,20 +25,19 @@ class HFFormatError(ValueError):
 def hf_family(cfg: DecoderConfig) -> str:
     """'llama', 'qwen2' or 'gpt2': the Hugging Face architecture that computes exactly what `cfg` computes
     (Qwen2 is Llama with biased q/k/v and nothing else biased)."""
-    out_bias = cfg.attn_bias if cfg.attn_out_bias is None else cfg.attn_out_bias
     if (cfg.norm, cfg.positions, cfg.mlp) == ("rmsnorm", "rope", "swiglu") and not cfg.norm_bias:
-        if out_bias == cfg.attn_bias:
+        if cfg.o_proj_bias == cfg.attn_bias:
             return "llama"
         if cfg.attn_bias and not cfg.mlp_bias:
             return "qwen2"
     if ((cfg.norm, cfg.positions, cfg.mlp) == ("layernorm", "learned", "gelu") and cfg.kv_heads == cfg.n_heads
-            and cfg.attn_bias and out_bias and cfg.mlp_bias and cfg.norm_bias and cfg.tie_embeddings
+            and cfg.attn_bias and cfg.o_proj_bias and cfg.mlp_bias and cfg.norm_bias and cfg.tie_embeddings
             and cfg.dim_head * cfg.n_heads == cfg.d_model):
         return "gpt2"
     raise HFFormatError(f"no Hugging Face architecture matches this config (norm={cfg.norm}, positions="
                         f"{cfg.positions}, mlp={cfg.mlp}, kv_heads={cfg.kv_heads}, biases attn={cfg.attn_bias} "
-                        f"attn out={out_bias} mlp={cfg.mlp_bias} norm={cfg.norm_bias}); supported: Llama-, Qwen2- and "
-                        f"GPT-2-style")
+                        f"attn out={cfg.o_proj_bias} mlp={cfg.mlp_bias} norm={cfg.norm_bias}); supported: Llama-, "
+                        f"Qwen2- and GPT-2-style")
 
 
 def hf_config(cfg: DecoderConfig, dtype: torch.dtype = torch.float32) -> dict:
@@ -124,7 +124,6 @@ def _name_map(cfg: DecoderConfig) -> list[tuple[str, list[str], list[int] | None
     """(our tensor, the Hugging Face tensors it concatenates on dim 0, their row counts, stored transposed)
     for every parameter of the model; one table for both directions."""
     q_dim, kv_dim = cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head
-    out_bias = cfg.attn_bias if cfg.attn_out_bias is None else cfg.attn_out_bias
     rows: list[tuple[str, list[str], list[int] | None, bool]] = []
     if hf_family(cfg) != "gpt2":  # Llama's names, Qwen2's too
         rows += [("embed.weight", ["model.embed_tokens.weight"], None, False),
@@ -138,7 +137,7 @@ def _name_map(cfg: DecoderConfig) -> list[tuple[str, list[str], list[int] | None
             for s in ("weight", "bias") if cfg.attn_bias else ("weight",):
                 rows.append((p + f"attn.qkv_proj.{s}", [h + f"self_attn.{n}_proj.{s}" for n in "qkv"],
                              [q_dim, kv_dim, kv_dim], False))
-            for s in ("weight", "bias") if out_bias else ("weight",):
+            for s in ("weight", "bias") if cfg.o_proj_bias else ("weight",):
                 rows.append((p + f"attn.o_proj.{s}", [h + f"self_attn.o_proj.{s}"], None, False))
             for s in ("weight", "bias") if cfg.mlp_bias else ("weight",):
                 rows += [(p + f"mlp.gate_up.{s}", [h + f"mlp.gate_proj.{s}", h + f"mlp.up_proj.{s}"],
@@ -243,7 +242,7 @@ def generation_stop_ids(directory: str | Path) -> set[int]:
 
 
 def import_hf(directory: str | Path):
-    """A Hugging Face Llama / GPT-2 folder -> our DecoderLM (eval mode)."""
+    """A Hugging Face Llama, Mistral, Qwen2 or GPT-2 folder -> our DecoderLM (eval mode)."""
     from model.decoder import DecoderLM
 
     d = Path(directory)
