@@ -11,7 +11,7 @@ of the same weights, no engine. Prints each task's metrics for both, the items w
 
 Run from the repository root (the task files name their data relative to it):
 
-    python -m benchmarks.lm_eval_parity [--limit N] [--num-concurrent 8]
+    python -m benchmarks.lm_eval_parity [--limit N] [--num-concurrent 8] [--batch-size 4]
 
 The same local-completions run by lm-eval's command line against `make serve` (or this app):
 
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="first N items of each task (all by default)")
     ap.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
     ap.add_argument("--num-concurrent", type=int, default=8, help="lm-eval's concurrent requests")
+    ap.add_argument("--batch-size", type=int, default=1, help="lm-eval's prompts per request")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (engine and reference)")
     args = ap.parse_args(argv)
 
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     with serve(model, tok, args.threads) as url:
         served = evaluate("local-completions", {
             "model": GENERATOR_ID, "base_url": f"{url}/v1/completions", "tokenizer_backend": "huggingface",
-            "tokenizer": str(d), "num_concurrent": args.num_concurrent, "max_retries": 1, "timeout": 600},
+            "tokenizer": str(d), "num_concurrent": args.num_concurrent, "batch_size": args.batch_size, "max_retries": 1,
+            "timeout": 600},
             args.tasks, args.limit)
     t1 = time.perf_counter()
     reference = evaluate(ReferenceLM(model, tok, tok.stop_ids()), None, args.tasks, args.limit)

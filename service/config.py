@@ -36,6 +36,7 @@ class ApiLimits(FromDict):
     max_beam_size: int = 8
     max_translate_length: int = 512
     max_n: int = 8  # choices (n, best_of) per completion request: each holds a KV slot while it runs
+    max_prompts: int = 64  # prompts per /v1/completions call (each queued as a request of its own)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from api_util import TOK, backends, metric, run, sse_events, translator
@@ -216,6 +218,27 @@ def test_overload_is_429_with_retry_after():
         for stream in held:
             await stream.aclose()
     run(main, backends({"max_waiting": 0}, with_translator=False))
+
+
+def test_a_batch_refused_in_part_is_429_and_runs_none_of_it():
+    """One slot and no queue: a batch's first prompt fits, its second does not. The whole request is a
+    429, and the prompt queued before the refusal is cancelled, not run."""
+    async def main(c):
+        engine = c.app.state.backends.generator.engine
+        before = (await c.get("/metrics")).text
+        r = await c.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 20, "ignore_eos": True})
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        for _ in range(500):  # until the loop's sweep has dropped the cancelled prompt
+            if engine.stats().running + engine.stats().waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        after = (await c.get("/metrics")).text
+        for name, labels, want in (("attnserve_request_success_total", {"finished_reason": "cancelled"}, 1),
+                                   ("attnserve_request_success_total", {"finished_reason": "length"}, 0),
+                                   ("attnserve_generation_tokens_total", {}, 0)):
+            got = metric(after, name, model=GENERATOR_ID, **labels) - metric(before, name, model=GENERATOR_ID, **labels)
+            assert got == want, (name, labels)
+    run(main, backends({"max_waiting": 0, "max_slots": 1}, with_translator=False))
 
 
 def test_stopped_engine_is_503():

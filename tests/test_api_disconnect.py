@@ -17,14 +17,15 @@ from service.metrics import PROMETHEUS
 torch.set_num_threads(1)
 
 
-async def call(app, body: dict, disconnect_after_chunks: int | None, disconnect_on: threading.Event | None = None):
+async def call(app, body: dict, disconnect_after_chunks: int | None, disconnect_on: threading.Event | None = None,
+               path: str = "/v1/generate"):
     """Drive the app like a server would; the client goes away after N body chunks (or once `disconnect_on`
     is set by the model)."""
     sent: list[dict] = []
     gone = asyncio.Event()
     payload = json.dumps(body).encode()
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/generate", "raw_path": b"/v1/generate", "query_string": b"",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
              "root_path": "", "headers": [(b"content-type", b"application/json"),
                                           (b"content-length", str(len(payload)).encode())],
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
@@ -110,3 +111,14 @@ def test_non_stream_disconnect_cancels():
     assert not any(m["type"] == "http.response.start" and m["status"] == 200 for m in sent)
     assert stats.running == 0 and stats.slots_used == 0
 
+
+
+def test_a_batch_of_prompts_is_cancelled_whole():
+    """/v1/completions with two prompts, each its own engine request: a disconnect cancels both."""
+    batch = {"prompt": ["tell me", "a story"], "max_tokens": 120, "ignore_eos": True, "temperature": 0.0}
+    for body, kw in (({**batch, "stream": True}, {"disconnect_after_chunks": 2}),
+                     (batch, {"gated": True, "disconnect_after_chunks": None})):
+        before = cancelled()
+        _, stats, _ = _run(body, path="/v1/completions", **kw)
+        assert cancelled() == before + 2, body.get("stream")
+        assert stats.running == 0 and stats.slots_used == 0

@@ -10,7 +10,8 @@ from service.config import ApiLimits
 
 torch.set_num_threads(1)
 LIMITS = ApiLimits(max_body_bytes=20_000, max_prompt_chars=200, max_messages=3, max_texts=2, max_text_chars=50,
-                   max_stop=2, max_stop_chars=5, max_beam_size=4, max_translate_length=32, max_sentences=3)
+                   max_stop=2, max_stop_chars=5, max_beam_size=4, max_translate_length=32, max_sentences=3,
+                   max_prompts=2)
 MSG = [{"role": "user", "content": "hi"}]
 
 CASES = [
@@ -43,7 +44,8 @@ CASES = [
     ("/v1/generate", {"prompt": "a", "model": "attnserve-zh-en"}, 400, "model"),
     ("/v1/generate", {"prompt": "a", "stream": "yes please"}, 400, "stream"),
     ("/v1/completions", {"prompt": "a", "n": 9}, 400, "n"),  # beyond ApiLimits.max_n
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"]}, 400, "prompt"),  # beyond ApiLimits.max_prompts
+    ("/v1/completions", {"prompt": ["a", "b" * 201]}, 400, "prompt.1"),
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": "x"}}, 400,
      "stream_options.include_usage"),
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),

@@ -21,7 +21,7 @@ from service.api.generation import (
 )
 from service.api.logprob_format import CompletionLogprobs, TokenTexts, chat_content
 from service.api.schemas import ChatCompletionBody, CompletionBody
-from service.api.streaming import collect, sse_stream, unless_disconnected
+from service.api.streaming import collect, merged, sse_stream, unless_disconnected
 from service.api.structured import response_schema
 from service.api.unsupported import refuse_unsupported
 
@@ -51,10 +51,10 @@ def _envelope(rid: str, obj: str, model: str, choices: list[dict], created: int 
             **more}
 
 
-def _stream(events, rid: str, model: str, body, chunk, obj: str) -> StreamingResponse:
+def _stream(events, rid: str, model: str, body, chunk, obj: str, per_prompt: int = 0) -> StreamingResponse:
     """`chunk(ev)` -> the choice dicts of one event; usage (every choice's) goes in one last chunk when
-    the body's stream_options ask for it."""
-    usage, include_usage = UsageTotal(), bool(body.stream_options and body.stream_options.include_usage)
+    the body's stream_options ask for it (`per_prompt`: as UsageTotal's)."""
+    usage, include_usage = UsageTotal(per_prompt), bool(body.stream_options and body.stream_options.include_usage)
     created = int(time.time())  # one timestamp for every chunk of the stream, as OpenAI's
 
     def render(ev) -> list[dict]:
@@ -99,15 +99,15 @@ async def completions(body: CompletionBody, request: Request):
     gen, limits = request.app.state.backends.need_generator(body.model, request), request.app.state.limits
     _check_stream_options(body)
     prompts = body.prompts()
-    if len(prompts) != 1:
-        raise ApiError(400, f"prompt: {len(prompts)} prompts given; give one, a string or a list of token ids "
-                            f"(batched prompts are not supported)", "prompt")
-    prompt = prompts[0]
-    if isinstance(prompt, str):
-        check_prompt(prompt, limits, "prompt")
-        ids = gen.encode_prompt(prompt)
-    else:
-        ids = list(prompt)  # checked against the vocabulary by the engine's one check (submit)
+    if len(prompts) > limits.max_prompts:
+        raise ApiError(400, f"prompt: {len(prompts)} prompts given; the limit is {limits.max_prompts}", "prompt")
+    ids_of, params = [], ["prompt"] if len(prompts) == 1 else [f"prompt.{i}" for i in range(len(prompts))]
+    for prompt, param in zip(prompts, params, strict=True):
+        if isinstance(prompt, str):
+            check_prompt(prompt, limits, param)
+            ids_of.append(gen.encode_prompt(prompt))
+        else:
+            ids_of.append(list(prompt))  # checked against the vocabulary by the engine's one check (submit)
     n, best_of = _completion_choices(body, gen, limits)
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens=0 generates nothing: it only scores the prompt, with echo true "
@@ -118,38 +118,46 @@ async def completions(body: CompletionBody, request: Request):
     score_prompt = body.logprobs if body.echo and want_lp else (0 if body.max_tokens == 0 else None)
     rid = new_id("cmpl")
     schema = await response_schema(gen, body.response_format)
-    req = build_request(gen, body, ids, prompt_param="prompt", max_tokens=body.max_tokens,
-                        default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, limits=limits,
-                        **_penalties(body), n=best_of, logprobs=track, prompt_logprobs=score_prompt, json_schema=schema)
-    events = gen.submit(req)
+    # prompt i's choices are indexed from i * best_of (OpenAI's order), i * n once best_of has picked
+    streams = gen.submit_all([
+        build_request(gen, body, ids, prompt_param=param, max_tokens=body.max_tokens,
+                      default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, limits=limits, **_penalties(body),
+                      n=best_of, logprobs=track, prompt_logprobs=score_prompt, json_schema=schema)
+        for ids, param in zip(ids_of, params, strict=True)])
+    events = streams[0] if len(streams) == 1 else merged(streams, best_of)
     texts = TokenTexts(gen.decode, lambda: gen.vocab_bytes, gen.hidden_ids)
-    echo = (prompt if isinstance(prompt, str) else gen.decode(ids)) if body.echo else ""
+    echoes = [(p if isinstance(p, str) else gen.decode(ids)) if body.echo else "" for p, ids in zip(prompts, ids_of)]
 
-    def echo_pairs(prompt_lp) -> list:
+    def echo_pairs(prompt: int, prompt_lp) -> list:
         # a choice that ended (timeout, cancel) before its prompt was scored has no prompt logprobs
-        return list(zip(ids, prompt_lp, strict=True)) if want_lp and body.echo and prompt_lp is not None else []
+        if not (want_lp and body.echo and prompt_lp is not None):
+            return []
+        return list(zip(ids_of[prompt], prompt_lp, strict=True))
 
     if body.stream:
         offsets: dict[int, CompletionLogprobs] = {}
 
         def chunk(ev) -> list[dict]:
-            first = ev.index not in offsets
+            first, i = ev.index not in offsets, ev.index // n
             state = offsets.setdefault(ev.index, CompletionLogprobs(texts))
-            text, echoed = (echo + ev.text, echo_pairs(ev.prompt_logprobs)) if first else (ev.text, [])
+            text, echoed = (echoes[i] + ev.text, echo_pairs(i, ev.prompt_logprobs)) if first else (ev.text, [])
             generated = (ev.logprobs or []) if want_lp else []
             if not text and not echoed and not generated and ev.finish_reason is None:
                 return []
             lp = state.render(echoed, generated) if echoed or generated else None
             return [{"index": ev.index, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}]
 
-        return _stream(events, rid, gen.name, body, chunk, "text_completion")
-    choices, usage = gather(await unless_disconnected(request, collect(events)))
+        return _stream(events, rid, gen.name, body, chunk, "text_completion", per_prompt=n)
+    choices, usage = gather(await unless_disconnected(request, collect(events)), per_prompt=best_of)
     if best_of > n:
-        choices = best(choices, n)
+        choices = [c for i in range(len(prompts))
+                   for c in best([c for c in choices if c.index // best_of == i], n, first=i * n)]
     out = []
     for c in choices:
-        lp = CompletionLogprobs(texts).render(echo_pairs(c.prompt_logprobs), c.logprobs) if want_lp else None
-        out.append({"index": c.index, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+        prompt = c.index // n
+        lp = CompletionLogprobs(texts).render(echo_pairs(prompt, c.prompt_logprobs), c.logprobs) if want_lp else None
+        out.append({"index": c.index, "text": echoes[prompt] + c.text, "logprobs": lp,
+                    "finish_reason": c.finish_reason})
     return _envelope(rid, "text_completion", gen.name, out, usage=usage_dict(usage))
 
 

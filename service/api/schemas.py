@@ -173,7 +173,7 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_TOK
 
 class CompletionBody(OpenAIBase):
     """POST /v1/completions (OpenAI legacy completions). The prompt is text or token ids (as lm-eval sends
-    it), alone or in a one-element list."""
+    it), or a list of either: a batch of prompts, each with its n choices."""
 
     prompt: Text | list[Text] | TokenIds | list[TokenIds] = Field(max_length=MAX_CHARS)
     max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)  # 0 with echo: score the prompt only

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -81,3 +82,32 @@ async def collect(source: AsyncGenerator) -> list:
     finally:
         await source.aclose()
 
+
+
+async def merged(sources: list[AsyncGenerator], stride: int) -> AsyncGenerator:
+    """The events of several engine streams as they come, source i's choices indexed from i * stride (the
+    prompts of one completions request). An error in one ends the whole; closing it closes every source,
+    which cancels what still runs."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, source: AsyncGenerator) -> None:
+        try:
+            async for ev in source:
+                queue.put_nowait(dataclasses.replace(ev, index=ev.index + i * stride))
+            queue.put_nowait(None)
+        except Exception as e:  # the reader raises it
+            queue.put_nowait(e)
+        finally:
+            await source.aclose()
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(sources)]
+    try:
+        for _ in sources:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -61,6 +61,18 @@ class GeneratorFrontend:
     def submit(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
         return self.engine.submit(req)
 
+    def submit_all(self, reqs: list[GenerateRequest]) -> list[AsyncIterator[GenerationEvent]]:
+        """Each request's stream, all queued or none: where one is refused, the streams of those queued
+        before it are dropped unread, which cancels them (the engine's finalizers)."""
+        streams = []
+        try:
+            for req in reqs:
+                streams.append(self.submit(req))
+        except BaseException:
+            streams.clear()
+            raise
+        return streams
+
     def compile_schema(self, schema: dict) -> None:
         """Compile a structured-output schema into the engine's cache (RequestRejected if unsupported);
         blocking: call it from a worker thread."""
