@@ -10,7 +10,7 @@ import sys
 
 COMMANDS = {
     "weights": "fetch and convert model weights (weights fetch smollm2)",
-    "generate": "stream a completion from the local SmolLM2 model, without Ray",
+    "generate": "stream a completion from SmolLM2 (or --model DIR), without Ray",
     "data": "prepare datasets (data prepare translate)",
     "train": "train a model (train translate --config configs/translate.json)",
     "translate": "translate text with the local translator, without Ray",
