@@ -11,14 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from service.api.choices import UsageTotal, best, gather
 from service.api.errors import ApiError
-from service.api.generation import (
-    build_request,
-    check_choices,
-    check_prompt,
-    encode_messages,
-    new_id,
-    usage_dict,
-)
+from service.api.generation import build_request, check_choices, check_prompt, encode_messages, new_id, usage_dict
 from service.api.logprob_format import CompletionLogprobs, TokenTexts, chat_content
 from service.api.schemas import ChatCompletionBody, CompletionBody
 from service.api.streaming import collect, merged, sse_stream, unless_disconnected

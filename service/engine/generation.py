@@ -34,14 +34,7 @@ from service.engine.slot_table import Move
 from service.engine.stats import MetricsSink
 from service.engine.stopping import StopMatcher
 from service.engine.structured import GrammarError, Grammars, apply_bitmask
-from service.engine.types import (
-    EngineError,
-    GenerateRequest,
-    GenerationEvent,
-    RequestRejected,
-    TokenLogprob,
-    rejection,
-)
+from service.engine.types import EngineError, GenerateRequest, GenerationEvent, RequestRejected, TokenLogprob, rejection
 
 
 @dataclass

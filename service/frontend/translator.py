@@ -6,25 +6,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from model.translation import (
-    TAGS,
-    detect_lang,
-    encode_source,
-    join_text,
-    needs_translation,
-    other,
-    pieces,
-    split_text,
-)
+from model.translation import TAGS, detect_lang, encode_source, join_text, needs_translation, other, pieces, split_text
 from service.engine.translation import TranslationEngine
-from service.engine.types import (
-    SourceBatch,
-    TranslateRequest,
-    TranslationResult,
-    TranslationSettings,
-    Usage,
-    rejection,
-)
+from service.engine.types import SourceBatch, TranslateRequest, TranslationResult, TranslationSettings, Usage, rejection
 
 
 class TranslationFrontend:
