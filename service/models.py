@@ -90,8 +90,7 @@ def engine_config(spec: ModelSpec) -> EngineConfig:
 
 
 def _resolve(path: str) -> Path:
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else REPO_ROOT / p
+    return REPO_ROOT / Path(path).expanduser()  # an absolute path stands as it is
 
 
 def load_generator(spec: ModelSpec, sink=None, log=print) -> GeneratorFrontend:

@@ -125,4 +125,3 @@ def _sort_key(key: tuple) -> tuple:
 
 def _escape(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-

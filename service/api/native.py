@@ -49,7 +49,7 @@ async def generate(body: GenerateBody, request: Request):
 async def translate(body: TranslateBody, request: Request):
     """Translate one text or a list between Chinese and English (source detected per text when omitted)."""
     tr, limits = request.app.state.backends.need_translator(body.model, request), request.app.state.limits
-    texts = body.texts()
+    texts = [body.text] if isinstance(body.text, str) else list(body.text)
     if not texts or len(texts) > limits.max_texts:
         raise ApiError(400, f"text must hold 1..{limits.max_texts} strings, got {len(texts)}", "text")
     for i, t in enumerate(texts):

@@ -96,9 +96,6 @@ class Sampling(Strict):
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False  # fixed-length outputs for benchmarks
 
-    def stop_list(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
 
 class PromptOrMessages(Strict):
     """A raw `prompt` or chat `messages` (exactly one)."""
@@ -217,10 +214,8 @@ class DetokenizeBody(Strict):
     tokens: list[int] = Field(max_length=MAX_TOKENS * 16)
 
 
-def _decoding_bounds(name: str) -> dict:
-    """A translation decoding option's bounds as Field arguments (model/translation.py holds them for every path)."""
-    lo, hi = DECODING_LIMITS[name]
-    return {"ge": lo, "le": hi}
+# the translation decoding options' bounds as Field arguments (model/translation.py holds them for every path)
+_BOUNDS = {name: {"ge": lo, "le": hi} for name, (lo, hi) in DECODING_LIMITS.items()}
 
 
 class TranslateBody(Strict):
@@ -233,12 +228,9 @@ class TranslateBody(Strict):
     # upper bounds: ApiLimits and the translator's slots and positions, checked together in the route
     beam_size: int = Field(DEFAULT_BEAM_SIZE, ge=1)
     max_length: int | None = Field(None, ge=1)
-    length_penalty: float = Field(DEFAULT_LENGTH_PENALTY, **_decoding_bounds("length_penalty"))
-    no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, **_decoding_bounds("no_repeat_ngram"),
+    length_penalty: float = Field(DEFAULT_LENGTH_PENALTY, **_BOUNDS["length_penalty"])
+    no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, **_BOUNDS["no_repeat_ngram"],
                                  description="forbid repeating any n-gram of this size in an output (0 = off)")
-    min_length_ratio: float = Field(DEFAULT_MIN_LENGTH_RATIO, **_decoding_bounds("min_length_ratio"),
+    min_length_ratio: float = Field(DEFAULT_MIN_LENGTH_RATIO, **_BOUNDS["min_length_ratio"],
                                     description="no end of a sentence's translation before this many times its "
                                                 "source's tokens")
-
-    def texts(self) -> list[str]:
-        return [self.text] if isinstance(self.text, str) else list(self.text)

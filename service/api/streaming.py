@@ -50,10 +50,8 @@ async def sse_stream(source: AsyncGenerator, render: Callable[[object], list[dic
 
 
 async def _disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -81,7 +79,6 @@ async def collect(source: AsyncGenerator) -> list:
         return [event async for event in source]
     finally:
         await source.aclose()
-
 
 
 async def merged(sources: list[AsyncGenerator], stride: int) -> AsyncGenerator:

@@ -26,4 +26,3 @@ def reassign_slots(slots: list[int], parents: list[int]) -> tuple[list[int], lis
             new[j] = next(free)
             copies.append((slots[p], new[j]))
     return new, copies
-

@@ -63,15 +63,8 @@ class GeneratorFrontend:
 
     def submit_all(self, reqs: list[GenerateRequest]) -> list[AsyncIterator[GenerationEvent]]:
         """Each request's stream, all queued or none: where one is refused, the streams of those queued
-        before it are dropped unread, which cancels them (the engine's finalizers)."""
-        streams = []
-        try:
-            for req in reqs:
-                streams.append(self.submit(req))
-        except BaseException:
-            streams.clear()
-            raise
-        return streams
+        before it are dropped unread with the unfinished list, which cancels them (the engine's finalizers)."""
+        return [self.submit(req) for req in reqs]
 
     def compile_schema(self, schema: dict) -> None:
         """Compile a structured-output schema into the engine's cache (RequestRejected if unsupported);
