@@ -85,8 +85,6 @@ def split_sentences(text: str) -> list[str]:
 
 
 _CLAUSE_END = re.compile(r"[，、；：]\s*|[,;:]\s+|\s+[-–—]+\s+")  # not 1,000 / 12:30 / https://
-
-
 _EDGE_EMOJI = re.compile(f"([{EMOJI_CHARS}\\s]*)(.*?)([{EMOJI_CHARS}\\s]*)", re.DOTALL)
 
 
@@ -124,8 +122,7 @@ def join_sentences(parts: list[str], lang: str) -> str:
     between pieces, none before closing punctuation. Chinese: no space, but one between a URL or e-mail
     address and ASCII letters or digits next to it (glued, they would change the address), and a lone
     mark between pieces in its full-width form ("https://a.com,https://b.com" would read as one URL)."""
-    out = ""
-    last = ""
+    out = last = ""
     for p in (p for p in parts if p):
         if lang == "zh":
             p = ASCII_TO_FULL.get(p, p)

