@@ -35,9 +35,7 @@ def private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
-PYTHON = tracked(*(f"{p}/*.py" for p in OUR_PACKAGES))
-if not PYTHON:
-    pytest.skip("not a git checkout: the rules read the tracked files", allow_module_level=True)
+PYTHON = tracked(*(f"{p}/*.py" for p in OUR_PACKAGES))  # outside a git checkout, git fails loudly
 
 
 def test_no_module_imports_another_modules_private_names():
