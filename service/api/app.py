@@ -13,7 +13,7 @@ from fastapi.staticfiles import StaticFiles
 
 from service import metrics
 from service.api import errors, native, openai_routes, vllm_compat
-from service.api.auth import ApiKeyAuth, KeySet, load_keys
+from service.api.auth import OPEN_PREFIXES, ApiKeyAuth, KeySet, load_keys
 from service.api.backends import Backends
 from service.api.middleware import BodyLimit, CountResponses, ReceiveErrorsAsDisconnect, StartupGate
 from service.api.streaming import ClientDisconnected
@@ -92,7 +92,7 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
 
     app.add_middleware(StartupGate, startup=lambda: app.state.startup,
                        open_paths=("/healthz", "/readyz", "/metrics", "/", "/docs", "/openapi.json"),
-                       open_prefixes=("/static/",))
+                       open_prefixes=OPEN_PREFIXES)
     app.add_middleware(ApiKeyAuth, keys=lambda: app.state.api_keys)  # inside CountResponses: 401s are counted
     app.add_middleware(BodyLimit, limit=lambda: app.state.limits.max_body_bytes)
     app.add_middleware(CountResponses)  # outside BodyLimit: 413s are counted

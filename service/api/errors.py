@@ -116,4 +116,4 @@ def install(app: FastAPI) -> None:
     async def _http(_: Request, e: StarletteHTTPException):
         if e.status_code == 400 and e.detail == "There was an error parsing the body":
             return error_response(400, _unparsable_body(e.__cause__), "body")
-        return error_response(e.status_code, str(e.detail), None, getattr(e, "headers", None))
+        return error_response(e.status_code, str(e.detail), None, e.headers)

@@ -99,7 +99,7 @@ class StartupGate:
     """While `startup()` is not ready, answer every path outside `open_paths` with 503, Retry-After and
     the start-up state, at once (a request would otherwise wait for models that are still loading)."""
 
-    def __init__(self, app, startup, open_paths: tuple[str, ...], open_prefixes: tuple[str, ...] = ()):
+    def __init__(self, app, startup, open_paths: tuple[str, ...], open_prefixes: tuple[str, ...]):
         self.app, self.startup = app, startup
         self.open_paths, self.open_prefixes = set(open_paths), open_prefixes
 

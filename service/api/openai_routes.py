@@ -112,11 +112,13 @@ async def completions(body: CompletionBody, request: Request):
     rid = new_id("cmpl")
     schema = await response_schema(gen, body.response_format)
     # prompt i's choices are indexed from i * best_of (OpenAI's order), i * n once best_of has picked
-    streams = gen.submit_all([
-        build_request(gen, body, ids, prompt_param=param, max_tokens=body.max_tokens,
-                      default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, limits=limits, **_penalties(body),
-                      n=best_of, logprobs=track, prompt_logprobs=score_prompt, json_schema=schema)
-        for ids, param in zip(ids_of, params, strict=True)])
+    reqs = [build_request(gen, body, ids, prompt_param=param, max_tokens=body.max_tokens,
+                          default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, limits=limits, **_penalties(body),
+                          n=best_of, logprobs=track, prompt_logprobs=score_prompt, json_schema=schema)
+            for ids, param in zip(ids_of, params, strict=True)]
+    # all queued or none: where one is refused, the streams queued before it are dropped unread, which
+    # cancels them (the engine's finalizers)
+    streams = [gen.submit(req) for req in reqs]
     events = streams[0] if len(streams) == 1 else merged(streams, best_of)
     texts = TokenTexts(gen.decode, lambda: gen.vocab_bytes, gen.hidden_ids)
     echoes = [(p if isinstance(p, str) else gen.decode(ids)) if body.echo else "" for p, ids in zip(prompts, ids_of)]

@@ -148,7 +148,7 @@ def run(args) -> int:
             sys.stdout.write(delta)
             sys.stdout.flush()
     sys.stdout.write("\n")
-    n, decode_s = stats.get("tokens", 0), stats["decode_s"]
+    n, decode_s = stats["tokens"], stats["decode_s"]
     rate = f" = {n / decode_s:.1f} tok/s" if decode_s > 0 else ""  # one token: it came with the prefill, no decode
     print(f"[prompt {len(ids)} tokens in {stats['prefill_s']:.2f} s; {n} new tokens in {decode_s:.2f} s{rate}]",
           file=sys.stderr)

@@ -65,10 +65,10 @@ def _export_marian(args) -> int:
     from model.paths import SHIPPED_TRANSLATOR
     from model.seq2seq import EncoderDecoder
 
-    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
-        raise CommandError(f"export-marian: --out {args.out} is a file, not a folder")
     if not args.out:
         raise CommandError("export-marian: --out DIR is required")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise CommandError(f"export-marian: --out {args.out} is a file, not a folder")
     src = Path(args.model_dir) if args.model_dir else SHIPPED_TRANSLATOR
     if not (src / "config.json").is_file():
         raise CommandError(f"export-marian: no checkpoint at {src} (expected config.json + model.safetensors)",

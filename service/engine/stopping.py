@@ -28,14 +28,12 @@ class StopMatcher:
         self.held = full[len(full) - keep:] if keep else ""
         return full[: len(full) - keep], False
 
-    def flush(self) -> str:
-        """End of stream without a stop: the held text is ordinary output."""
-        held, self.held = self.held, ""
-        return held
-
     def finish(self, tail: str) -> tuple[str, bool]:
         """End of stream: the detokenizer's last text -> (text to emit, whether a stop string was hit). A U+FFFD
         ending it stands for a character the stream cut in half: emitted, never matched as a stop string."""
         whole = tail.rstrip("\ufffd")
         text, hit = self.push(whole)
-        return (text, True) if hit else (text + self.flush() + tail[len(whole):], False)
+        if hit:
+            return text, True
+        held, self.held = self.held, ""  # no stop string: the held text is ordinary output
+        return text + held + tail[len(whole):], False

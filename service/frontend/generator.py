@@ -61,11 +61,6 @@ class GeneratorFrontend:
     def submit(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
         return self.engine.submit(req)
 
-    def submit_all(self, reqs: list[GenerateRequest]) -> list[AsyncIterator[GenerationEvent]]:
-        """Each request's stream, all queued or none: where one is refused, the streams of those queued
-        before it are dropped unread with the unfinished list, which cancels them (the engine's finalizers)."""
-        return [self.submit(req) for req in reqs]
-
     def compile_schema(self, schema: dict) -> None:
         """Compile a structured-output schema into the engine's cache (RequestRejected if unsupported);
         blocking: call it from a worker thread."""
