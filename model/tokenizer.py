@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 
-@runtime_checkable
 class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int | None

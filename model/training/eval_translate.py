@@ -52,21 +52,21 @@ def evaluate(checkpoint: str | Path, out: str | Path | None = None, *, translate
             bleu = sacrebleu.corpus_bleu(hyps, [refs], tokenize="zh" if tgt == "zh" else "13a")
             chrf = sacrebleu.corpus_chrf(hyps, [refs])
             key = f"{direction}_beam{beam}"
-            loops, ref_loops = loop_rate(hyps, tgt), loop_rate(refs, tgt)
+            loop_share, ref_loop_share = loop_rate(hyps, tgt), loop_rate(refs, tgt)
             report["results"][key] = {"bleu": round(bleu.score, 2), "chrf": round(chrf.score, 2),
-                                      "signature": str(bleu.format(signature=True).split(" = ")[0]),
+                                      "signature": bleu.format(signature=True).split(" = ")[0],
                                       "brevity_penalty": round(bleu.bp, 3),
                                       "length_ratio": round(bleu.ratio, 3),  # hypothesis / reference length
                                       "seconds": round(secs, 1),
                                       "sentences_per_s": round(len(srcs) / max(secs, 1e-6), 2),
-                                      "loop_rate": round(loops, 4),
-                                      "reference_loop_rate": round(ref_loops, 4)}
+                                      "loop_rate": round(loop_share, 4),
+                                      "reference_loop_rate": round(ref_loop_share, 4)}
             if tgt == "zh":
                 marks = [punctuation_counts(h) for h in hyps]
                 full, half = sum(f for f, _ in marks), sum(a for _, a in marks)
                 report["results"][key]["fullwidth_punct_share"] = round(full / max(full + half, 1), 4)
-            write_line(f"{key:14s} BLEU {bleu.score:6.2f}  chrF {chrf.score:6.2f}  loops {loops:.1%} "
-                       f"(references {ref_loops:.1%})  length ratio {bleu.ratio:.2f}  "
+            write_line(f"{key:14s} BLEU {bleu.score:6.2f}  chrF {chrf.score:6.2f}  loops {loop_share:.1%} "
+                       f"(references {ref_loop_share:.1%})  length ratio {bleu.ratio:.2f}  "
                        f"({secs:.0f} s)")
             if beam == max(beams):
                 report["samples"][direction] = [{"source": s, "reference": r, "output": h}
