@@ -63,11 +63,12 @@ class AttnServe:
                                  "compiling (or loading) the decode step" if compiling else "starting")
                 if attr == "generator":  # its compiled prefill, where missing, is built after ready
                     engine.runner.build_prefill = False
-                if attr == "translator" and later:  # its packages are built after ready: eager until then
+                deferred = attr == "translator" and later  # its packages are built after ready: eager until then
+                if deferred:
                     engine.compile_later = True
                 await backend.start()
                 state = "ready"
-                if attr == "translator" and later:
+                if deferred:
                     state = "ready (eager until its compiled steps are built, after start-up)"
                 elif compiling:
                     state = (f"ready (step compiled or loaded in {engine.compiled.compile_seconds:.1f} s)"

@@ -88,11 +88,8 @@ async def translate_async(translator, texts: list[str], *, progress: Callable[[i
 def translate(translator, texts: list[str], *, progress: Callable[[int], None] | None = None,
               **request) -> TranslationResult:
     """translate_async in a new event loop."""
-    from service.engine.cpu_runtime import default_threads
-
     engine = translator.engine
-    threads = engine.config.threads or default_threads()
-    if engine.config.compile and not engine.runner.compiled_steps_built(threads):
+    if engine.config.compile and not engine.runner.compiled_steps_built(engine.config.threads):
         print("attnserve: compiling the translator's steps for this host (once; later runs load them from "
               "$ATTNSERVE_HOME/compile)", file=sys.stderr, flush=True)
     return asyncio.run(translate_async(translator, texts, progress=progress, **request))

@@ -29,12 +29,10 @@ log = logging.getLogger(__name__)
 def translator_build_needed(cfg: ServiceConfig, translator) -> bool:
     """Whether a compiled CPU translator (`translator`: its loaded frontend) served beside a generator lacks
     its packages on this host."""
-    from service.engine.cpu_runtime import default_threads
-
     engine = translator.engine
     if not (cfg.generator.enabled and engine.config.compile and engine.config.device == "cpu"):
         return False
-    return not engine.runner.compiled_steps_built(engine.config.threads or default_threads())
+    return not engine.runner.compiled_steps_built(engine.config.threads)
 
 
 def start_translator_build(cfg: ServiceConfig, translator) -> subprocess.Popen | None:

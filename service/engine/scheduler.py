@@ -50,6 +50,13 @@ class Scheduler(Generic[W]):
         """Groups waiting for slots."""
         return sum(len(q) for q in self.waiting)
 
+    def _admit_cap(self) -> int | None:
+        """Groups the next `admit` may take (None: any): static and serial admit only once the running batch
+        is done, serial one group at a time."""
+        if self.config.mode != "continuous" and self.running:
+            return 0
+        return 1 if self.config.mode == "serial" else None
+
     def check_room(self, needs: list[int]) -> None:
         """EngineOverloaded (429) unless the next `admit` takes all of a new request's groups (`needs` slots
         each) or fewer than `max_waiting` groups wait beyond it. A request is queued whole, so the queue may
@@ -58,9 +65,7 @@ class Scheduler(Generic[W]):
         # would be refused forever); a group that can never fit still is
         if not self.running and not any(self.waiting) and all(n <= self.config.max_slots for n in needs):
             return
-        # what the next admit takes, by mode: static and serial admit only once the running batch is done
-        cap = 0 if self.config.mode != "continuous" and self.running else 1 if self.config.mode == "serial" else None
-        free, beyond = self.table.n_free, 0
+        cap, free, beyond = self._admit_cap(), self.table.n_free, 0
         # the waiting groups in the order `admit` takes them: requests in turn, one group each
         for group in (g for turn in zip_longest(*self.waiting) for g in turn if g is not None):
             need = sum(u.slots_needed for u in group)
@@ -109,19 +114,16 @@ class Scheduler(Generic[W]):
 
     def admit(self) -> list[W]:
         """Admit waiting groups in turn while the next one's slots fit (by mode) -> the admitted units."""
-        mode = self.config.mode
-        if mode != "continuous" and self.running:
-            return []  # static / serial: a new batch only when the last one has finished
-        cap = 1 if mode == "serial" else self.n_waiting
+        cap = self._admit_cap()
         admitted: list[W] = []
-        while cap and self.waiting and sum(u.slots_needed for u in self.waiting[0][0]) <= self.table.n_free:
+        while cap != 0 and self.waiting and sum(u.slots_needed for u in self.waiting[0][0]) <= self.table.n_free:
             queue = self.waiting.popleft()
             for unit in queue.popleft():
                 unit.slots = self.table.take(unit.slots_needed)
                 admitted.append(unit)
             if queue:  # its next group waits behind the other requests' turns
                 self.waiting.append(queue)
-            cap -= 1
+            cap = None if cap is None else cap - 1
         self.running += admitted
         return admitted
 

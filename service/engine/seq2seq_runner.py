@@ -10,6 +10,7 @@ from model.generate import pad_batch
 from model.seq2seq import EncoderDecoder
 from service.engine.compiled import CompiledTranslator
 from service.engine.config import EngineConfig
+from service.engine.cpu_runtime import default_threads
 
 
 class Seq2SeqRunner:
@@ -33,9 +34,10 @@ class Seq2SeqRunner:
         compiled.warm_up()
         self.compiled = compiled
 
-    def compiled_steps_built(self, threads: int) -> bool:
-        """Whether `compile` has nothing to build: this host's packages exist, or the sizes are ones the
-        compiled step cannot take (the engine then runs eagerly)."""
+    def compiled_steps_built(self, threads: int | None) -> bool:
+        """Whether `compile` has nothing to build for an engine of `threads` (None: the default): this host's
+        packages exist, or the sizes are ones the compiled step cannot take (the engine then runs eagerly)."""
+        threads = threads or default_threads()
         try:
             return self._compiled_translator().built(threads)
         except ValueError:
