@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from service.config import ServiceConfig
+from service.config import ModelSpec, ServiceConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,16 +30,13 @@ def translator_build_needed(cfg: ServiceConfig, translator) -> bool:
     """Whether a compiled CPU translator (`translator`: its loaded frontend) served beside a generator lacks
     its packages on this host."""
     engine = translator.engine
-    if not (cfg.generator.enabled and engine.config.compile and engine.config.device == "cpu"):
-        return False
-    return not engine.runner.compiled_steps_built(engine.config.threads)
+    return (cfg.generator.enabled and engine.config.compile and engine.config.device == "cpu"
+            and not engine.runner.compiled_steps_built(engine.config.threads))
 
 
 def start_translator_build(cfg: ServiceConfig, translator) -> subprocess.Popen | None:
     """Start the child that builds the translator's packages where `translator_build_needed`; else None."""
-    if not translator_build_needed(cfg, translator):
-        return None
-    return _child("translator", cfg.translator, translator.engine)
+    return _child("translator", cfg.translator, translator.engine) if translator_build_needed(cfg, translator) else None
 
 
 def start_prefill_build(cfg: ServiceConfig, generator) -> subprocess.Popen | None:
@@ -72,7 +69,6 @@ def _child(kind: str, spec, engine, **resolved) -> subprocess.Popen:
 
 
 async def _build(kind: str, spec_json: str) -> None:
-    from service.config import ModelSpec
     from service.engine.cpu_runtime import BusyBoard
     from service.models import load_generator, load_translator
 

@@ -26,10 +26,10 @@ import torch._inductor.config
 
 from model import native_ops
 from model.file_lock import file_lock
+from model.paths import REPO_ROOT as ROOT
 from model.quantize import handles_as_inputs
 
 log = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parents[2]
 KEEP = 3  # packages kept per step at least
 KEEP_BYTES = 64 * 2**20  # and more, the newest first, while a step's packages stay within this
 
@@ -203,8 +203,7 @@ def load_or_build(directory: Path, name: str, fn: Callable, model: torch.nn.Modu
     with file_lock(path.with_suffix(".lock"), wait) as held:  # a replica starting beside this one builds it once
         if not held:
             return None
-        step = _load(path, name)
-        return step if step is not None else _build(path, name, fn, model, args, dynamic_shapes, freezing, shared)
+        return _load(path, name) or _build(path, name, fn, model, args, dynamic_shapes, freezing, shared)
 
 
 def load_or_build_each(*steps: Callable[..., Callable | None]) -> list[Callable]:
@@ -239,7 +238,6 @@ def _load(path: Path, name: str) -> Callable | None:
 
 def _build(path: Path, name: str, fn: Callable, model: torch.nn.Module, args: Sequence[torch.Tensor],
            dynamic_shapes: Sequence[dict | None], freezing: bool, shared: bool) -> Callable:
-    path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     module, args, dynamic_shapes = _Step(fn, model), tuple(args), tuple(dynamic_shapes)
     if shared:
@@ -257,25 +255,19 @@ def _build(path: Path, name: str, fn: Callable, model: torch.nn.Module, args: Se
     return _runner(path)
 
 
-def _stat(path: Path) -> os.stat_result | None:
-    try:
-        return path.stat()
-    except FileNotFoundError:  # pruned by another process meanwhile
-        return None
-
-
 def prune(directory: Path, name: str, keep: int = KEEP, keep_bytes: int = KEEP_BYTES) -> None:
     """Keep the `keep` most recently built or loaded packages of a step (other weights, code or settings), and
     newer ones beyond those while they fit in `keep_bytes`: the folder stays bounded, and evaluating other
     checkpoints or benchmarking other engine settings does not evict the packages a service loads."""
-    built = [p for p in directory.glob(f"{name}-*.pt2") if not p.name.endswith(".tmp.pt2")]  # not others' builds
-    newest = sorted(((st.st_mtime, st.st_size, p) for p in built if (st := _stat(p)) is not None),
-                    key=lambda t: t[0], reverse=True)
-    total, old = 0, []
-    for i, (_, size, p) in enumerate(newest):
+    built = []
+    for p in directory.glob(f"{name}-*.pt2"):
+        if not p.name.endswith(".tmp.pt2"):  # not others' builds
+            with contextlib.suppress(FileNotFoundError):  # pruned by another process meanwhile
+                st = p.stat()
+                built.append((st.st_mtime, st.st_size, p))
+    total = 0
+    for i, (_, size, p) in enumerate(sorted(built, key=lambda t: t[0], reverse=True)):
         total += size
         if i >= keep and total > keep_bytes:
-            old.append(p)
-    for p in old:
-        p.unlink(missing_ok=True)
-        p.with_suffix(".lock").unlink(missing_ok=True)
+            p.unlink(missing_ok=True)
+            p.with_suffix(".lock").unlink(missing_ok=True)

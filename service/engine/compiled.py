@@ -79,13 +79,6 @@ def _hint_sizes(*wanted: tuple[int, int]) -> list[int]:
     return out
 
 
-def _wants_freezing(model: torch.nn.Module) -> bool:
-    """Freeze (weights as constants, float linears prepacked for oneDNN) only where a float `nn.Linear`
-    is left: a quantized model's linears are opaque ops that freezing does not change, and its shared
-    packages take the weights as inputs."""
-    return any(isinstance(m, torch.nn.Linear) for m in model.modules())
-
-
 class CompiledTranslator:
     """Compiled encoder admission and decoder step over a translator's slot cache."""
 
@@ -95,14 +88,16 @@ class CompiledTranslator:
         if min(cache.n_slots, cache.max_len) <= MIN_SIZE or cache.cross_len <= MIN_SRC:
             raise ValueError(f"compiled steps need > {MIN_SIZE} slots and positions, > {MIN_SRC} source positions")
         self.model, self.cache = model, cache
-        use_persistent_cache()
+        self.where = use_persistent_cache()
         self.pad_id = model.cfg.pad_id
         self.dev = cache.k.device
-        self.key = key if key is not None else self._key()
+        self.key = key if key is not None else (type(model).__name__, repr(model.cfg), fingerprint(model),
+                                                cache.n_slots, cache.max_len, cache.cross_len, str(cache.k.dtype),
+                                                str(self.dev))
         self._decode = self._encode = None  # the packages' run functions, set by warm_up
         self.compile_seconds: float | None = None
 
-    def warm_up(self) -> float:
+    def warm_up(self) -> None:
         """Load or build the decode step's and the encoder's packages (raises where they cannot be built)."""
         t0 = time.perf_counter()
         c = self.cache
@@ -112,64 +107,49 @@ class CompiledTranslator:
         tokens = torch.full((rows,), self.pad_id, dtype=torch.long, device=self.dev)
         positions = torch.zeros(rows, dtype=torch.long, device=self.dev)
         k, v, ck, cv, src_len = self.cache.prefix_views(rows, length, src)
-        src_len = src_len.clamp(min=1)
         sources = torch.full((n_src, src), self.pad_id, dtype=torch.long, device=self.dev)
         sources[:, 0] = self.model.cfg.eos_id
-        self._aot_load_or_build((tokens, positions, k, v, ck, cv, src_len), (sources, sources != self.pad_id))
+        # lengths below the cache's (`_hint_sizes`): positions < max_len, and the runner keeps a spare source position
+        r, n = Dim("rows", min=1, max=c.n_slots), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
+        s = Dim("src", min=MIN_SRC, max=c.cross_len - 1)
+        srcs, width = Dim("sources", min=1, max=c.n_slots), Dim("width", min=MIN_SIZE, max=self.model.cfg.max_src_len)
+        decode_name, encode_name = self.PACKAGES
+        self._decode, self._encode = load_or_build_each(
+            functools.partial(load_or_build, self.where, decode_name, decode_step, self.model,
+                              (tokens, positions, k, v, ck, cv, src_len.clamp(min=1)),
+                              ({0: r}, {0: r}, {1: r, 3: n}, {1: r, 3: n}, {1: r, 3: s}, {1: r, 3: s}, {0: r}),
+                              freezing=True, key=self.key),
+            functools.partial(load_or_build, self.where, encode_name, encode_cross, self.model,
+                              (sources, sources != self.pad_id), ({0: srcs, 1: width}, {0: srcs, 1: width}),
+                              freezing=True, key=self.key))
         self.compile_seconds = time.perf_counter() - t0
         log.info("translator's encoder and decode step ready in %.1f s", self.compile_seconds)
-        return self.compile_seconds
 
     PACKAGES = ("translator-decode", "translator-encode")
-
-    def _key(self) -> tuple:
-        c = self.cache
-        return (type(self.model).__name__, repr(self.model.cfg), fingerprint(self.model), c.n_slots, c.max_len,
-                c.cross_len, str(c.k.dtype), str(self.dev))
 
     def built(self, threads: int) -> bool:
         """Whether this host has the packages of these steps for `threads` torch threads (`warm_up` would
         load them, not build them)."""
-        key, where = self.key, use_persistent_cache()
-        return all(package_path(where, name, key, freezing=True, threads=threads).is_file() for name in self.PACKAGES)
-
-    def _aot_load_or_build(self, step_args: tuple, encoder_args: tuple) -> None:
-        c = self.cache
-        # a view spanning a whole dimension has other strides: lengths stay below the cache's (positions are
-        # < max_len; the translator's runner allocates one spare source position)
-        rows, length = Dim("rows", min=1, max=c.n_slots), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
-        src = Dim("src", min=MIN_SRC, max=c.cross_len - 1)
-        key, where = self.key, use_persistent_cache()
-        decode_name, encode_name = self.PACKAGES
-        n = Dim("sources", min=1, max=c.n_slots)
-        width = Dim("width", min=MIN_SIZE, max=self.model.cfg.max_src_len)
-        self._decode, self._encode = load_or_build_each(
-            functools.partial(load_or_build, where, decode_name, decode_step, self.model, step_args,
-                              ({0: rows}, {0: rows}, {1: rows, 3: length}, {1: rows, 3: length}, {1: rows, 3: src},
-                               {1: rows, 3: src}, {0: rows}), freezing=True, key=key),
-            functools.partial(load_or_build, where, encode_name, encode_cross, self.model, encoder_args,
-                              ({0: n, 1: width}, {0: n, 1: width}), freezing=True, key=key))
+        return all(package_path(self.where, name, self.key, freezing=True, threads=threads).is_file()
+                   for name in self.PACKAGES)
 
     def encode(self, sources: list[list[int]], copies: list[int], slots: list[int]) -> None:
-        """Encode `sources` and store their cross K/V in `slots`: source i fills the next copies[i] slots
-        (a beam's hypotheses share their source)."""
+        """Source i's cross K/V into the next copies[i] of `slots` (a beam's hypotheses share their source)."""
         width = max(max(len(s) for s in sources), MIN_SIZE)  # masked positions pad the width
         src = torch.tensor([s + [self.pad_id] * (width - len(s)) for s in sources], device=self.dev)  # (N, S)
         lengths = torch.tensor([len(s) for s in sources], device=self.dev)  # (N,)
         mask = torch.arange(width, device=self.dev)[None, :] < lengths[:, None]  # (N, S)
         ck, cv = self._encode(src, mask)  # (NL, N, H, S, D) x 2
         rep = torch.tensor([i for i, c in enumerate(copies) for _ in range(c)], device=self.dev)
-        slots_t = torch.tensor(slots, device=self.dev)
-        self.cache.set_cross_all(slots_t, ck[:, rep], cv[:, rep], lengths[rep])
+        self.cache.set_cross_all(torch.tensor(slots, device=self.dev), ck[:, rep], cv[:, rep], lengths[rep])
 
     def decode(self, tokens: list[int], positions: list[int], src_lengths: list[int]) -> torch.Tensor:
         """tokens, positions, source lengths of rows [0, R) -> logits (R, V); writes their K/V."""
-        n = len(tokens)
         length = prefix_length(positions, self.cache.max_len - 1)
         src = min(max(max(src_lengths), MIN_SRC), self.cache.cross_len)
-        tokens_t = torch.tensor(tokens, device=self.dev)  # (n,)
-        positions_t = torch.tensor(positions, device=self.dev)  # (n,)
-        k, v, ck, cv, src_len = self.cache.prefix_views(n, length, src)
+        tokens_t = torch.tensor(tokens, device=self.dev)  # (R,)
+        positions_t = torch.tensor(positions, device=self.dev)  # (R,)
+        k, v, ck, cv, src_len = self.cache.prefix_views(len(tokens), length, src)
         logits, new_k, new_v = self._decode(tokens_t, positions_t, k, v, ck, cv, src_len.clamp(min=1))
         self.cache.write_step(new_k, new_v, positions_t)
         return logits  # (R, V)
@@ -205,27 +185,25 @@ class CompiledDecoder:
 
     Float linears: one whole-step package, weights frozen in. A quantized model gains nothing from freezing,
     so its step is shared packages, one for a run of `SHARED_LAYERS` layers (called with each run's weights)
-    and one for the head: build time grows with the graph, and 30 identical layers in one package made the
-    longest part of a first start."""
+    and one for the head: build time grows with the graph (docs/decisions.md)."""
 
     def __init__(self, model: DecoderLM, cache: KVCache):
         if min(cache.n_slots, cache.max_len) <= MIN_SIZE:  # as CompiledTranslator's
             raise ValueError(f"a compiled decode step needs > {MIN_SIZE} slots and positions")
         self.model, self.cache = model, cache
-        use_persistent_cache()
+        self.where = use_persistent_cache()
         self.dev = cache.k.device
         self._decode = None  # the package's run function, set by warm_up
         self.compile_seconds: float | None = None
         self._chunk: tuple | None = None  # the compiled prefill's blocks package and runs of layers, once loaded
         self._chunk_spec: tuple | None = None  # what loading or building it takes (quantized models)
-        self.threads = torch.get_num_threads()
 
     @property
     def prefill_pending(self) -> bool:
         """Whether this step has a compiled prefill that is neither built nor loaded yet."""
         return self._chunk_spec is not None and self._chunk is None
 
-    def warm_up(self, build_prefill: bool = True) -> float:
+    def warm_up(self, build_prefill: bool = True) -> None:
         """Load or build the decode step's packages (raises where they cannot be built). A quantized model's
         prompt prefill gets a package too; without `build_prefill` it is left to `load_prefill` (a replica's first
         start builds it in a child once ready)."""
@@ -239,8 +217,8 @@ class CompiledDecoder:
         # lengths below the cache's: a view spanning a whole dimension has other strides (positions < max_len)
         r, n = Dim("rows", min=1, max=c.n_slots), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
         shape = (type(self.model).__name__, repr(self.model.cfg), c.n_slots, c.max_len, str(c.k.dtype), str(self.dev))
-        if _wants_freezing(self.model):
-            self._decode = load_or_build(use_persistent_cache(), "decoder-decode", decoder_step, self.model,
+        if any(isinstance(m, torch.nn.Linear) for m in self.model.modules()):  # a float linear is left to freeze
+            self._decode = load_or_build(self.where, "decoder-decode", decoder_step, self.model,
                                          (tokens, positions, k, v), ({0: r}, {0: r}, {1: r, 3: n}, {1: r, 3: n}),
                                          freezing=True, key=(*shape, fingerprint(self.model)))
         else:
@@ -252,12 +230,10 @@ class CompiledDecoder:
             self._chunk_spec = None
         self.compile_seconds = time.perf_counter() - t0
         log.info("decoder's decode step ready in %.1f s", self.compile_seconds)
-        return self.compile_seconds
 
     def _shared_step(self, tokens, positions, k, v, r: Dim, n: Dim, shape: tuple):
         """The step of a quantized model from a shared package for runs of layers and one for the head."""
-        m, where = self.model, use_persistent_cache()
-        layers = len(m.blocks)
+        m, layers = self.model, len(self.model.blocks)
         g = max(d for d in range(1, min(SHARED_LAYERS, layers) + 1) if layers % d == 0)
         runs = [torch.nn.ModuleList(m.blocks[i:i + g]) for i in range(0, layers, g)]
         with torch.no_grad():
@@ -266,10 +242,10 @@ class CompiledDecoder:
         kv = {1: r, 3: n}
         head_module = _Head(m)
         blocks, head = load_or_build_each(
-            functools.partial(load_or_build, where, "decoder-blocks", blocks_step, runs[0],
+            functools.partial(load_or_build, self.where, "decoder-blocks", blocks_step, runs[0],
                               (x, positions, k[:g], v[:g], *rope), ({0: r}, {0: r}, kv, kv, *[{0: r}] * len(rope)),
                               freezing=False, key=(*shape, repr(runs[0])), shared=True),
-            functools.partial(load_or_build, where, "decoder-head", head_step, head_module, (x[:, 0],), ({0: r},),
+            functools.partial(load_or_build, self.where, "decoder-head", head_step, head_module, (x[:, 0],), ({0: r},),
                               freezing=False, key=(*shape, repr(head_module)), shared=True))
         run_weights = [(i, i + g, weights(run)) for i, run in zip(range(0, layers, g), runs, strict=True)]
         head_weights = weights(head_module)
@@ -295,12 +271,9 @@ class CompiledDecoder:
         positions_t = torch.tensor(all_positions, device=self.dev)  # (n,)
         k, v = self.cache.prefix_views(n, length)
         logits, new_k, new_v = self._decode(tokens_t, positions_t, k, v)
-        if len(slots) == n:
-            self.cache.write_step(new_k, new_v, positions_t)
-            return logits
-        rows = torch.tensor(slots, device=self.dev)
+        rows = None if len(slots) == n else torch.tensor(slots, device=self.dev)
         self.cache.write_step(new_k, new_v, positions_t, rows=rows)
-        return logits[rows]  # (len(slots), V)
+        return logits if rows is None else logits[rows]  # (len(slots), V)
 
     def load_prefill(self, build: bool = False) -> bool:
         """Load the compiled prefill of one slot's prompt chunk (the shared blocks package at T new tokens),
@@ -320,7 +293,7 @@ class CompiledDecoder:
         g = run_weights[0][1]
         k, v = c.k[:g, :1, :, :length], c.v[:g, :1, :, :length]  # (G, 1, Hkv, L, D)
         chunk, n = Dim("chunk", min=MIN_SIZE, max=c.max_len - 1), Dim("length", min=MIN_SIZE, max=c.max_len - 1)
-        blocks = load_or_build(use_persistent_cache(), "decoder-prefill", chunk_blocks_step, template,
+        blocks = load_or_build(self.where, "decoder-prefill", chunk_blocks_step, template,
                                (x, positions, k, v, *rope), ({1: chunk}, {1: chunk}, {3: n}, {3: n},
                                                             *[{2: chunk}] * len(rope)),
                                freezing=False, key=(*shape, repr(template)), shared=True, threads=self.threads,

@@ -37,9 +37,8 @@ class Seq2SeqRunner:
     def compiled_steps_built(self, threads: int | None) -> bool:
         """Whether `compile` has nothing to build for an engine of `threads` (None: the default): this host's
         packages exist, or the sizes are ones the compiled step cannot take (the engine then runs eagerly)."""
-        threads = threads or default_threads()
         try:
-            return self._compiled_translator().built(threads)
+            return self._compiled_translator().built(threads or default_threads())
         except ValueError:
             return True
 
