@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from model.file_lock import file_lock
+
 SOURCES = tuple(Path(__file__).parent / "csrc" / f for f in ("int8_linear.cpp", "int4_linear.cpp",
                                                                     "prefix_attention.cpp", "dropout.cpp"))
 # at::parallel_for is OpenMP code in ATen's headers: without -fopenmp it runs serially. The library then
@@ -44,19 +46,19 @@ def load() -> bool:
     d = build_dir()
     so = d / "attnserve_native.so"
     try:
-        if so.exists():
-            torch.ops.load_library(str(so))
-            return True
-        from torch.utils.cpp_extension import load as build
+        # a process starting beside another's build waits for the whole library, not a half-linked file
+        with file_lock(d / "load.lock"):
+            if so.exists():
+                torch.ops.load_library(str(so))
+                return True
+            from torch.utils.cpp_extension import load as build
 
-        if shutil.which("ninja") is None:  # the `ninja` wheel installs it beside this interpreter
-            os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        d.mkdir(parents=True, exist_ok=True)
-        log.info("building attnserve's native kernels in %s", d)
-        build("attnserve_native", [str(s) for s in SOURCES], build_directory=str(d), extra_cflags=list(CFLAGS),
-              extra_ldflags=["-fopenmp"],
-              is_python_module=False, verbose=False)
-        return True
+            if shutil.which("ninja") is None:  # the `ninja` wheel installs it beside this interpreter
+                os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+            log.info("building attnserve's native kernels in %s", d)
+            build("attnserve_native", [str(s) for s in SOURCES], build_directory=str(d), extra_cflags=list(CFLAGS),
+                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            return True
     except Exception as e:  # no compiler, no ninja, a broken toolchain: the Python kernels still work
         log.warning("attnserve's native kernels are unavailable, Python kernels serve instead: %s", e)
         return False
