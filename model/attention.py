@@ -30,18 +30,17 @@ class Attention(nn.Module):
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
-                 bias: bool = True, out_bias: bool | None = None, cross: bool = False, dropout: float = 0.0):
+                 bias: bool = True, out_bias: bool = True, cross: bool = False, dropout: float = 0.0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.cross = cross
-        self.dropout = dropout
+        self.cross, self.dropout = cross, dropout
         q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
         if cross:
             self.q_proj = nn.Linear(d_model, q_dim, bias=bias)
             self.kv_proj = nn.Linear(d_model, 2 * kv_dim, bias=bias)
         else:
             self.qkv_proj = nn.Linear(d_model, q_dim + 2 * kv_dim, bias=bias)
-        self.o_proj = nn.Linear(q_dim, d_model, bias=bias if out_bias is None else out_bias)
+        self.o_proj = nn.Linear(q_dim, d_model, bias=out_bias)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, t, _ = x.shape

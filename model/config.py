@@ -54,9 +54,8 @@ class DecoderConfig(_Config):
 
     def __post_init__(self):
         super().__post_init__()
-        kv = self.kv_heads
-        if self.n_heads % kv:
-            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={kv}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads}")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
 

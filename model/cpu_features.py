@@ -30,7 +30,7 @@ def capped(flags: frozenset[str], isa: str | None) -> frozenset[str]:
     return frozenset(kept - _AVX if isa == "scalar" else kept)
 
 
-def apply_isa_cap() -> str | None:
+def apply_isa_cap() -> None:
     """Under ATTNSERVE_ISA, set the variables that cap torch's kernels, oneDNN and inductor (unless set):
     call before torch is imported; Ray's worker processes inherit them."""
     isa = os.environ.get(ISA_ENV) or None
@@ -38,7 +38,6 @@ def apply_isa_cap() -> str | None:
         raise ValueError(f"{ISA_ENV}={isa!r}: use one of {sorted(_TORCH_CAPS)}, or leave it unset")
     for k, v in _TORCH_CAPS.get(isa, {}).items():
         os.environ.setdefault(k, v)
-    return isa
 
 
 @lru_cache(maxsize=1)
@@ -99,9 +98,7 @@ def bf16_matmul_speedup(m: int = 64, k: int = 576, n: int = 1536, repeats: int =
 
 def decide_bf16(flags: frozenset[str], speedup: float | None) -> bool:
     """The rule: native bf16 instructions, and (when measured) at least BF16_MIN_SPEEDUP x fp32."""
-    if not has_bf16_instructions(flags):
-        return False
-    return speedup is None or speedup >= BF16_MIN_SPEEDUP
+    return has_bf16_instructions(flags) and (speedup is None or speedup >= BF16_MIN_SPEEDUP)
 
 
 @lru_cache(maxsize=1)

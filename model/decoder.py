@@ -56,8 +56,7 @@ class DecoderLM(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def new_cache(self, n_slots: int, max_len: int | None = None, dtype=None) -> KVCache:
-        c = self.cfg
-        p = self.embed.weight
+        c, p = self.cfg, self.embed.weight
         return KVCache(c.n_layers, n_slots, c.kv_heads, max_len or c.max_seq_len, c.dim_head,
                        dtype=dtype or p.dtype, device=p.device)
 

@@ -33,7 +33,7 @@ def chunk_blocks_step(blocks: Sequence[nn.Module], x: torch.Tensor, positions: t
 def _through(blocks: Sequence[nn.Module], x: torch.Tensor, ctx: StepContext, rope: tuple):
     mask = ctx.self_mask()
     for i, block in enumerate(blocks):
-        x = block(x, mask, tuple(rope) or None, ctx, i)
+        x = block(x, mask, rope or None, ctx, i)
     return x, *ctx.stacked_new_kv()
 
 

@@ -15,15 +15,12 @@ def file_lock(path: Path, wait: bool = True) -> Iterator[bool]:
     Yields whether it is held: without `wait`, False at once where another process holds it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        try:
+        held = False
+        with contextlib.suppress(BlockingIOError):  # without `wait`: another process holds it
             fcntl.flock(f, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
             held = True
-        except BlockingIOError:
-            held = False
-        if not held:
-            yield False
-            return
         try:
-            yield True
+            yield held
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            if held:
+                fcntl.flock(f, fcntl.LOCK_UN)

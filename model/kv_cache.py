@@ -41,11 +41,10 @@ class KVCache:
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, max_len: int, head_dim: int,
                  *, cross_len: int = 0, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
-        self.n_slots, self.max_len = n_slots, max_len
+        self.n_slots, self.max_len, self.cross_len = n_slots, max_len, cross_len
         shape = (n_layers, n_slots, n_kv_heads, max_len, head_dim)
         self.k = cache_buffer(shape, dtype, device)  # (NL, S, Hkv, L, D)
         self.v = cache_buffer(shape, dtype, device)
-        self.cross_len = cross_len
         if cross_len:
             cshape = (n_layers, n_slots, n_kv_heads, cross_len, head_dim)
             self.cross_k = torch.zeros(cshape, dtype=dtype, device=device)  # (NL, S, Hkv, Ls, D)
@@ -55,14 +54,13 @@ class KVCache:
     def context(self, slots: torch.Tensor | list[int], positions: torch.Tensor) -> CacheContext:
         """Per-forward view: which slots the batch rows use and how far to read."""
         slots_t = torch.as_tensor(slots, dtype=torch.long, device=self.k.device)  # (B,)
-        length = int(positions.max()) + 1 if positions.numel() else 0
+        length = int(positions.max()) + 1
         if length > self.max_len:
             raise ValueError(f"position {length - 1} beyond cache max_len {self.max_len}")
-        first = int(slots_t[0]) if len(slots_t) else 0
-        contiguous = bool(len(slots_t)) and torch.equal(
-            slots_t, torch.arange(first, first + len(slots_t), device=slots_t.device))
+        first = int(slots_t[0])
+        contiguous = torch.equal(slots_t, torch.arange(first, first + len(slots_t), device=slots_t.device))
         sel = slice(first, first + len(slots_t)) if contiguous else slots_t
-        src_length = int(self.src_len[slots_t].max()) if self.cross_len and len(slots_t) else 0
+        src_length = int(self.src_len[slots_t].max()) if self.cross_len else 0
         return CacheContext(self, slots_t, sel, positions, length, src_length)
 
     def copy_slots(self, src: torch.Tensor | list[int], dst: torch.Tensor | list[int], *,
@@ -77,11 +75,11 @@ class KVCache:
         if not src_l:
             return
         n = length if isinstance(length, list) else [self.max_len if length is None else length] * len(src_l)
-        copy_cross = bool(self.cross_len) and cross
-        m = self.src_len[src_l].tolist() if copy_cross else [0] * len(src_l)
-        if copy_cross:
+        bufs = [(self.k, n), (self.v, n)]
+        if self.cross_len and cross:
+            m = self.src_len[src_l].tolist()
             self.src_len[dst_l] = self.src_len[src_l]  # the right side is gathered first
-        bufs = [(self.k, n), (self.v, n)] + ([(self.cross_k, m), (self.cross_v, m)] if copy_cross else [])
+            bufs += [(self.cross_k, m), (self.cross_v, m)]
         if set(src_l) & set(dst_l):
             self._copy_gathered(bufs, src_l, dst_l)
         else:  # no slot is both read and written (every copy the engines make)

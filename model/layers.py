@@ -25,9 +25,7 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(kind: str, dim: int, eps: float, bias: bool = True) -> nn.Module:
-    if kind == "rmsnorm":
-        return RMSNorm(dim, eps)
-    return nn.LayerNorm(dim, eps=eps, bias=bias)
+    return RMSNorm(dim, eps) if kind == "rmsnorm" else nn.LayerNorm(dim, eps=eps, bias=bias)
 
 
 class GeluMLP(nn.Module):

@@ -6,8 +6,7 @@ import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SHIPPED_WEIGHTS = REPO_ROOT / "weights"
-SHIPPED_TRANSLATOR = SHIPPED_WEIGHTS / "attnserve-zh-en"  # the translator we train and serve
+SHIPPED_TRANSLATOR = REPO_ROOT / "weights" / "attnserve-zh-en"  # the translator we train and serve
 
 
 def home() -> Path:

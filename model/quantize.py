@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import native_ops
+from model.cpu_features import cpu_flags
+
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32
 SMOOTH_ALPHA = 0.3
@@ -61,8 +64,6 @@ def _int8_linear_cpu(x: torch.Tensor, handle: int, out_features: int) -> torch.T
 @lru_cache(maxsize=1)
 def _native_kernel() -> bool:
     """Register int8_linear's CPU kernel once: C++ where it builds (model/native_ops.py), else Python."""
-    from model import native_ops
-
     if native_ops.load():
         return True
     _lib.impl("int8_linear", _int8_linear_cpu, "CPU")
@@ -70,13 +71,9 @@ def _native_kernel() -> bool:
     return False
 
 
-@torch.library.register_fake("attnserve::int8_linear", lib=_lib)
-def _int8_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], out_features))
-
-
 @torch.library.register_fake("attnserve::int4_linear", lib=_lib)
-def _int4_linear_fake(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+@torch.library.register_fake("attnserve::int8_linear", lib=_lib)
+def _linear_fake(x: torch.Tensor, weights: int | torch.Tensor, out_features: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], out_features))
 
 
@@ -84,14 +81,8 @@ int8_linear = torch.ops.attnserve.int8_linear
 int4_linear = torch.ops.attnserve.int4_linear
 
 
-def _vnni() -> bool:
-    from model.cpu_features import cpu_flags
-
-    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
-
-
 # Without VNNI, fbgemm's u8 x s8 multiply-adds can saturate 16-bit sums; 7-bit activations avoid it.
-_REDUCE_RANGE = not _vnni()
+_REDUCE_RANGE = not {"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags()
 
 
 class Int8Linear(nn.Module):
@@ -182,25 +173,16 @@ def unpack_int4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return q, fp32(packed[..., 256:288]), fp32(packed[..., 288:320])
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (M, K) float32 -> int8 values (M, K), scale (M, K/32), scale x sum of the group's values (M, K/32):
-    one scale per row and group of 32, as the int4 kernel quantizes its input."""
-    m, k = x.shape
-    xg = x.view(m, k // INT4_GROUP, INT4_GROUP)
-    d = xg.abs().amax(-1) / 127  # (M, G)
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    q = torch.round(xg * inv[..., None]).clamp(-127, 127)  # (M, G, 32)
-    return q.view(m, k).to(torch.int8), d, d * q.sum(-1)
-
-
 def int4_linear_reference(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """What the C++ kernel computes, in torch ops (the kernel where it cannot be built, and its oracle)."""
+    """What the C++ kernel computes, in torch ops (the kernel where it cannot be built, and its oracle): x
+    quantized to int8 with one scale per row and group of 32, as the kernel quantizes its input."""
     q, scale, low = unpack_int4(packed)  # (N, K), (N, G), (N, G)
     n, k = q.shape
-    xq, dx, sx = quantize_activations(x.float())
-    dots = torch.einsum("mgk,ngk->mng", xq.float().view(-1, k // INT4_GROUP, INT4_GROUP),
-                        q.float().view(n, k // INT4_GROUP, INT4_GROUP))  # (M, N, G), exact integers
-    y = (dots * scale[None] * dx[:, None]).sum(-1) + (low[None] * sx[:, None]).sum(-1)  # (M, N)
+    xg = x.float().view(-1, k // INT4_GROUP, INT4_GROUP)  # (M, G, 32)
+    dx = xg.abs().amax(-1) / 127  # (M, G)
+    xq = torch.round(xg * torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))[..., None]).clamp(-127, 127)  # (M, G, 32)
+    dots = torch.einsum("mgk,ngk->mng", xq, q.float().view(n, k // INT4_GROUP, INT4_GROUP))  # (M, N, G), exact integers
+    y = (dots * scale[None] * dx[:, None]).sum(-1) + (low[None] * (dx * xq.sum(-1))[:, None]).sum(-1)  # (M, N)
     return y.to(x.dtype)
 
 
@@ -253,15 +235,9 @@ def quantize_linears(model: nn.Module, mode: str, calibrate: Callable[[], object
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear) or name in keep:
-                continue
-            if mode == "int8":
-                setattr(parent, name, Int8Linear(child, act_max.get(child)))
-            elif Int4Linear.fits(child):
-                setattr(parent, name, Int4Linear(child))
-            else:
-                continue
-            swapped += 1
+            if isinstance(child, nn.Linear) and name not in keep and (mode == "int8" or Int4Linear.fits(child)):
+                setattr(parent, name, Int8Linear(child, act_max.get(child)) if mode == "int8" else Int4Linear(child))
+                swapped += 1
     return swapped
 
 
@@ -280,29 +256,24 @@ def _input_maxima(model: nn.Module, calibrate: Callable[[], object],
             kept = {}
         if kept and all(n in linears and t.shape == (linears[n].in_features,) for n, t in kept.items()):
             return {linears[n]: t for n, t in kept.items()}
-    seen = _record_maxima(model, calibrate)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        save_file({n: seen[m].contiguous() for n, m in linears.items() if m in seen}, str(tmp))
-        os.replace(tmp, path)  # atomic: a replica starting beside this one reads all of it or nothing
-    return seen
-
-
-def _record_maxima(model: nn.Module, calibrate: Callable[[], object]) -> dict[nn.Module, torch.Tensor]:
     seen: dict[nn.Module, torch.Tensor] = {}
 
     def record(layer, inputs, _output):
         x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0).float()  # (K,)
         seen[layer] = torch.maximum(seen[layer], x) if layer in seen else x
 
-    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, nn.Linear)]
+    hooks = [m.register_forward_hook(record) for m in linears.values()]
     try:
         with torch.inference_mode():
             calibrate()
     finally:
         for h in hooks:
             h.remove()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        save_file({n: seen[m].contiguous() for n, m in linears.items() if m in seen}, str(tmp))
+        os.replace(tmp, path)  # atomic: a replica starting beside this one reads all of it or nothing
     return seen
 
 
@@ -320,15 +291,13 @@ def prepacked_linear(linear: nn.Linear, rows: int) -> Callable[[torch.Tensor], t
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
-def time_linears(mode: str, rows: int, dtype: torch.dtype = torch.float32,
-                 shapes: tuple[tuple[int, int], ...] = ((576, 1536), (1536, 576)), copies: int = 30,
-                 repeats: int = 3, prepacked: bool = False) -> float:
-    """Best-of-`repeats` seconds of one pass through `copies` x `shapes` ((in, out) pairs) at `rows` rows in
+def time_linears(mode: str, rows: int, dtype: torch.dtype = torch.float32, prepacked: bool = False) -> float:
+    """Best-of-3 seconds of one pass through 30 x SmolLM2's MLP pair ((in, out) pairs) at `rows` rows in
     `mode` ('none': float in `dtype`, oneDNN-prepacked with `prepacked`). Many copies, so the weights do not
     fit the caches, as in a real decode step."""
     torch.manual_seed(0)
     layers = []
-    shapes = shapes * copies
+    shapes = ((576, 1536), (1536, 576)) * 30
     with torch.inference_mode():
         for k, n in shapes:
             lin = nn.Linear(k, n, bias=False)
@@ -339,7 +308,7 @@ def time_linears(mode: str, rows: int, dtype: torch.dtype = torch.float32,
                 layers.append(Int8Linear(lin) if mode == "int8" else Int4Linear(lin))
         xs = {k: torch.randn(rows, k, dtype=dtype) for k, _ in shapes}
         best = float("inf")
-        for _ in range(repeats):
+        for _ in range(3):
             t = time.perf_counter()
             for (k, _), layer in zip(shapes, layers):
                 layer(xs[k])
@@ -374,7 +343,5 @@ def quantize_decoder(model: nn.Module, tokenizer, mode: str, maxima: Path | None
         return 0
     ids = torch.tensor([tokenizer.encode(CALIBRATION_TEXT.read_text(encoding="utf-8"))])  # (1, T)
     ids = ids[:, :model.cfg.max_seq_len]
-    n = 0
-    if mode == "int4":
-        n += quantize_linears(model, "int4", keep=("lm_head",))
+    n = quantize_linears(model, "int4", keep=("lm_head",)) if mode == "int4" else 0
     return n + quantize_linears(model, "int8", calibrate=lambda: model(ids), maxima=maxima)

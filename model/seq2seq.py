@@ -94,8 +94,7 @@ class EncoderDecoder(nn.Module):
     def new_cache(self, n_slots: int, max_len: int | None = None, dtype=None, cross_len: int | None = None) -> KVCache:
         """`cross_len` >= max_src_len: source positions per slot (a compiled step wants one spare: a view
         that spans a whole dimension has other strides than a part of it)."""
-        c = self.cfg
-        p = self.embed.weight
+        c, p = self.cfg, self.embed.weight
         return KVCache(c.n_decoder_layers, n_slots, c.n_heads, max_len or c.max_tgt_len, c.dim_head,
                        cross_len=max(cross_len or 0, c.max_src_len), dtype=dtype or p.dtype, device=p.device)
 
@@ -150,9 +149,8 @@ class EncoderDecoder(nn.Module):
             raise ValueError(f"target length {t} beyond max_tgt_len {self.cfg.max_tgt_len}")
         positions = torch.arange(t, device=tgt_in.device).expand(b, t)
         x = self._embed(tgt_in, positions)
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         # right padding: real tokens never see later pads; pads see the causal prefix (ignored in loss)
-        self_mask = causal[None, None]  # (1, 1, T, T)
+        self_mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[None, None]  # (1, 1, T, T)
         cross_mask = src_mask[:, None, None, :]  # (B, 1, 1, S)
         for i, layer in enumerate(self.decoder):
             x = layer(x, self_mask, memory, cross_mask, None, i)

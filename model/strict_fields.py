@@ -38,8 +38,6 @@ def from_dict(cls, data: Mapping[str, Any] | None, *, where: str | None = None,
 
 
 class FromDict:
-    """`cls.from_dict(data)`: `from_dict` as a classmethod, for the config dataclasses."""
-
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> Self:
         return from_dict(cls, data)
