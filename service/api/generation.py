@@ -39,13 +39,6 @@ def encode_input(gen: GeneratorFrontend, body: PromptOrMessages, limits: ApiLimi
     return gen.encode_prompt(body.prompt), "prompt"
 
 
-def check_stop(stop: list[str], limits: ApiLimits) -> None:
-    if len(stop) > limits.max_stop:
-        raise ApiError(400, f"stop has {len(stop)} strings; the limit is {limits.max_stop}", "stop")
-    if not all(0 < len(s) <= limits.max_stop_chars for s in stop):
-        raise ApiError(400, f"each stop string must have 1..{limits.max_stop_chars} characters", "stop")
-
-
 def check_choices(gen: GeneratorFrontend, n: int, limits: ApiLimits, param: str) -> None:
     """n (or best_of) choices: within ApiLimits.max_n and the engine's slots, or a 400 naming the field."""
     most = min(limits.max_n, gen.max_choices)
@@ -75,7 +68,10 @@ def build_request(gen: GeneratorFrontend, body: Sampling, prompt_ids: list[int],
     """The engine request for a validated body; the engine's check of what fits (`submit`) names the field
     as the client named it (`prompt_param`, `max_tokens_param`)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    check_stop(stop, limits)
+    if len(stop) > limits.max_stop:
+        raise ApiError(400, f"stop has {len(stop)} strings; the limit is {limits.max_stop}", "stop")
+    if not all(0 < len(s) <= limits.max_stop_chars for s in stop):
+        raise ApiError(400, f"each stop string must have 1..{limits.max_stop_chars} characters", "stop")
     bias = logit_bias_ids(gen, logit_bias)
     room = gen.max_context - len(prompt_ids)
     params = SamplingParams(

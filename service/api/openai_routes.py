@@ -16,11 +16,11 @@ from service.api.logprob_format import CompletionLogprobs, TokenTexts, chat_cont
 from service.api.schemas import ChatCompletionBody, CompletionBody
 from service.api.streaming import collect, merged, sse_stream, unless_disconnected
 from service.api.structured import response_schema
-from service.api.unsupported import refuse_unsupported
 
 router = APIRouter(tags=["openai"])
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 512
+NO_TOOLS = "the model cannot call tools"
 
 
 def _model_card(model_id: str, request: Request) -> dict:
@@ -66,6 +66,19 @@ def _stream(events, rid: str, model: str, body, chunk, obj: str, per_prompt: int
 def _check_stream_options(body) -> None:
     if body.stream_options is not None and not body.stream:  # as OpenAI and vLLM answer
         raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+
+
+def _refuse_unsupported(body: ChatCompletionBody) -> None:
+    """Chat fields accepted in the body but not acted on: a 400 naming the field and what to change (rather
+    than pydantic's generic "Extra inputs are not permitted")."""
+    if body.tools:
+        raise ApiError(400, f"tools: {NO_TOOLS}; remove 'tools'", "tools")
+    if body.tool_choice not in (None, "none"):
+        raise ApiError(400, f"tool_choice: {NO_TOOLS}; remove 'tool_choice' or set it to \"none\"", "tool_choice")
+    if body.functions:
+        raise ApiError(400, f"functions: {NO_TOOLS}; remove 'functions'", "functions")
+    if body.function_call not in (None, "none"):
+        raise ApiError(400, f"function_call: {NO_TOOLS}; remove 'function_call'", "function_call")
 
 
 def _penalties(body) -> dict:
@@ -159,7 +172,7 @@ async def completions(body: CompletionBody, request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionBody, request: Request):
     gen, limits = request.app.state.backends.need_generator(body.model, request), request.app.state.limits
-    refuse_unsupported(body)
+    _refuse_unsupported(body)
     _check_stream_options(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")

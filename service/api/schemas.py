@@ -191,7 +191,7 @@ class ChatCompletionBody(OpenAIBase):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=CHAT_TOP_LOGPROBS_MAX)
-    # declared so that the route can refuse them with a reason (service/api/unsupported.py)
+    # declared so that the route can refuse them with a reason (service/api/openai_routes.py)
     tools: list[Any] | None = Field(None, max_length=128)
     tool_choice: Any = None
     functions: list[Any] | None = Field(None, max_length=128)

@@ -28,8 +28,7 @@ async def tokenize(body: TokenizeBody, request: Request):
 async def detokenize(body: DetokenizeBody, request: Request):
     """`{tokens}` -> `{prompt}`: the text of those token ids."""
     gen = request.app.state.backends.need_generator(body.model, request)
-    bad = [i for i in body.tokens if not 0 <= i < gen.vocab_size]
-    if bad:
+    if bad := [i for i in body.tokens if not 0 <= i < gen.vocab_size]:
         raise ApiError(400, f"tokens: {bad[:5]} are not token ids of model {gen.name} "
                             f"(integers in [0, {gen.vocab_size}))", "tokens")
     return {"prompt": gen.decode(body.tokens)}

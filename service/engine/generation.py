@@ -120,8 +120,7 @@ class GenerationEngine(EngineLoop):
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(p, name) <= 2.0:
                 raise reject(name, f"{{}} must be in [-2, 2], got {getattr(p, name)}")
-        bad = [t for t in p.logit_bias if not 0 <= t < self.vocab_size]
-        if bad:
+        if bad := [t for t in p.logit_bias if not 0 <= t < self.vocab_size]:
             raise reject("logit_bias", f"{{}}: token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(p, name)
@@ -268,8 +267,7 @@ class GenerationEngine(EngineLoop):
             self._emit(rows, logits)
             self._loop.call_soon_threadsafe(self._flush_first_tokens, list(rows))
             scored, rows, logits = scored + rows, [], []
-        if step.decode:
-            d = step.decode
+        if d := step.decode:
             with hooks.phase("decode forward"), torch_threads(borrowed):
                 out = self.runner.decode([s.slot for s in d], [s.output[-1] for s in d], [s.n_cached for s in d])
             for s in d:
@@ -338,8 +336,7 @@ class GenerationEngine(EngineLoop):
         params = [s.params for s in rows]
         ask = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = x[ask] if ask else None  # (A, V) a copy: sampling changes x in place
-        constrained = [i for i, s in enumerate(rows) if s.matcher is not None]
-        if constrained:
+        if constrained := [i for i, s in enumerate(rows) if s.matcher is not None]:
             with self.hooks.phase("grammar"):
                 apply_bitmask(x, constrained, self.grammars.fill([rows[i].matcher for i in constrained]))
         hist = [s.prompt + s.output if s.params.repetition_penalty != 1.0 else [] for s in rows]

@@ -169,8 +169,7 @@ class TranslationEngine(EngineLoop):
         sentences = step.sentences
         with hooks.phase("slot copies"):  # compaction: whole hypotheses, cross K/V included
             table.copy(step.moves)
-        new = [s for s in sentences if not s.encoded]
-        if new:
+        if new := [s for s in sentences if not s.encoded]:
             with hooks.phase("encoder"):
                 self.runner.encode([s.beam.src for s in new], [s.beam.k for s in new],
                                    [slot for s in new for slot in s.slots])

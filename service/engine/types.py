@@ -39,16 +39,13 @@ class RequestRejected(EngineError):
         self.param = param
 
 
-_UNSET = object()
-
-
-def rejection(names: dict[str, str], field: str, message: str, got: object = _UNSET) -> RequestRejected:
+def rejection(names: dict[str, str], field: str, message: str, got: object = None) -> RequestRejected:
     """RequestRejected naming `field` as the client named it (`names`: ours -> the client's, where they
     differ); "{}" in `message` stands for that name. `got`, a value the client sent, is appended after the
     substitution, so a "{}" inside it reads back as sent."""
     name = names.get(field, field)
     message = message.replace("{}", name)
-    return RequestRejected(message if got is _UNSET else f"{message}, got {got!r}", name)
+    return RequestRejected(message if got is None else f"{message}, got {got!r}", name)
 
 
 class EngineStopped(EngineError):
