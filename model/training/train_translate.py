@@ -19,14 +19,18 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from model import paths
-from model.checkpoint import build_model, save_checkpoint
+from model.checkpoint import build_model, read_config, save_checkpoint
+from model.checkpoint import load_state as load_weights
 from model.config import Seq2SeqConfig
+from model.generate import greedy, pad_batch
 from model.progress import progress, write_line
 from model.strict_fields import from_dict
 from model.tokenizer import SentencePieceTokenizer
-from model.training import translate_data
+from model.training import back_translate, translate_data
 from model.training.run_clock import RunClock
 from model.translation import LANGS, TAGS, encode_source, other
 
@@ -149,9 +153,7 @@ def make_examples(pairs, tok, max_len: int, only: list[str | None] | None = None
 def make_bt_examples(rows, tok, max_len: int) -> list[tuple[list[int], list[int]]]:
     """Each synthetic (en, zh, real) row gives one example, synthetic side -> real side, with the
     back-translation tag after the language tag."""
-    from model.training.back_translate import TAG_PIECE
-
-    bt_tag = tok.token_to_id(TAG_PIECE)
+    bt_tag = tok.token_to_id(back_translate.TAG_PIECE)
     examples = (_example(tok, *((en, zh) if real == "zh" else (zh, en)), real, max_len, bt_tag)
                 for en, zh, real in progress(rows, desc="encoding synthetic pairs", unit="pair"))
     return [e for e in examples if e]
@@ -213,8 +215,6 @@ def shaped_batches(examples, batch_tokens: int, rng: random.Random, multiple: in
 
 def collate(examples, idx, pad: int, multiple: int = 1):
     """src (B, S), tgt_in (B, T), tgt_out (B, T); with `multiple` > 1, S = T = the batch's padded_length."""
-    from model.generate import pad_batch
-
     width = max(padded_length(examples[i], multiple) for i in idx) if multiple > 1 else None
     src, _ = pad_batch([examples[i][0] for i in idx], pad, width=width)
     tgt, _ = pad_batch([examples[i][1] for i in idx], pad, width=None if width is None else width + 1)
@@ -225,8 +225,6 @@ def collate(examples, idx, pad: int, multiple: int = 1):
 
 def save_state(run: Path, model, opt, meta: dict, weights: dict[str, torch.Tensor]) -> None:
     """The resumable state: `weights` (the model's, on CPU), Adam's moments, the RNG states, `meta`."""
-    from safetensors.torch import save_file
-
     tensors = {f"model.{k}": v for k, v in weights.items()}
     names = {id(p): n for n, p in model.named_parameters()}
     for p, st in opt.state.items():
@@ -246,9 +244,6 @@ def save_state(run: Path, model, opt, meta: dict, weights: dict[str, torch.Tenso
 
 
 def load_state(run: Path, model, opt) -> dict:
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     path = run / "state.safetensors"
     tensors = load_file(str(path))
     with safe_open(str(path), "pt") as f:
@@ -280,8 +275,6 @@ def snapshots(run: Path) -> list[Path]:
 
 
 def average_snapshots(run: Path, model, last: int) -> list[str]:
-    from safetensors.torch import load_file
-
     snaps = snapshots(run)[-last:]
     if not snaps:
         return []
@@ -299,8 +292,6 @@ def dev_bleu(model, tok, pairs, n: int, split: str = "dev") -> dict[str, float]:
     """Greedy BLEU on the first n pairs of a held-out split: {"bleu_zh2en": ..} for `dev`, else
     {"<split>_bleu_zh2en": ..}."""
     import sacrebleu
-
-    from model.generate import greedy
 
     model.eval()
     sub = pairs[:n]
@@ -367,6 +358,9 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
             f.write(line + "\n")
 
     train_pairs, sources = translate_data.training_pairs(data_dir, {*cfg.upsample, *cfg.one_way})
+    if not export_only:  # a misspelt source fails now, not after the vocabulary's training
+        translate_data.check_sources(cfg.one_way, sources, "one_way")
+        rows = translate_data.upsample(list(zip(train_pairs, sources, strict=True)), sources, cfg.upsample)
     dev_pairs = {split: translate_data.read_heldout(split, data_dir) for split in cfg.eval_splits}
     spm_path = run / "spm.model"
     if init_from and not has_state:  # warm start: the checkpoint's own vocabulary
@@ -392,14 +386,9 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     if export_only:
         return export(run, model, tok, cfg, meta, export_to, log)
 
-    translate_data.check_sources(cfg.one_way, sources, "one_way")
-    # after the vocabulary: it is trained on each pair once
-    rows = translate_data.upsample(list(zip(train_pairs, sources, strict=True)), sources, cfg.upsample)
     examples = make_examples([p for p, _ in rows], tok, cfg.max_len,
                              [cfg.one_way.get(s) for _, s in rows] if cfg.one_way else None)
     if cfg.back_translation:
-        from model.training import back_translate
-
         synthetic = back_translate.read(data_dir)
         if not synthetic:  # the recipe asks for them: training on without would be another recipe, silently
             where = (data_dir or translate_data.data_dir()) / back_translate.FILE_NAME
@@ -535,14 +524,9 @@ def finished(meta: dict, cfg: TrainConfig) -> bool:
 def warm_start(model, ckpt: Path) -> dict:
     """Continue from a shipped checkpoint's weights and training counters, so the lr schedule (re-warmed, as
     Adam's moments are not shipped) and the logs go on."""
-    from model.checkpoint import load_state as load_weights
-    from model.checkpoint import read_config
-
     ckpt_cfg, extra = read_config(ckpt)
-    if ckpt_cfg.d_ff != model.cfg.d_ff:
-        widen_feed_forward(model, ckpt / "model.safetensors")
-    else:
-        load_weights(model, ckpt / "model.safetensors")
+    load = widen_feed_forward if ckpt_cfg.d_ff != model.cfg.d_ff else load_weights
+    load(model, ckpt / "model.safetensors")
     rec = extra.get("training", {})
     step = int(rec.get("steps", 0))
     return {"step": step, "epoch": int(rec.get("epochs", 0)), "batch_in_epoch": 0,
@@ -553,8 +537,6 @@ def warm_start(model, ckpt: Path) -> dict:
 def widen_feed_forward(model, weights: Path) -> None:
     """Load a checkpoint with narrower feed-forward layers, computing the same function (Net2Net-style): the
     new units get zero `proj` columns, so they add nothing until training moves them."""
-    from safetensors.torch import load_file
-
     state = load_file(str(weights))
     own = model.state_dict()
     for name, t in state.items():
@@ -579,8 +561,6 @@ def widen_feed_forward(model, weights: Path) -> None:
 
 
 def checkpoint(run: Path, model, opt, meta: dict, cfg: TrainConfig) -> None:
-    from safetensors.torch import save_file
-
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_state(run, model, opt, meta, weights)
     snaps = run / "snapshots"

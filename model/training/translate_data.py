@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
 import sys
 import unicodedata
@@ -358,8 +359,7 @@ def _one(wheel: Wheel, path: str) -> str:
 
 # --- the whole build ------------------------------------------------------------------------------
 
-def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
-          ) -> tuple[dict[str, list[tuple[str, str]]], list[str], dict]:
+def build(wheel: Wheel, heldout_sentences: int) -> tuple[dict[str, list[tuple[str, str]]], list[str], dict]:
     """All splits, the source of each training pair, and the counts per source and step."""
     counts: dict[str, Counter] = {s: Counter() for s in COUNT_GROUPS}
 
@@ -387,7 +387,7 @@ def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
     talks: dict[str, list[str]] = {"ted_test": [], "ted_dev": [], "train": []}
     ted_paragraphs_train = []
     seen_held: dict[str, set] = {"ted_test": set(), "ted_dev": set()}
-    for name in sorted(ted_by_doc, key=talk_order):
+    for name in ted_by_doc:  # in talk order, as aligned
         split = next((s for s in ("ted_test", "ted_dev") if len(ted[s]) < heldout_sentences), "train")
         for p in ted_by_doc[name]:
             if split != "train" and p in seen_held[split]:
@@ -426,8 +426,7 @@ def build(wheel: Wheel, heldout_sentences: int = TED_HELDOUT_SENTENCES
     add(hk["train"], "hk")
     add(ted["train"], "ted")
     add(xi, "xi")
-    n_sentences = len(train)
-    cap = int(SHORT_SHARE / (1 - SHORT_SHARE) * n_sentences)
+    cap = int(SHORT_SHARE / (1 - SHORT_SHARE) * len(train))
     short = short_pairs(wheel, counts)
     zh_seen = {z for _, z in train}
     for source in ("thought", "cedict"):
@@ -508,8 +507,6 @@ def _write_whole(path: Path, text: str) -> None:
 def alignment_sample(n: int = 50, seed: int = 50, directory: Path | None = None) -> list[tuple[str, str]]:
     """n aligned TED pairs drawn at random (train, then ted_dev, then ted_test order): the pairs checked
     by hand for the aligner's precision (MODEL_CARD.md)."""
-    import random
-
     directory = directory or data_dir()
     train = read_split("train", directory)
     ted = [p for p, s in zip(train, read_sources(directory), strict=True) if s == "ted"]
