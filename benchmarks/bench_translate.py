@@ -49,7 +49,7 @@ def workload(args, tok, cfg) -> list[dict]:
     """text, target lang, source ids (as the engine encodes them) and the engine's max target length, for
     sentences alternately English -> zh and Chinese -> en whose source fits."""
     from model import paths
-    from model.generate import max_len_for
+    from model.decoding import max_len_for
     from model.translation import encode_source
 
     lines = (paths.home() / "data" / "translate" / "test.tsv").read_text(encoding="utf-8").splitlines()

@@ -15,6 +15,8 @@ import threading
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from model.config import DecoderConfig, Seq2SeqConfig
@@ -39,8 +41,6 @@ def build_model(config: DecoderConfig | Seq2SeqConfig) -> nn.Module:
 
 
 def _save_tensors(state: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
     save_file(state, str(path), metadata={"format": "pt"})
 
 
@@ -101,9 +101,6 @@ def read_config(directory: str | Path) -> tuple[DecoderConfig | Seq2SeqConfig, d
 
 def load_state(model: nn.Module, weights: str | Path) -> None:
     """Load safetensors into `model`, checking names and shapes; raise CheckpointError otherwise."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     weights = Path(weights)
     if not weights.is_file():
         raise CheckpointError(f"weights file missing: {weights}")

@@ -12,8 +12,6 @@ from model.decoding import BeamState, Hypothesis, advance_all, max_len_for, min_
 from model.seq2seq import EncoderDecoder
 from model.translation import DEFAULT_LENGTH_PENALTY, DEFAULT_MIN_LENGTH_RATIO, DEFAULT_NO_REPEAT_NGRAM
 
-__all__ = ["Hypothesis", "beam_search", "greedy", "max_len_for", "pad_batch"]
-
 
 def pad_batch(seqs: list[list[int]], pad_id: int, device=None, width: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:

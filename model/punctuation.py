@@ -193,8 +193,7 @@ def _chinese_pass(text: str, bracket_context) -> str:
         if _is_zh(left) or _is_zh(right) or (right is None and c in ".?!" and left is not None):
             chars[i] = ASCII_TO_FULL[c]
 
-    out = "".join(chars)
-    return re.sub(rf"\s*([{re.escape(FULLWIDTH_MARKS)}])\s*", r"\1", out)
+    return re.sub(rf"\s*([{re.escape(FULLWIDTH_MARKS)}])\s*", r"\1", "".join(chars))
 
 
 def to_english_punctuation(text: str) -> str:

@@ -122,8 +122,7 @@ class AttnServe:
         if child is None:
             return
         rc = await wait_child(child)
-        compiled = generator.engine.compiled
-        loaded = rc == 0 and await asyncio.to_thread(compiled.load_prefill)
+        loaded = rc == 0 and await asyncio.to_thread(generator.engine.compiled.load_prefill)
         log.info("generator: compiled prefill %s", "loaded" if loaded else f"not built (child exit {rc})")
 
     def __serve_build_asgi_app__(self):

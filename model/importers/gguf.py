@@ -243,27 +243,20 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _dequantize(t, path: Path) -> torch.Tensor:
+def _tensors(reader, path: Path, show_progress: bool = False) -> dict[str, torch.Tensor]:
     from gguf import quants
 
-    qtype = t.tensor_type.name
-    if qtype not in SUPPORTED_QUANT_TYPES:
-        raise GGUFImportError(f"{path}: tensor {t.name} has quantization type {qtype}; "
-                              f"supported: {list(SUPPORTED_QUANT_TYPES)}")
-    arr = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-    shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims fastest-first; torch wants (out, in)
-    return torch.from_numpy(arr.reshape(shape).copy())
-
-
-def _tensors(reader, path: Path, show_progress: bool = False) -> dict[str, torch.Tensor]:
     from model.progress import progress
 
     out = {}
     for t in progress(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor", disable=not show_progress):
+        if t.tensor_type.name not in SUPPORTED_QUANT_TYPES:
+            raise GGUFImportError(f"{path}: tensor {t.name} has quantization type {t.tensor_type.name}; "
+                                  f"supported: {list(SUPPORTED_QUANT_TYPES)}")
         try:
-            out[t.name] = _dequantize(t, path)
-        except GGUFImportError:
-            raise
+            arr = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims fastest-first; torch wants (out, in)
+            out[t.name] = torch.from_numpy(arr.reshape(shape).copy())
         except Exception as e:
             raise GGUFImportError(f"{path}: cannot read tensor {t.name} ({type(e).__name__}: {e})") from None
     return out
@@ -309,6 +302,8 @@ def load_gguf(path: str | Path, show_progress: bool = False) -> GGUFModel:
     content raises GGUFImportError. `show_progress`: a bar over the tensors."""
     import dataclasses
 
+    from model.decoder import DecoderLM
+
     path = Path(path)
     try:
         reader = _open(path)
@@ -319,7 +314,9 @@ def load_gguf(path: str | Path, show_progress: bool = False) -> GGUFModel:
         if "output.weight" in g:
             cfg = dataclasses.replace(cfg, tie_embeddings=False)
         sd = state_from_gguf_tensors(g, cfg, path)
-        for name, shape in _expected_shapes(cfg).items():
+        with torch.device("meta"):  # DecoderLM(cfg)'s parameter shapes, nothing allocated
+            expected = {k: tuple(v.shape) for k, v in DecoderLM(cfg).state_dict().items()}
+        for name, shape in expected.items():
             if name in sd and tuple(sd[name].shape) != shape:
                 raise GGUFImportError(f"{path}: {name} has shape {tuple(sd[name].shape)}, metadata implies {shape}")
     except GGUFImportError:
@@ -327,14 +324,6 @@ def load_gguf(path: str | Path, show_progress: bool = False) -> GGUFModel:
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError, ZeroDivisionError, OverflowError) as e:
         raise GGUFImportError(f"{path}: malformed GGUF ({type(e).__name__}: {e})") from None
     return GGUFModel(cfg, sd, tokenizer_metadata(meta), meta.get("tokenizer.chat_template"))
-
-
-def _expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes of DecoderLM(cfg), computed on the meta device (nothing is allocated)."""
-    from model.decoder import DecoderLM
-
-    with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in DecoderLM(cfg).state_dict().items()}
 
 
 def gguf_to_decoder(path: str | Path, show_progress: bool = False):
