@@ -135,6 +135,9 @@ def test_unsupported_layouts_are_named(tmp_path):
     llama = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
              "num_attention_heads": 2, "intermediate_size": 16}
     config_from_hf(llama)  # silu by default
+    for bad in ({"num_attention_heads": 0}, {"hidden_size": "8"}, {"rope_scaling": "linear"}):
+        with pytest.raises(HFFormatError, match="bad config"):  # not a TypeError from deep inside
+            config_from_hf({**llama, **bad})
     with pytest.raises(HFFormatError, match="activation 'gelu'"):
         config_from_hf({**llama, "hidden_act": "gelu"})
     gpt2 = {"model_type": "gpt2", "vocab_size": 8, "n_embd": 8, "n_layer": 1, "n_head": 2}

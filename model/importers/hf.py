@@ -111,6 +111,10 @@ def config_from_hf(c: dict, where: str = "config.json") -> DecoderConfig:
             )
     except KeyError as e:
         raise HFFormatError(f"{where}: missing config field {e}") from None
+    except HFFormatError:
+        raise
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:  # a value of the wrong type or size
+        raise HFFormatError(f"{where}: bad config: {e}") from None
     raise HFFormatError(f"{where}: model_type {mt!r} not supported; supported: ['llama', 'mistral', 'qwen2', 'gpt2']")
 
 
