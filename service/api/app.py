@@ -15,7 +15,7 @@ from service import metrics
 from service.api import errors, native, openai_routes, vllm_compat
 from service.api.auth import OPEN_PREFIXES, ApiKeyAuth, KeySet, load_keys
 from service.api.backends import Backends
-from service.api.middleware import BodyLimit, CountResponses, ReceiveErrorsAsDisconnect, StartupGate
+from service.api.middleware import BodyLimit, CountResponses, StartupGate
 from service.api.streaming import ClientDisconnected
 from service.config import ApiLimits
 from service.startup import RETRY_AFTER_S, Startup
@@ -96,7 +96,6 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
     app.add_middleware(ApiKeyAuth, keys=lambda: app.state.api_keys)  # inside CountResponses: 401s are counted
     app.add_middleware(BodyLimit, limit=lambda: app.state.limits.max_body_bytes)
     app.add_middleware(CountResponses)  # outside BodyLimit: 413s are counted
-    app.add_middleware(ReceiveErrorsAsDisconnect)
     if cors_origins:  # outermost: a browser's preflight carries no API key and must not meet the 401
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["*"], expose_headers=["Retry-After"])

@@ -1,5 +1,5 @@
-"""Pure-ASGI middleware: a request body size limit (413), HTTP response counting for Prometheus, a
-transport whose `receive` fails read as a client disconnect, and a fast 503 while the replica starts."""
+"""Pure-ASGI middleware: a request body size limit (413) whose `receive` reads a transport failure as a client
+disconnect, HTTP response counting for Prometheus, and a fast 503 while the replica starts."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ async def _send_413(send, limit: int) -> None:
 
 
 class BodyLimit:
-    """Reject bodies over `limit()` bytes: by Content-Length up front, or while reading a chunked body."""
+    """Reject bodies over `limit()` bytes: by Content-Length up front, or while reading a chunked body.
+
+    The app's `receive` also reads one that raises as the client gone: under Ray Serve a client that drops
+    a stream makes the replica's `receive` raise `ray.exceptions.TaskCancelledError` instead of returning
+    `http.disconnect`, which Starlette would log as a crash; as the disconnect it is, the usual cancellation
+    path (close the engine stream, free the slot) runs quietly."""
 
     def __init__(self, app, limit):
         self.app, self.limit = app, limit
@@ -29,7 +34,10 @@ class BodyLimit:
 
         async def counting_receive():
             nonlocal seen, rejected
-            message = await receive()
+            try:
+                message = await receive()
+            except Exception:  # not CancelledError (a BaseException): our own cancellation still propagates
+                return {"type": "http.disconnect"}
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit and not rejected:  # answer 413 now; the app sees the client leave
@@ -73,28 +81,6 @@ class CountResponses:
             metrics.count_http(model, path, status[0] or 499)
 
 
-class ReceiveErrorsAsDisconnect:
-    """A `receive` that raises means the client is gone. Under Ray Serve a client that drops a stream
-    makes the replica's `receive` raise `ray.exceptions.TaskCancelledError` instead of returning
-    `http.disconnect`; Starlette would log that as a crash. Turn it into the disconnect it is, so the
-    usual cancellation path (close the engine stream, free the slot) runs quietly."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def safe_receive():
-            try:
-                return await receive()
-            except Exception:  # not CancelledError (a BaseException): our own cancellation still propagates
-                return {"type": "http.disconnect"}
-
-        await self.app(scope, safe_receive, send)
-
-
 class StartupGate:
     """While `startup()` is not ready, answer every path outside `open_paths` with 503, Retry-After and
     the start-up state, at once (a request would otherwise wait for models that are still loading)."""
@@ -105,11 +91,7 @@ class StartupGate:
 
     async def __call__(self, scope, receive, send):
         state = self.startup()
-        # the path below the mount: under a Serve route prefix the proxy keeps the prefix in "path" (and
-        # in "root_path"), so "/prefix/readyz" must match "/readyz" as Starlette's routing does
-        path, root = scope.get("path", ""), scope.get("root_path", "")
-        if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
-            path = path[len(root):] or "/"
+        path = route_path(scope)
         if (scope["type"] != "http" or state.ready or path in self.open_paths
                 or path.startswith(self.open_prefixes)):
             return await self.app(scope, receive, send)
@@ -118,3 +100,12 @@ class StartupGate:
         body = error_body(503, f"the service is not ready: {why}; retry after {RETRY_AFTER_S} s")
         body["startup"] = snap
         await send_json(send, 503, body, {"retry-after": str(RETRY_AFTER_S)})
+
+
+def route_path(scope) -> str:
+    """The path below the mount: under a Serve route prefix the proxy keeps the prefix in "path" (and in
+    "root_path"), so "/prefix/readyz" must match "/readyz" as Starlette's routing does."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path
