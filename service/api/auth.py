@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from service.api.errors import error_body, send_json
+from service.api.middleware import route_path
 
 ENV_KEYS = "ATTNSERVE_API_KEYS"
 ENV_KEYS_FILE = "ATTNSERVE_API_KEYS_FILE"
@@ -75,7 +76,7 @@ class ApiKeyAuth:
 
     async def __call__(self, scope, receive, send):
         keys = self.keys() if scope["type"] == "http" else None
-        path = scope.get("path", "")
+        path = route_path(scope)  # under a Serve route prefix too
         if keys is None or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             return await self.app(scope, receive, send)
         token = _bearer(scope.get("headers") or [])
