@@ -83,7 +83,7 @@ def read_config(path: str | Path, host: str | None = None, port: int | None = No
     http = config["http_options"] = config.get("http_options") or {}
     http["host"] = host or http.get("host") or LOOPBACK
     http["port"] = port if port is not None else http.get("port", 8000)
-    if not isinstance(http["port"], int) or not 1 <= http["port"] <= 65535:
+    if not isinstance(http["port"], int) or isinstance(http["port"], bool) or not 1 <= http["port"] <= 65535:
         raise ValueError(f"port must be in 1..65535, got {http['port']!r}")
     loopback_env()  # Ray reads its environment when imported: set ours first (deploy sets token auth first too)
     from ray.serve.schema import ServeDeploySchema

@@ -191,6 +191,9 @@ def test_serve_config_file_http_options_and_errors(tmp_path):
     assert read_config(cfg)["http_options"]["port"] == 9000
     assert read_config(cfg, None, None)["http_options"] == {**read_config(cfg)["http_options"]}
     assert read_config(cfg, "127.0.0.1", 8123)["http_options"]["port"] == 8123
+    cfg.write_text(text.replace("  port: 8000\n", "  port: yes\n", 1))  # YAML's true, not a port
+    with pytest.raises(ValueError, match="port must be in 1..65535, got True"):
+        read_config(cfg)
     for bad, words in (("applications: [\n", "not valid YAML"), ("- 1\n- 2\n", "mapping"),
                        ("http_options: 5\n", "mapping"), ("applications: 7\n", "not a valid Serve config")):
         cfg.write_text(bad)
