@@ -236,6 +236,11 @@ def test_ted_is_aligned_and_split_by_talk(prepared):
     assert SUBTITLE_PAIR not in pairs and "ted_paragraphs" not in sources
     pairs, sources = translate_data.training_pairs(out, {"ted_paragraphs"})
     assert (SUBTITLE_PAIR, "ted_paragraphs") in zip(pairs, sources)
+    full = (out / "train.source").read_text()
+    (out / "train.source").write_text(full.split("\n", 1)[1])  # one line short, as a cut `data prepare` leaves
+    with pytest.raises(ValueError, match="train.source has .* lines for .* pairs"):
+        translate_data.training_pairs(out, set())
+    (out / "train.source").write_text(full)
     assert stats["ted_talks"] == {"ted_test": [first], "ted_dev": [second]}
     assert "ted:" in printed and "kept_ted_test" in printed  # counts per source and step are printed
 

@@ -529,6 +529,9 @@ def training_pairs(directory: Path | None, named) -> tuple[list[tuple[str, str]]
     if not ((directory or data_dir()) / "train.source").is_file():
         return pairs, [""] * len(pairs)
     sources = read_sources(directory)
+    if len(sources) != len(pairs):  # e.g. a `data prepare` killed between writing the two files
+        raise ValueError(f"{(directory or data_dir()) / 'train.source'} has {len(sources)} lines for "
+                         f"{len(pairs)} pairs: rerun `attnserve data prepare translate`")
     keep = [i for i, s in enumerate(sources) if s not in OPT_IN_SOURCES or s in named]
     return [pairs[i] for i in keep], [sources[i] for i in keep]
 
