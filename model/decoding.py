@@ -188,9 +188,7 @@ class BeamState:
         return [0]
 
     def hypotheses(self) -> list[Hypothesis]:
-        """Finished hypotheses, best first (the best live one if none finished)."""
-        if self.k == 1:
-            return [Hypothesis(self.seqs[0], 0.0)]
+        """Finished hypotheses, best first (the best live one if none finished: always so greedy, k == 1)."""
         hyps = self.finished or [Hypothesis(self.seqs[0], self.scores[0])]
         return sorted(hyps, key=lambda h: h.score, reverse=True)
 
