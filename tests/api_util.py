@@ -49,12 +49,14 @@ def backends(gen_kw: dict | None = None, with_translator: bool = True) -> Backen
 
 
 @asynccontextmanager
-async def client(b: Backends | None = None, limits: ApiLimits | None = None, **app_kw):
+async def client(b: Backends | None = None, limits: ApiLimits | None = None, *, root_path: str = "", **app_kw):
+    """`root_path`: the app mounted under a route prefix, as Serve's proxy passes it."""
     b = b if b is not None else backends()
     app = create_app(b, limits, **app_kw)
     await b.start()
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        transport = httpx.ASGITransport(app=app, root_path=root_path)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
             c.app = app
             yield c
     finally:

@@ -3,10 +3,8 @@ health/readiness/metrics/playground open, every configured key compared, off whe
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 
-import httpx
 import pytest
 import torch
 from api_util import backends, run
@@ -157,19 +155,11 @@ def test_cors_origins_in_the_service_config():
 
 def test_open_paths_stay_open_under_a_route_prefix():
     # Serve's proxy keeps the route prefix in "path" and in "root_path" (the /batched app)
-    async def main():
-        b = backends(with_translator=False)
-        app = create_app(b, api_keys=KEYS)
-        await b.start()
-        try:
-            transport = httpx.ASGITransport(app=app, root_path="/batched")
-            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-                for path in ["/healthz", "/metrics", "/"]:
-                    r = await c.get("/batched" + path)
-                    assert r.status_code == 200, (path, r.status_code)
-                assert (await c.get("/batched/v1/models")).status_code == 401
-                r = await c.get("/batched/v1/models", headers={"Authorization": f"Bearer {KEYS[0]}"})
-                assert r.status_code == 200
-        finally:
-            await b.stop()
-    asyncio.run(main())
+    async def main(c):
+        for path in ["/healthz", "/metrics", "/"]:
+            r = await c.get("/batched" + path)
+            assert r.status_code == 200, (path, r.status_code)
+        assert (await c.get("/batched/v1/models")).status_code == 401
+        r = await c.get("/batched/v1/models", headers={"Authorization": f"Bearer {KEYS[0]}"})
+        assert r.status_code == 200
+    run(main, backends(with_translator=False), api_keys=KEYS, root_path="/batched")
