@@ -81,7 +81,7 @@ def test_version_and_health():
     run(down, Backends(unavailable={GENERATOR_ID: "failed to load"}))
 
 
-def test_health_is_503_while_starting():
+def test_health_is_503_while_starting_and_version_answers():
     from service.startup import Startup
 
     starting = Startup()
@@ -90,6 +90,7 @@ def test_health_is_503_while_starting():
     async def main(c):
         r = await c.get("/health")
         assert r.status_code == 503 and r.headers["retry-after"]
+        assert (await c.get("/version")).status_code == 200  # needs no model: a probe during start-up
         starting.done()
         assert (await c.get("/health")).status_code == 200
     run(main, backends(with_translator=False), startup=starting)

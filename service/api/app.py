@@ -91,7 +91,7 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
             return FileResponse(index)
 
     app.add_middleware(StartupGate, startup=lambda: app.state.startup,
-                       open_paths=("/healthz", "/readyz", "/metrics", "/", "/docs", "/openapi.json"),
+                       open_paths=("/healthz", "/readyz", "/metrics", "/version", "/", "/docs", "/openapi.json"),
                        open_prefixes=OPEN_PREFIXES)
     app.add_middleware(ApiKeyAuth, keys=lambda: app.state.api_keys)  # inside CountResponses: 401s are counted
     app.add_middleware(BodyLimit, limit=lambda: app.state.limits.max_body_bytes)
