@@ -69,12 +69,13 @@ def _child(kind: str, spec, engine, **resolved) -> subprocess.Popen:
 
 
 async def _build(kind: str, spec_json: str) -> None:
-    from service.engine.cpu_runtime import BusyBoard
+    from service.engine.cpu_runtime import BusyBoard, single_threaded_caller
     from service.models import load_generator, load_translator
 
     # busy while building: a serving engine borrowing this build's core would wait for it
     board = BusyBoard()
     board.set(True)
+    single_threaded_caller()  # as a replica loads: the engine thread's pool is the only parallel one
     spec = ModelSpec.from_dict(json.loads(spec_json))
     engine = (load_translator(spec) if kind == "translator" else load_generator(spec, log=log.info)).engine
     await engine.start()

@@ -155,3 +155,41 @@ def test_a_finished_child_gives_its_exit_code():
 
     child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     assert asyncio.run(wait_child(child)) == 3
+
+
+def test_the_child_loads_its_model_single_threaded_as_a_replica_does(monkeypatch, tmp_path):
+    """A multi-threaded load would leave a second OpenMP pool beside the engine thread's, slowing the build."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from service import models, prebuild
+    from service.engine import cpu_runtime
+
+    seen = {}
+
+    class Engine:
+        async def start(self):
+            seen["engine started"] = True
+
+        async def stop(self):
+            pass
+
+    def load(spec):
+        seen["threads"] = torch.get_num_threads()
+        return SimpleNamespace(engine=Engine())
+
+    monkeypatch.setattr(models, "load_translator", load)
+    monkeypatch.setattr(cpu_runtime, "BUSY_DIR", tmp_path)
+    cpu_runtime.default_threads()  # the process default is remembered from here, not from the 2 set below
+
+    def child_main():  # a thread of its own: torch's thread count is per thread
+        torch.set_num_threads(2)  # as a process's main thread starts on a host with cores to spare
+        asyncio.run(prebuild._build("translator", "{}"))
+
+    t = threading.Thread(target=child_main)
+    t.start()
+    t.join()
+    assert seen == {"threads": 1, "engine started": True}
