@@ -837,3 +837,15 @@ def test_a_start_waiting_for_a_start_that_failed_fails_too():
         return engine.started, engine._pool
 
     assert asyncio.run(main()) == (False, None)
+
+
+@pytest.mark.parametrize("max_seq_len", [1, 2, 3])
+def test_slots_of_a_few_tokens_start_without_a_failed_warm_up(max_seq_len, caplog):
+    engine = make_engine(max_seq_len=max_seq_len)
+
+    async def main():
+        await engine.start()
+        await engine.stop()
+
+    asyncio.run(main())
+    assert not [r for r in caplog.records if "warm-up" in r.getMessage()]

@@ -34,6 +34,8 @@ class DecoderRunner:
         """Run each kind of call once on free slots (no request reads their K/V), so that the one-time costs
         (allocations, oneDNN's set-up, first touches of the weights) miss the first request."""
         n = min(3, self.config.max_slots, self.config.max_seq_len - 2)
+        if n < 1:  # slots too short for a prompt and a decode: nothing to warm
+            return
         self.prefill([(0, [0, 0], 0)])  # one prompt: compiled where built
         self.prefill([(s, [0] * (s + 2), 0) for s in range(n)])  # short prompts together: one eager forward
         self.decode(list(range(n)), [0] * n, [1] * n)
