@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from model.paths import REPO_ROOT
-from service.api.backends import Backends
+from service.api.backends import DISABLED, Backends
 from service.config import DEFAULT_TRANSLATOR_DIR, GENERATOR_ID, TRANSLATOR_ID, ModelSpec, ServiceConfig
 from service.engine.config import EngineConfig
 from service.frontend.generator import GeneratorFrontend
@@ -193,7 +193,7 @@ def load_backends(cfg: ServiceConfig, sink=None, log=print, startup=None) -> Bac
                                      (cfg.generator_id, cfg.generator, functools.partial(load_generator, log=log),
                                       "generator")):
         if not spec.enabled:
-            backends.unavailable[name] = "disabled in the service config"
+            backends.unavailable[name] = DISABLED
             continue
         startup.set(f"loading the {attr} weights", name, "loading weights")
         t0 = time.perf_counter()

@@ -42,6 +42,21 @@ def test_readyz_503_without_generator():
     run(main, Backends(unavailable={GENERATOR_ID: "failed to load"}))
 
 
+def test_readyz_200_for_a_translator_only_config():
+    from service.api.backends import DISABLED, Backends
+
+    async def main(c):
+        r = await c.get("/readyz")
+        assert r.status_code == 200 and r.json()["unavailable"] == {GENERATOR_ID: DISABLED}, r.text
+        r = await c.post("/v1/generate", json={"prompt": "hi"})
+        assert r.status_code == 503 and "disabled" in r.json()["error"]["message"]
+    run(main, Backends(translator=translator(), unavailable={GENERATOR_ID: DISABLED}))
+
+    async def nothing(c):  # the translator failed too: nothing serves
+        assert (await c.get("/readyz")).status_code == 503
+    run(nothing, Backends(unavailable={GENERATOR_ID: DISABLED, TRANSLATOR_ID: "failed to load"}))
+
+
 USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens differ on a repeat
 
 

@@ -63,11 +63,11 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
 
     @app.get("/readyz", tags=["ops"])
     async def readyz():
-        """200 once the models are loaded and the generator serves; until then 503 with the start-up
-        phase, its elapsed time and each model's state."""
+        """200 once the models are loaded and the generator serves (the translator, where the config disables
+        the generator); until then 503 with the start-up phase, its elapsed time and each model's state."""
         b: Backends = app.state.backends
         body = app.state.startup.snapshot()
-        body["ready"] = body["ready"] and b.generator is not None
+        body["ready"] = body["ready"] and b.serving
         if app.state.startup.serving:
             body["models"] = {**{n: body["models"].get(n, "ready") for n in b.ids()},
                               **{n: f"unavailable: {why}" for n, why in b.unavailable.items()}}

@@ -17,6 +17,9 @@ if TYPE_CHECKING:  # the engines (torch, the models) load only where a replica b
     from service.frontend.translator import TranslationFrontend
 
 
+DISABLED = "disabled in the service config"  # the reason recorded for a model the config turns off
+
+
 @dataclass
 class Backends:
     """The loaded models, and for each missing one the reason it is missing."""
@@ -26,6 +29,13 @@ class Backends:
     unavailable: dict[str, str] = field(default_factory=dict)  # model id -> why it is not served
     generator_id: str = GENERATOR_ID  # the configured ids (ServiceConfig), named while a model is missing
     translator_id: str = TRANSLATOR_ID
+
+    @property
+    def serving(self) -> bool:
+        """Whether the models a replica is for serve: the generator; where the config disables it, the translator."""
+        if self.unavailable.get(self.generator_id) == DISABLED:
+            return self.translator is not None
+        return self.generator is not None
 
     def ids(self) -> list[str]:
         return [b.name for b in (self.generator, self.translator) if b is not None]
