@@ -1,5 +1,6 @@
 """sample_next: greedy, top-k/top-p filtering, penalties, logit bias, per-request generators."""
 
+import pytest
 import torch
 
 from service.engine.sampling import apply_logit_bias, apply_output_penalties, make_generator, sample_next
@@ -97,6 +98,18 @@ def test_a_row_without_top_k_or_top_p_samples_alike_beside_rows_with_them():
         batched = sample_next(x.clone(), company, [make_generator(seed), make_generator(1), make_generator(2)],
                               [[]] * 3)[0]
         assert alone == batched, seed
+
+
+@pytest.mark.parametrize("params", [dict(top_p=0.999), dict(top_k=3), dict(min_p=0.01)])
+def test_filtered_sampling_is_as_robust_to_rounding_as_plain_sampling(params):
+    """Another batch's rounding (here 1e-6) can swap two near-tied logits' ranks: the token a seed picks
+    must not change with it, as it does not for unfiltered rows."""
+    a = torch.tensor([[2.0, 1.0, 1.0 + 1e-6, 0.0]])
+    b = torch.tensor([[2.0, 1.0 + 1e-6, 1.0, 0.0]])
+    p = SamplingParams(temperature=1.0, **params)
+    picks = [[sample_next(x.clone(), [p], [make_generator(seed)], [[]])[0] for seed in range(50)] for x in (a, b)]
+    assert picks[0] == picks[1]
+    assert len(set(picks[0])) > 1  # it did sample
 
 
 def test_repetition_penalty_discourages_seen_tokens():

@@ -96,22 +96,17 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams],
     x = logits[rows] / temp[:, None]  # (N, V)
     # drawn on the CPU, where the per-request generators live: a seed gives the same draws on any device
     u = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).to(dev)  # (N,)
-    choice = torch.empty(len(rows), dtype=torch.long, device=dev)  # (N,)
-    # top-k / top-p rows sample from their sorted, filtered logits; the others from the logits as they
-    # are, whatever the batch company (the inverse CDF of another order picks another token for one u)
-    filtered = [p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sp]
-    filt = [j for j, f in enumerate(filtered) if f]
-    plain = [j for j, f in enumerate(filtered) if not f]
-    if plain:
-        choice[plain] = _inverse_cdf(x[plain], u[plain])
+    # top-k / top-p / min-p rows are filtered in sorted order, then drawn in vocabulary order as the
+    # others are: two near-tied logits that swap ranks under another batch's rounding then move the CDF
+    # by that rounding only, instead of swapping which token one u picks
+    filt = [j for j, p in enumerate(sp) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]
     if filt:
         xs, idx = x[filt].sort(-1, descending=True)  # (F, V)
         top_k = torch.tensor([sp[j].top_k for j in filt], device=dev)
         top_p = torch.tensor([sp[j].top_p for j in filt], device=dev, dtype=logits.dtype)
         min_p = torch.tensor([sp[j].min_p for j in filt], device=dev, dtype=logits.dtype)
-        picked = _inverse_cdf(_filter_sorted(xs, top_k, top_p, min_p), u[filt])  # (F,) ranks
-        choice[filt] = idx.gather(1, picked[:, None])[:, 0]
-    out[rows] = choice
+        x[filt] = torch.empty_like(xs).scatter_(1, idx, _filter_sorted(xs, top_k, top_p, min_p))  # (F, V)
+    out[rows] = _inverse_cdf(x, u)
     return out.tolist()
 
 
