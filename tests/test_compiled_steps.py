@@ -190,24 +190,46 @@ def test_compiled_generation_engine_matches_eager_alone_and_in_company():
     assert compiled[3] == 0
 
 
-def test_the_fewest_slots_a_compiled_engine_takes():
-    """Three slots: the steps are exported at sizes below the cache's (rows 2, sources 2 or 3), and a slot freed
-    and taken again reads right. Two slots run eagerly: no example size is both >= 2 and below the cache's."""
+@pytest.mark.parametrize("engine_type", ["translation", "generation"])
+def test_a_compiled_engine_of_one_slot(engine_type):
+    """The steps are exported at sizes below the cache's and >= 2, so a cache needs 3 slots: an engine of one
+    gets spare ones it never hands out, compiles, and answers queued requests one at a time as eagerly."""
     with pytest.raises(ValueError, match="slots"):
         CompiledTranslator(MODEL, MODEL.new_cache(2, max_len=32, cross_len=16))
 
-    async def main():
-        engine = TranslationEngine(MODEL, EngineConfig(max_slots=3, compile=True))
+    async def run(engine):
         await engine.start()
         try:
-            req = TranslateRequest(TEXTS, target_lang="zh", beam_size=1, no_repeat_ngram=0)
-            return engine.compiled, await translate(engine, req)
+            if engine_type == "translation":
+                req = TranslateRequest(TEXTS, target_lang="zh", beam_size=1, no_repeat_ngram=0)
+                return engine.compiled, (await translate(engine, req)).translations, engine.runner.cache.n_slots
+            reqs = [GenerateRequest(prompt_ids=[5 + i, 9, 7], params=SamplingParams(max_new_tokens=6, ignore_eos=True))
+                    for i in range(3)]
+            outs = await asyncio.gather(*(_ids(engine, r) for r in reqs))
+            return engine.compiled, outs, engine.runner.cache.n_slots
         finally:
             await engine.stop()
 
-    compiled, result = asyncio.run(main())
+    def serve(compile_: bool):
+        cfg = EngineConfig(max_slots=1, max_seq_len=64, compile=compile_)
+        engine = (TranslationEngine(MODEL, cfg) if engine_type == "translation"
+                  else GenerationEngine(tiny_llama(), TOK, cfg, eos_ids={TOK.eos_id}))
+        return asyncio.run(run(engine))
+
+    compiled, answers, cache_slots = serve(True)
     assert compiled is not None, "compilation failed (see the warning in the log)"
-    assert result.translations == offline(TEXTS, 1)
+    assert cache_slots == 3
+    eager, eager_answers, eager_slots = serve(False)
+    assert eager is None and eager_slots == 1 and answers == eager_answers
+    if engine_type == "translation":
+        assert answers == offline(TEXTS, 1)
+
+
+async def _ids(engine, req) -> list[int]:
+    ids = []
+    async for ev in engine.submit(req):
+        ids += ev.token_ids
+    return ids
 
 
 def test_a_failed_compile_falls_back_to_eager(monkeypatch, caplog):

@@ -53,6 +53,14 @@ def use_persistent_cache() -> Path:
 MIN_SIZE = 2  # torch.export specialises example sizes 0 and 1
 # cross-attention reads source keys 1.. as a prefix (model/attention.py): that prefix too stays >= MIN_SIZE
 MIN_SRC = MIN_SIZE + 1
+
+
+def cache_slots(max_slots: int, compile: bool) -> int:
+    """Slots an engine's cache holds: a compiled one gets spares up to MIN_SIZE + 1 (never handed out), so an
+    engine of one or two slots compiles too."""
+    return max(max_slots, MIN_SIZE + 1) if compile else max_slots
+
+
 # The cached prefix a decode step reads is rounded up to a multiple of this (the extra keys masked): oneDNN
 # builds a matmul primitive per shape, and a length growing by one would miss its cache every step.
 LENGTH_STEP = 64

@@ -7,7 +7,7 @@ import torch
 
 from model.decoder import DecoderLM
 from model.generate import pad_batch
-from service.engine.compiled import CompiledDecoder
+from service.engine.compiled import CompiledDecoder, cache_slots
 from service.engine.config import EngineConfig
 
 Chunk = tuple[int, list[int], int]  # (slot, prompt tokens, position of the first)
@@ -19,7 +19,8 @@ class DecoderRunner:
         self.model = model.to(device=config.device, dtype=config.torch_dtype).eval()
         self.config = config
         self.device = config.device
-        self.cache = model.new_cache(config.max_slots, config.max_seq_len, dtype=config.kv_torch_dtype)
+        self.cache = model.new_cache(cache_slots(config.max_slots, config.compile), config.max_seq_len,
+                                     dtype=config.kv_torch_dtype)
         self.compiled: CompiledDecoder | None = None
         # False: `compile` loads the compiled prefill where this host has it and leaves building it to the
         # caller (a replica builds it in a child once ready: service/prebuild.py)

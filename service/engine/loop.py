@@ -36,7 +36,7 @@ class EngineLoop:
         self.sink: MetricsSink = sink or MetricsSink()
         self.runner = runner
         self.model = runner.model
-        self.scheduler: Scheduler = Scheduler(config, SlotTable(runner.cache), noun)
+        self.scheduler: Scheduler = Scheduler(config, SlotTable(runner.cache, config.max_slots), noun)
         self.hooks = StepHooks()
         self.busy = BusyBoard()  # this engine's entry on the host's board (service/engine/cpu_runtime.py)
         self._pool: ThreadPoolExecutor | None = None

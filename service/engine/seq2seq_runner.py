@@ -8,7 +8,7 @@ import torch
 
 from model.generate import pad_batch
 from model.seq2seq import EncoderDecoder
-from service.engine.compiled import CompiledTranslator
+from service.engine.compiled import CompiledTranslator, cache_slots
 from service.engine.config import EngineConfig
 from service.engine.cpu_runtime import default_threads
 
@@ -19,8 +19,8 @@ class Seq2SeqRunner:
         self.device = config.device
         self.max_tgt = min(config.max_seq_len, model.cfg.max_tgt_len)
         # one spare source position: the compiled step's views of the sources never span a whole dimension
-        self.cache = model.new_cache(config.max_slots, self.max_tgt, dtype=config.kv_torch_dtype,
-                                     cross_len=model.cfg.max_src_len + 1)
+        self.cache = model.new_cache(cache_slots(config.max_slots, config.compile), self.max_tgt,
+                                     dtype=config.kv_torch_dtype, cross_len=model.cfg.max_src_len + 1)
         self.compiled: CompiledTranslator | None = None
         self._steps_key: tuple | None = None  # the packages' key: the weights never change once served
 

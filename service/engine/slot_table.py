@@ -26,9 +26,10 @@ class HoldsSlots(Protocol):
 
 
 class SlotTable:
-    def __init__(self, cache: KVCache):
+    def __init__(self, cache: KVCache, n_slots: int | None = None):
+        """Hands out slots [0, n_slots) of `cache` (default: all of them); the cache may hold spares."""
         self.cache = cache
-        self._free = list(range(cache.n_slots))  # a heap: lowest slot first
+        self._free = list(range(cache.n_slots if n_slots is None else n_slots))  # a heap: lowest slot first
         self._used: set[int] = set()
 
     @property
