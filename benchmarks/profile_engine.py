@@ -28,8 +28,14 @@ async def run(args) -> None:
 
     single_threaded_caller()  # the engine runs args.threads on its own thread
     model, tok, eos, label, _ = load_model(args.dtype, args.tiny)
+    if args.quantization != "none":
+        from model.quantize import quantize_decoder
+
+        quantize_decoder(model, tok, args.quantization)
+        label += f", {args.quantization}"
     cfg = EngineConfig(max_slots=args.clients, max_seq_len=args.prompt[1] + args.output[1] + 1, mode="continuous",
-                       dtype=args.dtype, threads=args.threads, prefill_chunk=args.prefill_chunk,
+                       dtype=args.dtype, threads=args.threads, decode_threads=args.decode_threads,
+                       prefill_chunk=args.prefill_chunk,
                        prefill_budget=args.prefill_budget, compile=args.compile)
     engine = GenerationEngine(model, tok, cfg, eos_ids=eos)
     hooks = StepProfiler(lambda plan: len(plan.prefill) + len(plan.decode), args.profile_from, args.profile_steps)
@@ -75,6 +81,8 @@ def main() -> None:
     ap.add_argument("--output", type=int, nargs=2, default=[16, 256])
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-threads", type=int, default=None, help="EngineConfig.decode_threads (default: --threads)")
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"], help="model/quantize.py")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (EngineConfig.compile)")
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--prefill-budget", type=int, default=512)
