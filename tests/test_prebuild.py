@@ -61,14 +61,14 @@ def test_a_child_builds_the_translator_packages_and_the_replica_loads_them(tmp_p
 
 
 def test_no_child_where_the_translators_sizes_run_eagerly():
-    """A compiled translator too small for the compiled step (one slot) runs eagerly: nothing to build, and
-    the replica's start must not fail on it."""
+    """A compiled translator too small for the compiled step (slots of two positions) runs eagerly: nothing
+    to build, and the replica's start must not fail on it."""
     from service.config import ServiceConfig
     from service.models import load_translator
     from service.prebuild import start_translator_build
 
     cfg = ServiceConfig.from_dict({"translator": {"device": "cpu", "dtype": "float32",
-                                                  "engine": {"max_slots": 1, "max_seq_len": 32, "compile": True}}})
+                                                  "engine": {"max_slots": 1, "max_seq_len": 2, "compile": True}}})
     assert start_translator_build(cfg, load_translator(cfg.translator)) is None
 
 
