@@ -54,6 +54,7 @@ def handles_as_inputs():
 _lib = torch.library.Library("attnserve", "DEF")
 _lib.define("int8_linear(Tensor x, SymInt handle, int out_features) -> Tensor")
 _lib.define("int4_linear(Tensor x, Tensor packed, int out_features) -> Tensor")
+_lib.define("q8_linear(Tensor x, Tensor packed, int out_features) -> Tensor")
 
 
 def _int8_linear_cpu(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
@@ -68,9 +69,11 @@ def _native_kernel() -> bool:
         return True
     _lib.impl("int8_linear", _int8_linear_cpu, "CPU")
     _lib.impl("int4_linear", int4_linear_reference, "CPU")
+    _lib.impl("q8_linear", q8_linear_reference, "CPU")
     return False
 
 
+@torch.library.register_fake("attnserve::q8_linear", lib=_lib)
 @torch.library.register_fake("attnserve::int4_linear", lib=_lib)
 @torch.library.register_fake("attnserve::int8_linear", lib=_lib)
 def _linear_fake(x: torch.Tensor, weights: int | torch.Tensor, out_features: int) -> torch.Tensor:
@@ -79,6 +82,7 @@ def _linear_fake(x: torch.Tensor, weights: int | torch.Tensor, out_features: int
 
 int8_linear = torch.ops.attnserve.int8_linear
 int4_linear = torch.ops.attnserve.int4_linear
+q8_linear = torch.ops.attnserve.q8_linear
 
 
 # Without VNNI, fbgemm's u8 x s8 multiply-adds can saturate 16-bit sums; 7-bit activations avoid it.
@@ -173,17 +177,56 @@ def unpack_int4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return q, fp32(packed[..., 256:288]), fp32(packed[..., 288:320])
 
 
+def _quantized_groups(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> int8 values (M, G, 32) as floats and their scales (M, G), as the C++ kernels quantize it."""
+    xg = x.float().view(-1, k // INT4_GROUP, INT4_GROUP)  # (M, G, 32)
+    dx = xg.abs().amax(-1) / 127  # (M, G)
+    xq = torch.round(xg * torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))[..., None]).clamp(-127, 127)  # (M, G, 32)
+    return xq, dx
+
+
 def int4_linear_reference(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """What the C++ kernel computes, in torch ops (the kernel where it cannot be built, and its oracle): x
     quantized to int8 with one scale per row and group of 32, as the kernel quantizes its input."""
     q, scale, low = unpack_int4(packed)  # (N, K), (N, G), (N, G)
     n, k = q.shape
-    xg = x.float().view(-1, k // INT4_GROUP, INT4_GROUP)  # (M, G, 32)
-    dx = xg.abs().amax(-1) / 127  # (M, G)
-    xq = torch.round(xg * torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))[..., None]).clamp(-127, 127)  # (M, G, 32)
+    xq, dx = _quantized_groups(x, k)
     dots = torch.einsum("mgk,ngk->mng", xq, q.float().view(n, k // INT4_GROUP, INT4_GROUP))  # (M, N, G), exact integers
     y = (dots * scale[None] * dx[:, None]).sum(-1) + (low[None] * (dx * xq.sum(-1))[:, None]).sum(-1)  # (M, N)
     return y.to(x.dtype)
+
+
+Q8_BYTES = INT4_BLOCK * INT4_GROUP  # int8 weights per packed (block, group), then 16 fp16 scales
+
+
+def pack_q8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q (N, K) int8 in -127..127, scale (N, K/32) -> uint8 (N/16, K/32, 544), q8_linear's layout: per 16
+    outputs and group, 16 chunks of 32 bytes (chunk 8h + j: outputs 8h..8h+7 x inputs 4j..4j+3 of the
+    group, 4 bytes an output: one AVX2 register), then the 16 scales in fp16."""
+    n, k = q.shape
+    g = k // INT4_GROUP
+    q6 = q.to(torch.int8).view(n // INT4_BLOCK, 2, 8, g, 8, 4)  # (nb, half, n, g, chunk, t)
+    body = q6.permute(0, 3, 1, 4, 2, 5).reshape(n // INT4_BLOCK, g, Q8_BYTES).view(torch.uint8)
+    scales = scale.to(torch.float16).view(n // INT4_BLOCK, INT4_BLOCK, g).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat([body, scales], dim=-1).contiguous()
+
+
+def unpack_q8(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_q8's inverse -> q (N, K) int8, scale (N, K/32) float32."""
+    nb, g, _ = packed.shape
+    body = packed[..., :Q8_BYTES].contiguous().view(torch.int8).view(nb, g, 2, 8, 8, 4)  # (nb, g, half, chunk, n, t)
+    q = body.permute(0, 2, 4, 1, 3, 5).reshape(nb * INT4_BLOCK, g * INT4_GROUP)
+    scale = packed[..., Q8_BYTES:].contiguous().view(torch.float16).float().transpose(1, 2).reshape(nb * INT4_BLOCK, g)
+    return q, scale
+
+
+def q8_linear_reference(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """What q8_linear's C++ kernel computes, in torch ops (as `int4_linear_reference`)."""
+    q, scale = unpack_q8(packed)  # (N, K), (N, G)
+    n, k = q.shape
+    xq, dx = _quantized_groups(x, k)
+    dots = torch.einsum("mgk,ngk->mng", xq, q.float().view(n, k // INT4_GROUP, INT4_GROUP))  # (M, N, G), exact integers
+    return (dots * scale[None] * dx[:, None]).sum(-1).to(x.dtype)  # (M, N)
 
 
 class Int4Linear(nn.Module):
@@ -216,6 +259,35 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {INT4_GROUP}"
+
+
+class Q8Linear(nn.Module):
+    """int8 weights with an fp16 scale per output and group of 32 (llama.cpp's Q8_0: a dequantized GGUF's
+    groups come back exactly) times int8 activations per group, in our C++ kernel."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        _native_kernel()
+        w = linear.weight.detach().float()  # (N, K)
+        n, k = w.shape
+        self.in_features, self.out_features = k, n
+        wg = w.view(n, k // INT4_GROUP, INT4_GROUP)  # (N, K/g, g)
+        scale = (wg.abs().amax(-1) / 127).to(torch.float16).float().clamp(min=6e-8)  # (N, K/g), fp16 as Q8_0
+        q = torch.round(wg / scale[..., None]).clamp(-127, 127).view(n, k)
+        self.register_buffer("packed", pack_q8(q, scale))  # (N/16, K/32, 544)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+
+    fits = staticmethod(Int4Linear.fits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = q8_linear(x.reshape(-1, self.in_features), self.packed, self.out_features)  # (M, N)
+        if self.bias is not None:
+            y = (y.float() + self.bias).to(x.dtype)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, q8 group {INT4_GROUP}"
 
 
 def quantize_linears(model: nn.Module, mode: str, calibrate: Callable[[], object] | None = None,
@@ -335,13 +407,23 @@ def quantization_of(model: nn.Module) -> str:
     return "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else "none"
 
 
+def int4_head() -> type[nn.Module]:
+    """The output projection's layer under int4: 8 bits (SmolLM2's is Q8_0, which int4 would not hold).
+    fbgemm's W8A8 where the CPU has VNNI; without it fbgemm takes 7-bit activations, so Q8 groups in our
+    kernel, which also reads them faster there (docs/decisions.md, "Quantization")."""
+    return Int8Linear if not _REDUCE_RANGE else Q8Linear
+
+
 def quantize_decoder(model: nn.Module, tokenizer, mode: str, maxima: Path | None = None) -> int:
     """Quantize a decoder-only LM for serving -> layers replaced. int8: every linear, calibrated on
-    CALIBRATION_TEXT. int4: the blocks' linears; the output projection int8 (SmolLM2's is Q8_0, which int4
-    would not hold). `maxima`: the calibration's cache file (`quantize_linears`)."""
+    CALIBRATION_TEXT. int4: the blocks' linears, and the output projection as `int4_head()`. `maxima`: the
+    calibration's cache file (`quantize_linears`)."""
     if mode == "none":
         return 0
     ids = torch.tensor([tokenizer.encode(CALIBRATION_TEXT.read_text(encoding="utf-8"))])  # (1, T)
     ids = ids[:, :model.cfg.max_seq_len]
     n = quantize_linears(model, "int4", keep=("lm_head",)) if mode == "int4" else 0
+    if mode == "int4" and int4_head() is Q8Linear and Q8Linear.fits(model.lm_head):
+        model.lm_head = Q8Linear(model.lm_head)
+        return n + 1
     return n + quantize_linears(model, "int8", calibrate=lambda: model(ids), maxima=maxima)

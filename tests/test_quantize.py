@@ -10,12 +10,16 @@ from model.decoder import DecoderLM
 from model.quantize import (
     Int4Linear,
     Int8Linear,
+    Q8Linear,
     choose_quantization,
+    int4_head,
     int4_linear_reference,
     prepacked_linear,
+    q8_linear_reference,
     quantize_decoder,
     quantize_linears,
     unpack_int4,
+    unpack_q8,
 )
 
 
@@ -133,23 +137,52 @@ def test_int4_kernel_matches_its_reference_close_to_float_and_rows_independent()
     assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
+def test_q8_recovers_q8_0_groups_exactly():
+    torch.manual_seed(4)
+    n, k = 32, 64
+    q = torch.randint(-127, 128, (n, k // 32, 32))
+    q[..., 0] = 127 * torch.randint(0, 2, (n, k // 32)) * 2 - 127  # each group reaches +-127, as Q8_0's do
+    scale = (torch.rand(n, k // 32) * 0.01 + 1e-4).to(torch.float16).float()
+    lin = nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_((scale[..., None] * q).view(n, k))
+    got_q, got_scale = unpack_q8(Q8Linear(lin).packed)
+    assert torch.equal(got_q.long(), q.view(n, k)) and torch.equal(got_scale, scale)
+
+
+def test_q8_kernel_matches_its_reference_close_to_float_and_rows_independent():
+    lin = _linear(k=96, n=48)
+    layer = Q8Linear(lin)
+    x = torch.randn(11, 96)  # more rows than the kernel's register block of 8
+    x[3] *= 40
+    with torch.inference_mode():
+        y = layer(x)
+        assert torch.allclose(y, q8_linear_reference(x, layer.packed, 48) + layer.bias, rtol=1e-5, atol=1e-5)
+        ref = lin(x)
+        assert ((y - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 0.01  # int8 weights and activations a group
+        for r in range(11):
+            assert torch.equal(layer(x[r:r + 1]), y[r:r + 1])
+        assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
 _INT4_OUTPUT = """
 import torch
 from torch import nn
 from model import native_ops
-from model.quantize import Int4Linear, int4_linear_reference
+from model.quantize import Int4Linear, Q8Linear, int4_linear_reference, q8_linear_reference
 torch.manual_seed(0)
-layer = Int4Linear(nn.Linear(128, 64))
+layer, q8 = Int4Linear(nn.Linear(128, 64)), Q8Linear(nn.Linear(128, 64))
 assert native_ops.load(), "the C++ kernels did not build"
 x = torch.randn(9, 128)
 with torch.inference_mode():
-    print((layer(x) - int4_linear_reference(x, layer.packed, 64) - layer.bias).abs().max().item())
+    print(max((layer(x) - int4_linear_reference(x, layer.packed, 64) - layer.bias).abs().max().item(),
+              (q8(x) - q8_linear_reference(x, q8.packed, 64) - q8.bias).abs().max().item()))
 """
 
 
 @pytest.mark.parametrize("isa", ["", "avx2", "scalar"])
-def test_int4_kernel_paths_agree_with_the_reference(isa):
-    """The C++ kernel picks AVX-512 VNNI, AVX2 or plain C++ at run time; ATTNSERVE_ISA caps the choice so
+def test_int4_and_q8_kernel_paths_agree_with_the_reference(isa):
+    """The C++ kernels pick AVX-512 VNNI, AVX2 or plain C++ at run time; ATTNSERVE_ISA caps the choice so
     each path this host can run is checked."""
     import os
     import subprocess
@@ -186,7 +219,8 @@ def test_quantized_model_close_and_compiles(mode, one_torch_thread):
     n = quantize_decoder(model, TinyTok(), mode)
     assert n == 2 * 4 + 1  # qkv, o, gate_up, down per block + lm_head
     kinds = {type(m) for m in model.modules()}
-    assert Int8Linear in kinds and (mode == "int8") == (Int4Linear not in kinds)
+    assert type(model.lm_head) is (int4_head() if mode == "int4" else Int8Linear)
+    assert (mode == "int8") == (Int4Linear not in kinds)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     with torch.inference_mode():
         out = model(tokens)
@@ -226,6 +260,7 @@ def test_prepacked_linear_computes_the_linear(dtype):
 
 @pytest.mark.parametrize(("mode", "packages"), [("int8", ["blocks", "head"]),
                                                ("int4", ["blocks", "head", "prefill"]),
+                                               ("int4 q8 head", ["blocks", "head", "prefill"]),
                                                ("int8 float head", ["decode"])])
 def test_quantized_step_from_shared_packages_equals_the_eager_step(mode, packages, tmp_path, monkeypatch,
                                                                    one_torch_thread):
@@ -241,6 +276,9 @@ def test_quantized_step_from_shared_packages_equals_the_eager_step(mode, package
     m = tiny_llama()
     if mode == "int8 float head":
         quantize_linears(m, "int8", keep=("lm_head",))
+    elif mode == "int4 q8 head":  # the head of int4 on CPUs without VNNI, on any host
+        quantize_linears(m, "int4", keep=("lm_head",))
+        m.lm_head = Q8Linear(m.lm_head)
     else:
         quantize_decoder(m, TinyTok(), mode)
     cache = m.new_cache(8, 64)

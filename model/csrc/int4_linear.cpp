@@ -1,8 +1,9 @@
-// attnserve::int4_linear's CPU kernel: 4-bit weights in groups of 32 along K, each group with an fp16
-// scale and minimum (llama.cpp's Q4_1), times activations quantized to int8 per row and group (as
-// llama.cpp quantizes them). At a few rows a decode step streams its weights once, so half the bytes
-// of int8 is most of the win; the integer dot products run on AVX-512 VNNI or AVX2, picked at run time,
-// so one build serves every x86 host. Layout: model/quantize.py (`pack_int4`).
+// attnserve::int4_linear's and attnserve::q8_linear's CPU kernels: 4-bit weights in groups of 32 along K,
+// each group with an fp16 scale and minimum (llama.cpp's Q4_1), or 8-bit ones with a scale (its Q8_0),
+// times activations quantized to int8 per row and group (as llama.cpp quantizes them). At a few rows a
+// decode step streams its weights once, so the bytes are most of the cost; the integer dot products run
+// on AVX-512 VNNI (int4) or AVX2, picked at run time, so one build serves every x86 host. Layouts:
+// model/quantize.py (`pack_int4`, `pack_q8`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -21,14 +22,17 @@ constexpr int64_t G = 32;                 // weights per group along K
 constexpr int64_t NB = 16;                // outputs per block
 constexpr int64_t NIBBLES = NB * G / 2;   // 256 bytes of 4-bit weights per (block, group)
 constexpr int64_t BLOCK = NIBBLES + 2 * NB * 2;  // + 16 fp16 scales + 16 fp16 minima = 320 bytes
+constexpr int64_t Q8_BYTES = NB * G;      // 512 bytes of int8 weights per (block, group)
+constexpr int64_t Q8_BLOCK = Q8_BYTES + NB * 2;  // + 16 fp16 scales = 544 bytes
 constexpr int64_t ROWS = 8;               // rows sharing one unpacking of a group's weights
 // Software prefetch this far ahead of the group being read: the hardware prefetcher alone leaves the
 // stream of weights latency-bound (docs/decisions.md, "int4 weight prefetch")
 constexpr int64_t PREFETCH_BYTES = 8192;
 
+template <int64_t Bytes = BLOCK>
 inline void prefetch_group(const uint8_t* w) {
   const char* p = reinterpret_cast<const char*>(w) + PREFETCH_BYTES;
-  for (int64_t c = 0; c < BLOCK; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
+  for (int64_t c = 0; c < Bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
 }
 
 struct Acts {
@@ -211,6 +215,69 @@ void block_scalar(const uint8_t* w, const Acts& a, int64_t r0, float* out, int64
   }
 }
 
+// Q8: 32 bytes hold outputs 8h..8h+7 x inputs 4j..4j+3 of a group (chunk j of half h). s8 x s8 products
+// go through maddubs as |w| x (x with w's sign): pair sums fit int16 (2 * 127 * 127), and widen at once.
+template <int R>
+__attribute__((target("avx2,fma,f16c")))
+void q8_block_avx2(const uint8_t* w0, const Acts& a, int64_t r0, float* out, int64_t ldo) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* q = a.q.data();
+  const float* scale = a.scale.data();
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const uint8_t* w = w0;
+    for (int64_t g = 0; g < a.groups; ++g, w += Q8_BLOCK) {
+      if (h == 0) prefetch_group<Q8_BLOCK>(w);
+      __m256i W[8], A[8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        W[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * (8 * h + j)));
+        A[j] = _mm256_abs_epi8(W[j]);
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + Q8_BYTES + 16 * h)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const int32_t* xq = reinterpret_cast<const int32_t*>(q + row * a.k + g * G);
+        __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m256i p = _mm256_maddubs_epi16(A[j], _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), W[j]));
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(scale[row * a.groups + g])),
+                                 acc[r]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + (r0 + r) * ldo + 8 * h, acc[r]);
+  }
+}
+
+template <int R>
+void q8_block_scalar(const uint8_t* w, const Acts& a, int64_t r0, float* out, int64_t ldo) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t n = 0; n < NB; ++n) out[(r0 + r) * ldo + n] = 0.f;
+  for (int64_t g = 0; g < a.groups; ++g, w += Q8_BLOCK) {
+    const int8_t* qw = reinterpret_cast<const int8_t*>(w);
+    for (int64_t n = 0; n < NB; ++n) {
+      at::Half dh;
+      std::memcpy(&dh, w + Q8_BYTES + 2 * n, 2);
+      const int64_t h = n / 8, o = n % 8;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* xq = a.q.data() + row * a.k + g * G;
+        int32_t s = 0;
+        for (int64_t j = 0; j < 8; ++j)
+          for (int64_t t = 0; t < 4; ++t) s += qw[32 * (8 * h + j) + 4 * o + t] * xq[4 * j + t];
+        out[row * ldo + n] += static_cast<float>(s) * (static_cast<float>(dh) * a.scale[row * a.groups + g]);
+      }
+    }
+  }
+}
+
 using BlockFn = void (*)(const uint8_t*, const Acts&, int64_t, float*, int64_t);
 using Blocks = std::array<BlockFn, ROWS + 1>;  // by rows in the register block, 1..ROWS
 
@@ -219,7 +286,7 @@ using Blocks = std::array<BlockFn, ROWS + 1>;  // by rows in the register block,
 using QuantizeFn = void (*)(const float*, int64_t, int8_t*, float*, float*);
 
 struct Isa {
-  Blocks block;
+  Blocks block, q8_block;
   QuantizeFn quantize;
   bool avx512;
 };
@@ -231,12 +298,14 @@ Isa pick() {
   const std::string want = cap ? cap : "";
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512dq");
-  if (want == "scalar") return {ATTNSERVE_BLOCKS(block_scalar), quantize_row_scalar, false};
-  if (want != "avx2" && avx512 && __builtin_cpu_supports("avx512vnni"))
-    return {ATTNSERVE_BLOCKS(block_vnni), quantize_row_avx512, true};
+  const Blocks q8_scalar = ATTNSERVE_BLOCKS(q8_block_scalar);
+  if (want == "scalar") return {ATTNSERVE_BLOCKS(block_scalar), q8_scalar, quantize_row_scalar, false};
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2) return {ATTNSERVE_BLOCKS(block_avx2), quantize_row_avx2, avx512 && want != "avx2"};
-  return {ATTNSERVE_BLOCKS(block_scalar), quantize_row_scalar, avx512 && want != "avx2"};
+  const Blocks q8 = avx2 ? ATTNSERVE_BLOCKS(q8_block_avx2) : q8_scalar;
+  if (want != "avx2" && avx512 && __builtin_cpu_supports("avx512vnni"))
+    return {ATTNSERVE_BLOCKS(block_vnni), q8, quantize_row_avx512, true};
+  if (avx2) return {ATTNSERVE_BLOCKS(block_avx2), q8, quantize_row_avx2, avx512 && want != "avx2"};
+  return {ATTNSERVE_BLOCKS(block_scalar), q8_scalar, quantize_row_scalar, avx512 && want != "avx2"};
 }
 
 __attribute__((target("avx512f,avx512bw")))
@@ -251,16 +320,19 @@ void to_bf16_avx512(const float* src, at::BFloat16* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = at::BFloat16(src[i]);
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+// x (M, K) times weights packed in blocks of `bytes` per (16 outputs, group) -> (M, N), in x's dtype
+at::Tensor grouped_linear(const char* name, const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                          int64_t bytes, bool q8) {
   static const Isa isa = pick();
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == BLOCK && packed.scalar_type() == at::kByte,
-              "attnserve::int4_linear: packed weights must be uint8 (N/16, K/32, ", BLOCK, ")");
-  TORCH_CHECK(packed.size(0) * NB == out_features, "attnserve::int4_linear: packed for ", packed.size(0) * NB,
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == bytes && packed.scalar_type() == at::kByte,
+              "attnserve::", name, ": packed weights must be uint8 (N/16, K/32, ", bytes, ")");
+  TORCH_CHECK(packed.size(0) * NB == out_features, "attnserve::", name, ": packed for ", packed.size(0) * NB,
               " outputs, asked for ", out_features);
   const int64_t k = packed.size(1) * G;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "attnserve::int4_linear: x must be (M, ", k, ")");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "attnserve::", name, ": x must be (M, ", k, ")");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "attnserve::int4_linear: x must be float32 or bfloat16");
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "attnserve::", name, ": x must be float32 or bfloat16");
+  const Blocks& block = q8 ? isa.q8_block : isa.block;
   const at::Tensor xc = x.contiguous(), w = packed.contiguous();
   // scratch reused across calls: a decode step makes ~120 of them, each a few microseconds
   thread_local Acts a;
@@ -288,7 +360,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   at::parallel_for(0, packed.size(0), 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t r0 = 0; r0 < acts.m; r0 += ROWS)
-        isa.block[std::min(ROWS, acts.m - r0)](wp + b * acts.groups * BLOCK, acts, r0, yp + b * NB, out_features);
+        block[std::min(ROWS, acts.m - r0)](wp + b * acts.groups * bytes, acts, r0, yp + b * NB, out_features);
   });
   if (bf16) {
     at::BFloat16* yb = y.data_ptr<at::BFloat16>();
@@ -301,8 +373,17 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   return y;
 }
 
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  return grouped_linear("int4_linear", x, packed, out_features, BLOCK, false);
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  return grouped_linear("q8_linear", x, packed, out_features, Q8_BLOCK, true);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attnserve, CPU, m) {
   m.impl("int4_linear", int4_linear);
+  m.impl("q8_linear", q8_linear);
 }
