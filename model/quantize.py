@@ -229,20 +229,18 @@ def q8_linear_reference(x: torch.Tensor, packed: torch.Tensor, out_features: int
     return (dots * scale[None] * dx[:, None]).sum(-1).to(x.dtype)  # (M, N)
 
 
-class Int4Linear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+class GroupLinear(nn.Module):
+    """A linear over weights packed in groups of 32 along K for one of our C++ kernels (`kernel`), which
+    quantizes the activations to int8 per row and group; subclasses pack the weights."""
+
+    kernel: Callable
+    kind: str
+
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor):
         super().__init__()
         _native_kernel()
-        w = linear.weight.detach().float()  # (N, K)
-        n, k = w.shape
-        self.in_features, self.out_features = k, n
-        wg = w.view(n, k // INT4_GROUP, INT4_GROUP)  # (N, K/g, g)
-        # a Q4_1 block holds q = 0 and q = 15, so a dequantized GGUF's groups come back exactly
-        lo, hi = wg.amin(-1), wg.amax(-1)  # (N, K/g)
-        scale = ((hi - lo) / 15).to(torch.float16).float().clamp(min=6e-8)  # fp16, as Q4_1 stores it
-        lo = lo.to(torch.float16).float()
-        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).view(n, k)
-        self.register_buffer("packed", pack_int4(q, scale, lo))  # (N/16, K/32, 320)
+        self.out_features, self.in_features = linear.weight.shape
+        self.register_buffer("packed", packed)  # (N/16, K/32, bytes a block)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     @staticmethod
@@ -252,42 +250,43 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = int4_linear(x.reshape(-1, self.in_features), self.packed, self.out_features)  # (M, N)
+        y = self.kernel(x.reshape(-1, self.in_features), self.packed, self.out_features)  # (M, N)
         if self.bias is not None:
             y = (y.float() + self.bias).to(x.dtype)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {INT4_GROUP}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} group {INT4_GROUP}"
 
 
-class Q8Linear(nn.Module):
-    """int8 weights with an fp16 scale per output and group of 32 (llama.cpp's Q8_0: a dequantized GGUF's
-    groups come back exactly) times int8 activations per group, in our C++ kernel."""
+class Int4Linear(GroupLinear):
+    """llama.cpp's Q4_1 groups (a dequantized GGUF's come back exactly: each holds q = 0 and q = 15)."""
+
+    kernel, kind = int4_linear, "int4"
 
     def __init__(self, linear: nn.Linear):
-        super().__init__()
-        _native_kernel()
         w = linear.weight.detach().float()  # (N, K)
         n, k = w.shape
-        self.in_features, self.out_features = k, n
+        wg = w.view(n, k // INT4_GROUP, INT4_GROUP)  # (N, K/g, g)
+        lo, hi = wg.amin(-1), wg.amax(-1)  # (N, K/g)
+        scale = ((hi - lo) / 15).to(torch.float16).float().clamp(min=6e-8)  # fp16, as Q4_1 stores it
+        lo = lo.to(torch.float16).float()
+        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).view(n, k)
+        super().__init__(linear, pack_int4(q, scale, lo))  # (N/16, K/32, 320)
+
+
+class Q8Linear(GroupLinear):
+    """llama.cpp's Q8_0 groups: int8 weights with an fp16 scale (a dequantized GGUF's come back exactly)."""
+
+    kernel, kind = q8_linear, "q8"
+
+    def __init__(self, linear: nn.Linear):
+        w = linear.weight.detach().float()  # (N, K)
+        n, k = w.shape
         wg = w.view(n, k // INT4_GROUP, INT4_GROUP)  # (N, K/g, g)
         scale = (wg.abs().amax(-1) / 127).to(torch.float16).float().clamp(min=6e-8)  # (N, K/g), fp16 as Q8_0
         q = torch.round(wg / scale[..., None]).clamp(-127, 127).view(n, k)
-        self.register_buffer("packed", pack_q8(q, scale))  # (N/16, K/32, 544)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
-
-    fits = staticmethod(Int4Linear.fits)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = q8_linear(x.reshape(-1, self.in_features), self.packed, self.out_features)  # (M, N)
-        if self.bias is not None:
-            y = (y.float() + self.bias).to(x.dtype)
-        return y.view(*shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, q8 group {INT4_GROUP}"
+        super().__init__(linear, pack_q8(q, scale))  # (N/16, K/32, 544)
 
 
 def quantize_linears(model: nn.Module, mode: str, calibrate: Callable[[], object] | None = None,
