@@ -3,7 +3,8 @@
 `quantize_linears(model, mode)` swaps `nn.Linear` modules for drop-in ones, so eager and compiled code both
 use them. int8: per-channel weights, activations scaled per row (token) through fbgemm, with SmoothQuant's
 per-input-channel smoothing calibrated on `CALIBRATION_TEXT`. int4: llama.cpp's Q4_1 groups of 32 times
-int8 activations, in our C++ kernel. Why: docs/decisions.md ("Quantization").
+int8 activations, in our C++ kernel (its output projection in Q8_0 groups where the CPU lacks VNNI). Why:
+docs/decisions.md ("Quantization").
 """
 
 from __future__ import annotations
@@ -231,16 +232,17 @@ def q8_linear_reference(x: torch.Tensor, packed: torch.Tensor, out_features: int
 
 class GroupLinear(nn.Module):
     """A linear over weights packed in groups of 32 along K for one of our C++ kernels (`kernel`), which
-    quantizes the activations to int8 per row and group; subclasses pack the weights."""
+    quantizes the activations to int8 per row and group; subclasses pack the groups (`pack`)."""
 
     kernel: Callable
     kind: str
 
-    def __init__(self, linear: nn.Linear, packed: torch.Tensor):
+    def __init__(self, linear: nn.Linear):
         super().__init__()
         _native_kernel()
-        self.out_features, self.in_features = linear.weight.shape
-        self.register_buffer("packed", packed)  # (N/16, K/32, bytes a block)
+        self.out_features, self.in_features = n, k = linear.weight.shape
+        wg = linear.weight.detach().float().view(n, k // INT4_GROUP, INT4_GROUP)  # (N, K/g, g)
+        self.register_buffer("packed", self.pack(wg))  # (N/16, K/32, bytes a block)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     @staticmethod
@@ -264,15 +266,14 @@ class Int4Linear(GroupLinear):
 
     kernel, kind = int4_linear, "int4"
 
-    def __init__(self, linear: nn.Linear):
-        w = linear.weight.detach().float()  # (N, K)
-        n, k = w.shape
-        wg = w.view(n, k // INT4_GROUP, INT4_GROUP)  # (N, K/g, g)
+    @staticmethod
+    def pack(wg: torch.Tensor) -> torch.Tensor:
+        """wg (N, K/g, g) -> (N/16, K/32, 320)."""
         lo, hi = wg.amin(-1), wg.amax(-1)  # (N, K/g)
         scale = ((hi - lo) / 15).to(torch.float16).float().clamp(min=6e-8)  # fp16, as Q4_1 stores it
         lo = lo.to(torch.float16).float()
-        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).view(n, k)
-        super().__init__(linear, pack_int4(q, scale, lo))  # (N/16, K/32, 320)
+        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15)
+        return pack_int4(q.flatten(1), scale, lo)
 
 
 class Q8Linear(GroupLinear):
@@ -280,13 +281,12 @@ class Q8Linear(GroupLinear):
 
     kernel, kind = q8_linear, "q8"
 
-    def __init__(self, linear: nn.Linear):
-        w = linear.weight.detach().float()  # (N, K)
-        n, k = w.shape
-        wg = w.view(n, k // INT4_GROUP, INT4_GROUP)  # (N, K/g, g)
+    @staticmethod
+    def pack(wg: torch.Tensor) -> torch.Tensor:
+        """wg (N, K/g, g) -> (N/16, K/32, 544)."""
         scale = (wg.abs().amax(-1) / 127).to(torch.float16).float().clamp(min=6e-8)  # (N, K/g), fp16 as Q8_0
-        q = torch.round(wg / scale[..., None]).clamp(-127, 127).view(n, k)
-        super().__init__(linear, pack_q8(q, scale))  # (N/16, K/32, 544)
+        q = torch.round(wg / scale[..., None]).clamp(-127, 127)
+        return pack_q8(q.flatten(1), scale)
 
 
 def quantize_linears(model: nn.Module, mode: str, calibrate: Callable[[], object] | None = None,
