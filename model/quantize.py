@@ -401,9 +401,10 @@ def choose_quantization(dtype: torch.dtype = torch.float32, compiled: bool = Fal
 
 
 def quantization_of(model: nn.Module) -> str:
-    """The mode `quantize_decoder` left `model` in: int4 where any layer is int4, else int8 or none."""
+    """The mode `quantize_decoder` left `model` in: int4 where any layer is int4 (or int4's Q8 head), else int8
+    or none."""
     kinds = {type(m) for m in model.modules()}
-    return "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else "none"
+    return "int4" if kinds & {Int4Linear, Q8Linear} else "int8" if Int8Linear in kinds else "none"
 
 
 def int4_head() -> type[nn.Module]:
@@ -424,5 +425,7 @@ def quantize_decoder(model: nn.Module, tokenizer, mode: str, maxima: Path | None
     n = quantize_linears(model, "int4", keep=("lm_head",)) if mode == "int4" else 0
     if mode == "int4" and int4_head() is Q8Linear and Q8Linear.fits(model.lm_head):
         model.lm_head = Q8Linear(model.lm_head)
-        return n + 1
+        n += 1
+        if not any(isinstance(m, nn.Linear) for m in model.modules()):  # else int8 takes what int4 cannot
+            return n
     return n + quantize_linears(model, "int8", calibrate=lambda: model(ids), maxima=maxima)

@@ -16,6 +16,7 @@ from model.quantize import (
     int4_linear_reference,
     prepacked_linear,
     q8_linear_reference,
+    quantization_of,
     quantize_decoder,
     quantize_linears,
     unpack_int4,
@@ -162,7 +163,11 @@ def test_q8_kernel_matches_its_reference_close_to_float_and_rows_independent():
         assert ((y - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 0.01  # int8 weights and activations a group
         for r in range(11):
             assert torch.equal(layer(x[r:r + 1]), y[r:r + 1])
-        assert layer(x.bfloat16()).dtype == torch.bfloat16
+        xb = x.bfloat16()
+        yb = layer(xb)
+        assert yb.dtype == torch.bfloat16
+        want = (q8_linear_reference(xb.float(), layer.packed, 48) + layer.bias).bfloat16()
+        assert torch.allclose(yb.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
 _INT4_OUTPUT = """
@@ -197,9 +202,9 @@ def test_int4_and_q8_kernel_paths_agree_with_the_reference(isa):
     assert float(r.stdout) < 1e-4
 
 
-def tiny_llama():
+def tiny_llama(d_ff: int = 128):
     torch.manual_seed(0)
-    cfg = DecoderConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,
+    cfg = DecoderConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=d_ff, max_seq_len=64,
                         norm="rmsnorm", mlp="swiglu", positions="rope", attn_bias=False, mlp_bias=False,
                         tie_embeddings=True)
     return DecoderLM(cfg).eval()
@@ -227,6 +232,15 @@ def test_quantized_model_close_and_compiles(mode, one_torch_thread):
         compiled = torch.compile(model)(tokens)
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
     assert torch.allclose(compiled, out, atol=1e-3, rtol=1e-3)
+
+
+def test_int4_leaves_no_float_linear_where_int4_cannot_take_one(one_torch_thread):
+    model = tiny_llama(d_ff=136)  # down's 136 inputs are not whole groups of 32: int8 takes it
+    n = quantize_decoder(model, TinyTok(), "int4")
+    assert n == 2 * 4 + 1
+    assert type(model.lm_head) is int4_head() and type(model.blocks[0].mlp.down) is Int8Linear
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert quantization_of(model) == "int4"
 
 
 def test_quantize_rejects_unknown_mode_and_keeps_named_layers():
