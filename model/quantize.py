@@ -302,6 +302,8 @@ def quantize_linears(model: nn.Module, mode: str, calibrate: Callable[[], object
         return 0
     if next(model.parameters()).device.type != "cpu":
         raise ValueError(f"quantization {mode!r} runs on CPU only; use 'none' on {next(model.parameters()).device}")
+    if not any(isinstance(m, nn.Linear) for m in model.modules()):
+        return 0  # nothing left to replace: no calibration run
     act_max = _input_maxima(model, calibrate, maxima) if mode == "int8" and calibrate is not None else {}
     swapped = 0
     for parent in list(model.modules()):
@@ -426,6 +428,4 @@ def quantize_decoder(model: nn.Module, tokenizer, mode: str, maxima: Path | None
     if mode == "int4" and int4_head() is Q8Linear and Q8Linear.fits(model.lm_head):
         model.lm_head = Q8Linear(model.lm_head)
         n += 1
-        if not any(isinstance(m, nn.Linear) for m in model.modules()):  # else int8 takes what int4 cannot
-            return n
     return n + quantize_linears(model, "int8", calibrate=lambda: model(ids), maxima=maxima)
