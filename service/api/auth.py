@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from service.api.errors import error_body, send_json
+from service.api.errors import send_error
 from service.api.middleware import route_path
 
 ENV_KEYS = "ATTNSERVE_API_KEYS"
@@ -63,10 +63,6 @@ def _bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
-async def _send_401(send, message: str, challenge: str) -> None:
-    await send_json(send, 401, error_body(401, message, "authorization"), {"www-authenticate": challenge})
-
-
 class ApiKeyAuth:
     """ASGI middleware: 401 + `WWW-Authenticate` unless the request carries a configured key.
     `keys()` is read per request, so keys can be swapped on a running app (None = off)."""
@@ -81,7 +77,9 @@ class ApiKeyAuth:
             return await self.app(scope, receive, send)
         token = _bearer(scope.get("headers") or [])
         if token is None:
-            return await _send_401(send, "missing API key: send the header 'Authorization: Bearer <key>'", REALM)
+            return await send_error(send, 401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                                    "authorization", {"www-authenticate": REALM})
         if not token or not keys.matches(token):
-            return await _send_401(send, "invalid API key", REALM + ', error="invalid_token"')
+            return await send_error(send, 401, "invalid API key", "authorization",
+                                    {"www-authenticate": REALM + ', error="invalid_token"'})
         return await self.app(scope, receive, send)

@@ -33,9 +33,10 @@ def error_response(status: int, message: str, param: str | None = None, headers:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
-async def send_json(send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
-    """A JSON response from pure-ASGI middleware (outside FastAPI's handlers)."""
-    data = json.dumps(body).encode()
+async def send_error(send, status: int, message: str, param: str | None = None,
+                     headers: dict[str, str] | None = None, **more) -> None:
+    """An error response from pure-ASGI middleware (outside FastAPI's handlers); `more`: keys beside "error"."""
+    data = json.dumps({**error_body(status, message, param), **more}).encode()
     extra = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),

@@ -4,12 +4,8 @@ disconnect, HTTP response counting for Prometheus, and a fast 503 while the repl
 from __future__ import annotations
 
 from service import metrics
-from service.api.errors import error_body, send_json
+from service.api.errors import send_error
 from service.startup import RETRY_AFTER_S
-
-
-async def _send_413(send, limit: int) -> None:
-    await send_json(send, 413, error_body(413, f"request body exceeds {limit} bytes", "body"))
 
 
 class BodyLimit:
@@ -27,9 +23,10 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         limit = self.limit()
+        too_large = f"request body exceeds {limit} bytes"
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            return await _send_413(send, limit)
+            return await send_error(send, 413, too_large, "body")
         seen, rejected = 0, False
 
         async def counting_receive():
@@ -42,7 +39,7 @@ class BodyLimit:
                 seen += len(message.get("body", b""))
                 if seen > limit and not rejected:  # answer 413 now; the app sees the client leave
                     rejected = True
-                    await _send_413(send, limit)
+                    await send_error(send, 413, too_large, "body")
                     return {"type": "http.disconnect"}
             return message
 
@@ -97,9 +94,8 @@ class StartupGate:
             return await self.app(scope, receive, send)
         snap = state.snapshot()
         why = f"failed to start: {snap['error']}" if state.error else f"{snap['phase']} ({snap['elapsed_s']} s)"
-        body = error_body(503, f"the service is not ready: {why}; retry after {RETRY_AFTER_S} s")
-        body["startup"] = snap
-        await send_json(send, 503, body, {"retry-after": str(RETRY_AFTER_S)})
+        await send_error(send, 503, f"the service is not ready: {why}; retry after {RETRY_AFTER_S} s",
+                         headers={"retry-after": str(RETRY_AFTER_S)}, startup=snap)
 
 
 def route_path(scope) -> str:
