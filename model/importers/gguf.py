@@ -297,9 +297,10 @@ def tokenizer_metadata(meta: dict) -> dict:
     return {k: meta[f"tokenizer.ggml.{k}"] for k in keys if f"tokenizer.ggml.{k}" in meta}
 
 
-def load_gguf(path: str | Path, show_progress: bool = False) -> GGUFModel:
-    """Read and dequantize a GGUF file into our config + state dict (+ tokenizer metadata); malformed
-    content raises GGUFImportError. `show_progress`: a bar over the tensors."""
+def gguf_to_decoder(path: str | Path, show_progress: bool = False):
+    """(DecoderLM in fp32, GGUFModel): the file read and dequantized into our config + state dict (+ tokenizer
+    metadata), the model with its weights loaded; malformed content raises GGUFImportError. `show_progress`: a
+    bar over the tensors."""
     import dataclasses
 
     from model.decoder import DecoderLM
@@ -323,17 +324,9 @@ def load_gguf(path: str | Path, show_progress: bool = False) -> GGUFModel:
         raise
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError, ZeroDivisionError, OverflowError) as e:
         raise GGUFImportError(f"{path}: malformed GGUF ({type(e).__name__}: {e})") from None
-    return GGUFModel(cfg, sd, tokenizer_metadata(meta), meta.get("tokenizer.chat_template"))
-
-
-def gguf_to_decoder(path: str | Path, show_progress: bool = False):
-    """(DecoderLM in fp32, GGUFModel) — the model with the file's weights loaded."""
-    from model.decoder import DecoderLM
-
-    gm = load_gguf(path, show_progress)
-    model = DecoderLM(gm.config)
-    missing, unexpected = model.load_state_dict(gm.state_dict, strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and gm.config.tie_embeddings)]
+    model = DecoderLM(cfg)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_embeddings)]
     if missing or unexpected:
         raise GGUFImportError(f"{path}: tensors missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return model.eval(), gm
+    return model.eval(), GGUFModel(cfg, sd, tokenizer_metadata(meta), meta.get("tokenizer.chat_template"))
