@@ -178,21 +178,21 @@ def unpack_int4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return q, fp32(packed[..., 256:288]), fp32(packed[..., 288:320])
 
 
-def _quantized_groups(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) -> int8 values (M, G, 32) as floats and their scales (M, G), as the C++ kernels quantize it."""
+def _group_dots(x: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, K) quantized as the C++ kernels do it, times integer weights q (N, K), group by group."""
+    n, k = q.shape
     xg = x.float().view(-1, k // INT4_GROUP, INT4_GROUP)  # (M, G, 32)
     dx = xg.abs().amax(-1) / 127  # (M, G)
     xq = torch.round(xg * torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))[..., None]).clamp(-127, 127)  # (M, G, 32)
-    return xq, dx
+    dots = torch.einsum("mgk,ngk->mng", xq, q.float().view(n, k // INT4_GROUP, INT4_GROUP))  # exact integers
+    return xq, dx, dots
 
 
 def int4_linear_reference(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """What the C++ kernel computes, in torch ops (the kernel where it cannot be built, and its oracle): x
     quantized to int8 with one scale per row and group of 32, as the kernel quantizes its input."""
     q, scale, low = unpack_int4(packed)  # (N, K), (N, G), (N, G)
-    n, k = q.shape
-    xq, dx = _quantized_groups(x, k)
-    dots = torch.einsum("mgk,ngk->mng", xq, q.float().view(n, k // INT4_GROUP, INT4_GROUP))  # (M, N, G), exact integers
+    xq, dx, dots = _group_dots(x, q)  # (M, G, 32), (M, G), (M, N, G)
     y = (dots * scale[None] * dx[:, None]).sum(-1) + (low[None] * (dx * xq.sum(-1))[:, None]).sum(-1)  # (M, N)
     return y.to(x.dtype)
 
@@ -224,9 +224,7 @@ def unpack_q8(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def q8_linear_reference(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """What q8_linear's C++ kernel computes, in torch ops (as `int4_linear_reference`)."""
     q, scale = unpack_q8(packed)  # (N, K), (N, G)
-    n, k = q.shape
-    xq, dx = _quantized_groups(x, k)
-    dots = torch.einsum("mgk,ngk->mng", xq, q.float().view(n, k // INT4_GROUP, INT4_GROUP))  # (M, N, G), exact integers
+    xq, dx, dots = _group_dots(x, q)  # (M, G, 32), (M, G), (M, N, G)
     return (dots * scale[None] * dx[:, None]).sum(-1).to(x.dtype)  # (M, N)
 
 
