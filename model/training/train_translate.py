@@ -399,9 +399,9 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     log(event="start", params=n_params, examples=len(examples), config=dataclasses.asdict(cfg))
 
     loss_of = compiled_loss(log) if cfg.compile_loss else token_loss
-    stop = {"flag": False, "signum": None}
+    stop = {"signum": None}
     # while the run lasts, either signal stops it at the end of a step (state saved); the caller's handlers after
-    previous = {s: signal.signal(s, lambda signum, _: stop.update(flag=True, signum=signum))
+    previous = {s: signal.signal(s, lambda signum, _: stop.update(signum=signum))
                 for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         model.train()
@@ -410,7 +410,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
         win_tokens, win_t, win_loss, win_n = 0, time.time(), 0.0, 0
         bar = progress(desc="train", unit="step", initial=meta["step"], total=stop_step(meta, cfg))
         figures = {"loss": "-", "tok/s": "-"} | last_dev_bleu(run)  # the bar's postfix, from the first log line
-        while not stop["flag"]:
+        while stop["signum"] is None and not finished(meta, cfg):  # a resume or warm start may be done already
             rng = random.Random(cfg.seed * 1000 + meta["epoch"])
             batches = make_batches(examples, cfg.batch_tokens, rng, cfg.shape_multiple)
             seen = meta.get("epoch_batches")  # the batch list the position counts in (absent in older runs)
@@ -423,10 +423,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
                     batches=[seen[1], len(batches)], batch_in_epoch=[meta["batch_in_epoch"], pos])
                 meta["batch_in_epoch"] = pos
             meta["epoch_batches"] = current
-            while meta["batch_in_epoch"] < len(batches) and not stop["flag"]:
-                if finished(meta, cfg):
-                    stop["flag"] = True  # already done (e.g. a resume or warm start at the limit)
-                    break
+            while meta["batch_in_epoch"] < len(batches) and stop["signum"] is None and not finished(meta, cfg):
                 idx = batches[meta["batch_in_epoch"]]
                 src, tgt_in, tgt_out = (t.to(dev) for t in collate(examples, idx, mcfg.pad_id, cfg.shape_multiple))
                 step = meta["step"] + 1
@@ -469,8 +466,6 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
                     figures.update(bleu_figures(bleu))
                     bar.set_postfix(figures)
                     last_eval = time.time()
-                if finished(meta, cfg):
-                    stop["flag"] = True
             if meta["batch_in_epoch"] >= len(batches):
                 meta.update(epoch=meta["epoch"] + 1, batch_in_epoch=0)
         bar.close()
