@@ -127,28 +127,26 @@ def dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return dropout(w, p) @ v
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     own: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query per row (a decode step): grouped matmuls, as SDPA's CPU flash kernel is slow for one query
-    and grouping needs no copy of K/V. q (B, H, 1, D); k, v (B, Hkv, L, D); mask broadcastable to (B, 1, 1, L).
+    and grouping needs no copy of K/V. q (B, H, 1, D); k, v (B, Hkv, L, D); mask broadcastable to (B, 1, 1, L);
+    `own`: the row's new key and value (B, Hkv, 1, D), attended besides k, v (`prefix_attention`'s math).
+    Strided cache slices narrower than fp32 are copied first: oneDNN's own transposing copy is far slower.
     """
     b, h, _, d = q.shape
-    qg, k, v = _grouped(q, k, v)
+    if k.device.type == "cpu" and k.dtype != torch.float32 and not k.is_contiguous():
+        k, v = k.contiguous(), v.contiguous()
+    qg = q.view(b, k.shape[1], h // k.shape[1], d)  # (B, Hkv, G, D): query heads grouped by their K/V head
     scores = (qg @ k.transpose(-1, -2)) * d ** -0.5  # (B, Hkv, G, L)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    return (p @ v).view(b, h, 1, d)  # (B, H, 1, D)
-
-
-def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """q (B, H, 1, D) -> (B, Hkv, G, D), the query heads grouped by their K/V head, and k, v ready to multiply.
-
-    Strided cache slices narrower than fp32 are copied first: oneDNN's own transposing copy is far slower."""
-    b, h, _, d = q.shape
-    hkv = k.shape[1]
-    if k.device.type == "cpu" and k.dtype != torch.float32 and not k.is_contiguous():
-        k, v = k.contiguous(), v.contiguous()
-    return q.view(b, hkv, h // hkv, d), k, v
+    if own is None:
+        p = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        return (p @ v).view(b, h, 1, d)  # (B, H, 1, D)
+    own_score = (qg * own[0]).sum(-1, keepdim=True) * d ** -0.5  # (B, Hkv, G, 1)
+    p = torch.softmax(torch.cat([scores, own_score], dim=-1).float(), dim=-1).to(v.dtype)  # (B, Hkv, G, L + 1)
+    return (p[..., :-1] @ v + p[..., -1:] * own[1]).view(b, h, 1, d)  # (B, H, 1, D)
 
 
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor,
@@ -157,26 +155,13 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: t
     copying the prefix. q (B, H, 1, D); k, v (B, Hkv, L, D) prefix views; k_new, v_new (B, Hkv, 1, D);
     prefix_ok (B, 1, 1, L) True for the cached keys a row may attend -> (B, H, 1, D) in v's dtype.
 
-    On CPU the C++ kernel (sums in float32) runs where built; `prefix_attention_reference` is its oracle."""
+    On CPU the C++ kernel (sums in float32) runs where built; `decode_attention` is its oracle, in torch ops."""
     if q.device.type == "cpu" and _native():
         return torch.ops.attnserve.prefix_attention(q, k, v, k_new, v_new, prefix_ok)
-    return prefix_attention_reference(q, k, v, k_new, v_new, prefix_ok)
+    return decode_attention(q, k, v, prefix_ok, (k_new, v_new))
 
 
 @torch.compiler.assume_constant_result
 def _native() -> bool:
     """Whether the C++ kernel is registered; a constant to dynamo, as tracing the loader breaks the graph."""
     return native_ops.load()
-
-
-def prefix_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor,
-                               v_new: torch.Tensor, prefix_ok: torch.Tensor) -> torch.Tensor:
-    """`prefix_attention` in torch ops: grouped batched matmuls, in the inputs' dtype."""
-    b, h, _, d = q.shape
-    scale = d ** -0.5
-    qg, k, v = _grouped(q, k, v)
-    cached = (qg @ k.transpose(-1, -2)) * scale  # (B, Hkv, G, L)
-    cached = cached.masked_fill(~prefix_ok, float("-inf"))
-    own = (qg * k_new).sum(-1, keepdim=True) * scale  # (B, Hkv, G, 1)
-    p = torch.softmax(torch.cat([cached, own], dim=-1).float(), dim=-1).to(v.dtype)  # (B, Hkv, G, L + 1)
-    return (p[..., :-1] @ v + p[..., -1:] * v_new).view(b, h, 1, d)  # (B, H, 1, D)

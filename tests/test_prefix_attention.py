@@ -10,13 +10,18 @@ import pytest
 import torch
 
 from model import native_ops
-from model.attention import prefix_attention, prefix_attention_reference
+from model.attention import decode_attention, prefix_attention
 from tests.conftest import ROOT
 
 
 @pytest.fixture(autouse=True)
 def native():
     assert native_ops.load(), "the C++ kernels did not build (make install brings g++ and ninja)"
+
+
+def reference(q, k, v, k_new, v_new, ok):
+    """The torch code: `decode_attention` with the row's own key and value."""
+    return decode_attention(q, k, v, ok, (k_new, v_new))
 
 
 def _inputs(r, h, hkv, length, d, dtype, seed=0):
@@ -39,7 +44,7 @@ def _inputs(r, h, hkv, length, d, dtype, seed=0):
 def test_kernel_matches_the_torch_code(dtype, h, hkv, d, r, length):
     args = _inputs(r, h, hkv, length, d, dtype)
     got = prefix_attention(*args)
-    ref = prefix_attention_reference(*[a.float() if a.is_floating_point() else a for a in args])
+    ref = reference(*[a.float() if a.is_floating_point() else a for a in args])
     assert got.dtype == dtype and got.shape == (r, h, 1, d)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(got.float(), ref, atol=tol, rtol=tol)
@@ -56,7 +61,7 @@ def test_mask_of_one_row_serves_every_row_and_masked_keys_do_not_count():
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 20:], v2[:, :, 20:] = 1e4, float("nan")  # whatever sits past the mask is never read into sums
     assert torch.equal(prefix_attention(q, k2, v2, k_new, v_new, ok), got)
-    assert torch.allclose(got, prefix_attention_reference(q, k, v, k_new, v_new, ok), atol=1e-5)
+    assert torch.allclose(got, reference(q, k, v, k_new, v_new, ok), atol=1e-5)
 
 
 def test_bad_shapes_are_refused():
@@ -70,14 +75,14 @@ def test_bad_shapes_are_refused():
 _PATH_OUTPUT = """
 import torch
 from model import native_ops
-from model.attention import prefix_attention, prefix_attention_reference
+from model.attention import decode_attention, prefix_attention
 assert native_ops.load(), "the C++ kernels did not build"
 worst = 0.0
 for dtype in (torch.float32, torch.bfloat16):
     for h, hkv, d in ((9, 3, 64), (8, 2, 24), (2, 2, 64), (6, 1, 32)):  # key and slice blocks by G
         args = _inputs(6, h, hkv, 77, d, dtype, seed=1)
         args[5][1, ..., 3:60:7] = False  # holes in a row's prefix: skipped in the middle of key blocks
-        ref = prefix_attention_reference(*[a.float() if a.is_floating_point() else a for a in args])
+        ref = reference(*[a.float() if a.is_floating_point() else a for a in args])
         worst = max(worst, (prefix_attention(*args).float() - ref).abs().max().item())
 print(worst)
 """
@@ -88,7 +93,7 @@ def test_kernel_paths_agree_with_the_torch_code(isa):
     """AVX-512, AVX2 or plain C++ is picked at run time; ATTNSERVE_ISA caps it so each path this host can
     run is checked."""
     env = dict(os.environ, ATTNSERVE_ISA=isa, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    script = inspect.getsource(_inputs) + _PATH_OUTPUT
+    script = inspect.getsource(reference) + inspect.getsource(_inputs) + _PATH_OUTPUT
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                        timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
