@@ -51,6 +51,8 @@ def limits_from_user_config(user_config: dict | None, default: ApiLimits) -> Api
     limits = (user_config or {}).get("limits")
     if limits is None:
         return default
+    if not isinstance(limits, Mapping):  # a string's characters would read as unknown fields
+        raise ValueError(f"user_config.limits must be a mapping of ApiLimits fields, got {limits!r}")
     reject_unknown(limits, [f.name for f in dataclasses.fields(ApiLimits)], "user_config.limits")
     return ApiLimits.from_dict({**dataclasses.asdict(default), **limits})
 

@@ -230,6 +230,14 @@ def test_limits_in_args_hold_when_user_config_has_none():
         cls.reconfigure(replica, {"limits": {"max_textz": 2}})
 
 
+@pytest.mark.parametrize("limits", [5, "max_n", [1]])
+def test_user_config_limits_that_are_not_a_mapping_are_refused_naming_them(limits):
+    from service.config import limits_from_user_config
+
+    with pytest.raises(ValueError, match="user_config.limits must be a mapping of ApiLimits fields"):
+        limits_from_user_config({"limits": limits}, ApiLimits())
+
+
 @pytest.mark.parametrize("data, words", [
     ({"generator": {"enabled": "false"}}, "enabled must be bool"),  # a string is not a bool
     ({"limits": {"max_texts": "10"}}, "max_texts must be int"),
