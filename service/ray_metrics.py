@@ -82,8 +82,7 @@ def aggregate(export_texts: list[str], application: str | None = None) -> str:
     prefix and every label but the spec's own (and `le`) go, and what then shares a name and labels is
     combined per the spec's `combine`. With `application`, only that Serve application's series count.
     """
-    sums: dict[str, dict[tuple, float]] = defaultdict(lambda: defaultdict(float))
-    counts: dict[str, dict[tuple, int]] = defaultdict(lambda: defaultdict(int))
+    values: dict[str, dict[tuple, list[float]]] = defaultdict(lambda: defaultdict(list))  # one per replica
     for text in export_texts:
         for family in text_string_to_metric_families(text):
             if not family.name.startswith(RAY_PREFIX):
@@ -97,21 +96,18 @@ def aggregate(export_texts: list[str], application: str | None = None) -> str:
                 keep = (*spec.labels, "le") if sample.name.endswith("_bucket") else spec.labels
                 key = tuple((k, sample.labels.get(k, "")) for k in keep)
                 name = PREFIX + sample.name[len(RAY_PREFIX):]
-                sums[name][key] += sample.value
-                counts[name][key] += 1
+                values[name][key].append(sample.value)
     lines = []
     for spec in SPECS:
         base = PREFIX + spec.name
         suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}[spec.kind]
-        names = [base + s for s in suffixes if base + s in sums]
+        names = [base + s for s in suffixes if base + s in values]
         if not names:
             continue
         lines += [f"# HELP {base} {spec.help}", f"# TYPE {base} {spec.kind}"]
         for name in names:
-            for key in sorted(sums[name], key=_sort_key):
-                value = sums[name][key]
-                if spec.combine == "mean":
-                    value /= counts[name][key]
+            for key in sorted(values[name], key=_sort_key):
+                value = sum(values[name][key]) / (len(values[name][key]) if spec.combine == "mean" else 1)
                 labels = ",".join(f'{k}="{_escape(v)}"' for k, v in key)
                 lines.append(f"{name}{{{labels}}} {float(value)!r}")
     return "\n".join(lines) + ("\n" if lines else "")
