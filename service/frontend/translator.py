@@ -50,12 +50,9 @@ class TranslationFrontend:
         sources: list[list[int]] = []
         # per text, per line, per sentence: its index in `sources`, or the text it passes through as
         plans: list[list[list[int | str]]] = []
-        source_langs, target_langs = [], []
-        for i, text in enumerate(req.texts):
-            src_lang = req.source_lang or detect_lang(text)
-            tgt = req.target_lang or other(src_lang)
-            source_langs.append(src_lang)
-            target_langs.append(tgt)
+        source_langs = [req.source_lang or detect_lang(text) for text in req.texts]
+        target_langs = [req.target_lang or other(lang) for lang in source_langs]
+        for i, (text, tgt) in enumerate(zip(req.texts, target_langs, strict=True)):
             plan = []
 
             def fits(piece: str, tgt=tgt) -> bool:
