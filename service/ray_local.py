@@ -123,14 +123,12 @@ def check_apps(config: dict, where: str | Path) -> None:
             raise ValueError(f"{where}: application {app.get('name')!r}: {e}") from None
 
 
-def http_base(host: str, port: int) -> str:
-    """The service's URL on `host`: an IPv6 literal goes in brackets."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def attnserve_route(config: dict) -> str:
-    """The route prefix of the config's attnserve application ("" for "/")."""
-    return (attnserve_apps(config)[0].get("route_prefix") or "/").rstrip("/")
+def service_url(config: dict) -> str:
+    """The service's URL from the config's http_options (an IPv6 literal host goes in brackets) and its attnserve
+    application's route prefix ("/" adds nothing)."""
+    host, port = config["http_options"]["host"], config["http_options"]["port"]
+    base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return base + (attnserve_apps(config)[0].get("route_prefix") or "/").rstrip("/")
 
 
 def start_ray(num_cpus: int | None = None, object_store_bytes: int = OBJECT_STORE_BYTES,

@@ -250,11 +250,16 @@ def test_config_values_of_the_wrong_type_are_refused_naming_the_field(data, word
         ServiceConfig.from_dict(data)
 
 
-def test_the_service_url_brackets_an_ipv6_host():
-    from service.ray_local import http_base
+def test_the_service_url_brackets_an_ipv6_host_and_ends_in_the_route_prefix():
+    from service.ray_local import ATTNSERVE_APP, service_url
 
-    assert http_base("127.0.0.1", 8000) == "http://127.0.0.1:8000"
-    assert http_base("::1", 8000) == "http://[::1]:8000"
+    def config(host, route_prefix=None):
+        return {"http_options": {"host": host, "port": 8000},
+                "applications": [{"import_path": ATTNSERVE_APP, "route_prefix": route_prefix}]}
+
+    assert service_url(config("127.0.0.1")) == "http://127.0.0.1:8000"
+    assert service_url(config("::1", "/")) == "http://[::1]:8000"
+    assert service_url(config("127.0.0.1", "/api/")) == "http://127.0.0.1:8000/api"
 
 
 def test_a_host_folder_that_cannot_be_written_costs_the_generator_only(tmp_path, monkeypatch):

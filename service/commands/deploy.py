@@ -49,8 +49,7 @@ def run(args) -> int:
         ray_local.deploy(config, args.timeout)
     except (RuntimeError, TimeoutError, ray.exceptions.RayError) as e:  # e.g. Serve's proxy died starting
         raise CommandError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", 1) from e
-    h = config["http_options"]
-    base = ray_local.http_base(h["host"], h["port"]) + ray_local.attnserve_route(config)
+    base = ray_local.service_url(config)
     # the replicas load their models behind /readyz: report the phases until one is ready
     if not watch_startup(base, threading.Event(), t0, timeout_s=max(args.timeout - (time.monotonic() - t0), 1)):
         raise CommandError(f"{base}/readyz not ready after {args.timeout:.0f} s (`serve status` for details)", 1)

@@ -69,7 +69,7 @@ def run(args) -> int:
         print(f"[{time.monotonic() - t0:6.1f} s] deploying {args.config} ...", flush=True)
         ray_local.deploy(config, stop=stop)
         on_stop_signals()  # (as above, should deploying have set them again)
-        base = ray_local.http_base(http["host"], http["port"]) + ray_local.attnserve_route(config)
+        base = ray_local.service_url(config)
         if watch_startup(base, stop, t0):  # False: stopped while starting
             print(f"  API      {base}/v1  (OpenAI-compatible; native /v1/generate, /v1/translate)\n"
                   f"  docs     {base}/docs\n  metrics  {base}/metrics\n  page     {base}/\n"
