@@ -110,7 +110,7 @@ class ServiceConfig:
         if self.generator_id == self.translator_id:
             raise ValueError(f"ServiceConfig: generator.name and translator.name must differ, both are "
                              f"{self.generator_id!r}")
-        if self.serve_batch_size < 1 or self.serve_batch_wait_s < 0:
+        if self.serve_batch_size < 1 or not self.serve_batch_wait_s >= 0:  # NaN too: Ray's batcher would never time out
             raise ValueError("ServiceConfig.serve_batch_size must be >= 1 and serve_batch_wait_s >= 0")
         origins = self.cors_allowed_origins
         if not isinstance(origins, list) or not all(isinstance(o, str) and o for o in origins):
