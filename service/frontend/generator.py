@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import AsyncIterator
+from operator import attrgetter
 
 from service.config import GENERATOR_ID
 from service.engine.types import GenerateRequest, GenerationEvent, RequestRejected
@@ -16,19 +17,12 @@ class GeneratorFrontend:
     def __init__(self, engine, tokenizer, *, name: str = GENERATOR_ID, chat_template: str | None = None):
         self.engine, self.tokenizer, self.name, self.chat_template = engine, tokenizer, name, chat_template
 
-    @property
-    def max_context(self) -> int:
-        return self.engine.max_context
-
-    @property
-    def max_choices(self) -> int:
-        """Most choices (n) one request can have: each holds a KV slot."""
-        return self.engine.max_choices
-
-    @property
-    def vocab_size(self) -> int:
-        """Token ids the model scores: [0, vocab_size)."""
-        return self.engine.vocab_size
+    max_context = property(attrgetter("engine.max_context"))
+    max_choices = property(attrgetter("engine.max_choices"),
+                           doc="Most choices (n) one request can have: each holds a KV slot.")
+    vocab_size = property(attrgetter("engine.vocab_size"), doc="Token ids the model scores: [0, vocab_size).")
+    hidden_ids = property(attrgetter("engine.hidden_ids"),
+                          doc="Ids the engine leaves out of generated text (end of sequence, special tokens).")
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -38,11 +32,6 @@ class GeneratorFrontend:
         """Each token id's bytes in decoded text (a byte-level token may hold part of a character), where
         the tokenizer can tell them (`token_bytes`), else None."""
         return self.tokenizer.token_bytes() if hasattr(self.tokenizer, "token_bytes") else None
-
-    @property
-    def hidden_ids(self) -> set[int]:
-        """Ids the engine leaves out of generated text (end of sequence, special tokens)."""
-        return self.engine.hidden_ids
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from operator import attrgetter
 
 from model.translation import TAGS, detect_lang, encode_source, join_text, needs_translation, other, pieces, split_text
 from service.engine.translation import TranslationEngine
@@ -16,17 +17,9 @@ class TranslationFrontend:
         self.engine = engine
         self.tokenizer = tokenizer
 
-    @property
-    def name(self) -> str:
-        return self.engine.name
-
-    @property
-    def max_beam_size(self) -> int:
-        return self.engine.max_beam_size
-
-    @property
-    def max_length(self) -> int:
-        return self.engine.max_length
+    name = property(attrgetter("engine.name"))
+    max_beam_size = property(attrgetter("engine.max_beam_size"))
+    max_length = property(attrgetter("engine.max_length"))
 
     async def start(self) -> None:
         await self.engine.start()
