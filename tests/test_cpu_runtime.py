@@ -9,6 +9,7 @@ the test process's own torch settings stay as they are.
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 import subprocess
 import sys
@@ -44,8 +45,8 @@ class FakeLibc:
 @pytest.fixture
 def fresh(monkeypatch):
     """cpu_runtime as in a new process: nothing tuned or memoised yet (restored afterwards)."""
-    monkeypatch.setattr(cpu_runtime, "_done", None)
-    monkeypatch.setattr(cpu_runtime, "_DEFAULT_THREADS", None)
+    for name in ("tune_malloc", "default_threads"):  # memoised: a fresh memo, the process's own restored after
+        monkeypatch.setattr(cpu_runtime, name, functools.cache(getattr(cpu_runtime, name).__wrapped__))
     monkeypatch.delenv("ATTNSERVE_MALLOPT", raising=False)
     return cpu_runtime
 

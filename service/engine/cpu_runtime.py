@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import tempfile
@@ -29,15 +30,11 @@ TRIM_BYTES = 512 * 2**20
 BUSY_DIR = Path(os.environ.get("ATTNSERVE_BUSY_DIR", Path(tempfile.gettempdir()) / f"attnserve-busy-{os.getuid()}"))
 
 log = logging.getLogger(__name__)
-_done: bool | None = None
 
 
+@functools.cache
 def tune_malloc() -> bool:
     """Raise glibc's mmap and trim thresholds once per process; True when they were set."""
-    global _done
-    if _done is not None:
-        return _done
-    _done = False
     if os.environ.get("ATTNSERVE_MALLOPT", "1") == "0":
         return False
     try:
@@ -46,23 +43,18 @@ def tune_malloc() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_BYTES))
+    done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_BYTES))
     log.info("glibc mallopt: mmap threshold %d MB, trim threshold %d MB: %s", MMAP_BYTES >> 20,
-             TRIM_BYTES >> 20, "set" if _done else "refused")
-    return _done
+             TRIM_BYTES >> 20, "set" if done else "refused")
+    return done
 
 
-_DEFAULT_THREADS: int | None = None
-
-
+@functools.cache
 def default_threads() -> int:
     """torch's thread count as this process started (before anyone set it): the cores torch sees."""
-    global _DEFAULT_THREADS
-    if _DEFAULT_THREADS is None:
-        import torch
+    import torch
 
-        _DEFAULT_THREADS = torch.get_num_threads()
-    return _DEFAULT_THREADS
+    return torch.get_num_threads()
 
 
 def init_engine_thread(threads: int | None) -> int:
