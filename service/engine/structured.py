@@ -55,12 +55,6 @@ def closed_objects(schema, in_all_of: bool = False):
     return out
 
 
-def schema_key(schema: dict) -> str:
-    """The cache key of a schema: its JSON text, keys in the client's order (the grammar writes an object's
-    properties in that order, so schemas that differ only in it are different grammars)."""
-    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-
-
 class GrammarError(Exception):
     """A sampled token the grammar refused (its mask allowed no token at all): the row cannot go on."""
 
@@ -106,10 +100,12 @@ class Grammars:
         """A fresh matcher for `schema` (cached: copies are cheap), or RequestRejected naming the problem."""
         if not self.stop_ids:
             raise RequestRejected("structured output needs an end-of-sequence token; this model has none")
-        return self._template(schema_key(schema)).deep_copy()
+        # cached by the schema's JSON text, keys in the client's order (the grammar writes an object's properties
+        # in that order, so schemas that differ only in it are different grammars)
+        return self._template(json.dumps(schema, separators=(",", ":"), ensure_ascii=False)).deep_copy()
 
     def _build(self, key: str):
-        """The template matcher of the schema whose `schema_key` is `key`."""
+        """The template matcher of the schema whose JSON text (as `compile` writes it) is `key`."""
         ll, lltok, _ = self._setup()
         try:
             grammar = ll.LLMatcher.grammar_from_json_schema(closed_objects(json.loads(key)), defaults=JSON_OPTIONS)
