@@ -26,9 +26,10 @@ class Unit:
     slots_needed: int = 1
     slots: list[int] = field(default_factory=list)
     kv_len: int = 0
+    why: str | None = None  # what `expired` says
 
     def expired(self, now: float):
-        return None
+        return self.why
 
 
 def scheduler(slots: int, max_waiting: int, mode: str = "continuous") -> Scheduler:
@@ -72,3 +73,19 @@ def test_batched_modes_count_what_their_next_admit_takes(mode):
     s.add([[Unit()]])
     with pytest.raises(EngineOverloaded):
         s.add([[Unit()]])
+
+
+def test_sweep_drops_expired_waiting_groups_whole_and_keeps_the_rest_in_order():
+    s = scheduler(slots=1, max_waiting=10)
+    s.add([[Unit()]])
+    s.admit()  # the one slot is taken: the rest wait
+    a = [[Unit()], [Unit(why="timeout"), Unit()], [Unit()]]
+    b = [[Unit(why="cancelled")]]
+    c = [[Unit()], [Unit()]]
+    for groups in (a, b, c):
+        s.add(groups)
+    gone = s.sweep(0.0)
+    assert [(id(u), why) for u, why in gone] == [(id(a[1][0]), "timeout"), (id(a[1][1]), "timeout"),
+                                                (id(b[0][0]), "cancelled")]
+    assert [[[id(u) for u in g] for g in q] for q in s.waiting] == [[[id(u) for u in g] for g in q] for q in
+                                                                    ([a[0], a[2]], c)]

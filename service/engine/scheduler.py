@@ -98,18 +98,14 @@ class Scheduler(Generic[W]):
         for unit, _ in gone:
             self.release(unit)
         self.drop_released()
-        waiting = deque()
         for queue in self.waiting:
-            kept = deque()
-            for group in queue:
-                why = next((w for w in (u.expired(now) for u in group) if w is not None), None)
-                if why is None:
-                    kept.append(group)
-                else:
+            for _ in range(len(queue)):  # one turn round the queue: the groups kept stay in order
+                group = queue.popleft()
+                if why := next(filter(None, (u.expired(now) for u in group)), None):
                     gone += [(u, why) for u in group]
-            if kept:
-                waiting.append(kept)
-        self.waiting = waiting
+                else:
+                    queue.append(group)
+        self.waiting = deque(q for q in self.waiting if q)
         return gone
 
     def admit(self) -> list[W]:
