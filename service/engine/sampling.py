@@ -21,28 +21,21 @@ def apply_repetition_penalty(logits: torch.Tensor, params: list[SamplingParams],
     for i, (p, h) in enumerate(zip(params, histories, strict=True)):
         if p.repetition_penalty != 1.0:
             entries += [(i, tok, p.repetition_penalty) for tok in set(h)]
-    if not entries:
-        return
-    rows, cols, pens = zip(*entries, strict=True)
-    r = torch.tensor(rows, device=logits.device)
-    c = torch.tensor(cols, device=logits.device)
-    pen = torch.tensor(pens, device=logits.device, dtype=logits.dtype)
-    x = logits[r, c]
-    logits[r, c] = torch.where(x > 0, x / pen, x * pen)
+    _update_at(logits, entries, lambda x, pen: torch.where(x > 0, x / pen, x * pen))
 
 
-def _add_at(logits: torch.Tensor, entries: list[tuple[int, int, float]]) -> None:
-    """logits (N, V) in place: each (row, token, value) of `entries` adds its value to that logit."""
+def _update_at(logits: torch.Tensor, entries: list[tuple[int, int, float]], update) -> None:
+    """logits (N, V) in place: each (row, token, value) of `entries` (a token at most once per row) sets that
+    logit to update(logit, value), over tensors of all the entries at once."""
     if entries:
         rows, cols, values = zip(*entries, strict=True)
-        dev = logits.device
-        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                          torch.tensor(values, device=dev, dtype=logits.dtype), accumulate=True)
+        r, c = torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)
+        logits[r, c] = update(logits[r, c], torch.tensor(values, device=logits.device, dtype=logits.dtype))
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     """OpenAI's logit_bias in place: each listed token's logit plus its bias (-100 all but bans it)."""
-    _add_at(logits, [(i, tok, b) for i, p in enumerate(params) for tok, b in p.logit_bias.items()])
+    _update_at(logits, [(i, tok, b) for i, p in enumerate(params) for tok, b in p.logit_bias.items()], torch.add)
 
 
 def apply_output_penalties(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> None:
@@ -52,7 +45,7 @@ def apply_output_penalties(logits: torch.Tensor, params: list[SamplingParams], o
     for i, (p, out) in enumerate(zip(params, outputs, strict=True)):
         if p.presence_penalty or p.frequency_penalty:
             entries += [(i, tok, -(n * p.frequency_penalty + p.presence_penalty)) for tok, n in Counter(out).items()]
-    _add_at(logits, entries)
+    _update_at(logits, entries, torch.add)
 
 
 # Temperatures below this sample greedily (as vLLM): dividing by them overflows float32 logits to inf.
