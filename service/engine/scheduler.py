@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from itertools import zip_longest
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Literal, Protocol
 
 from service.engine.config import EngineConfig
 from service.engine.slot_table import HoldsSlots, Move, SlotTable
@@ -29,17 +29,14 @@ class Work(HoldsSlots, Protocol):
         """Why it must stop now, if it must."""
 
 
-W = TypeVar("W", bound=Work)
-
-
-class Scheduler(Generic[W]):
+class Scheduler:
     def __init__(self, config: EngineConfig, table: SlotTable, noun: str):
         self.config = config
         self.table = table
         self.noun = noun  # what a waiting group is, for the overload message ("requests", "sentences")
         # per waiting request its groups in order (each admitted whole); the head request's turn is next
-        self.waiting: deque[deque[list[W]]] = deque()
-        self.running: list[W] = []  # in admission order
+        self.waiting: deque[deque[list[Work]]] = deque()
+        self.running: list[Work] = []  # in admission order
 
     @property
     def has_work(self) -> bool:
@@ -80,7 +77,7 @@ class Scheduler(Generic[W]):
             raise EngineOverloaded(f"{beyond} {self.noun} waiting for a slot (max_waiting="
                                    f"{self.config.max_waiting}); retry later")
 
-    def add(self, groups: list[list[W]]) -> None:
+    def add(self, groups: list[list[Work]]) -> None:
         """Queue one request's groups, all or none (`check_room` first)."""
         self.check_room([sum(u.slots_needed for u in g) for g in groups])
         if groups:
@@ -92,7 +89,7 @@ class Scheduler(Generic[W]):
                 and 0 < self.n_waiting < self.config.max_slots):
             await asyncio.sleep(self.config.static_batch_wait_s)
 
-    def sweep(self, now: float) -> list[tuple[W, Expiry]]:
+    def sweep(self, now: float) -> list[tuple[Work, Expiry]]:
         """Drop expired work, running (slots freed) and waiting (a group goes whole) -> [(unit, why)]."""
         gone = [(unit, why) for unit in self.running if (why := unit.expired(now)) is not None]
         for unit, _ in gone:
@@ -108,10 +105,10 @@ class Scheduler(Generic[W]):
         self.waiting = deque(q for q in self.waiting if q)
         return gone
 
-    def admit(self) -> list[W]:
+    def admit(self) -> list[Work]:
         """Admit waiting groups in turn while the next one's slots fit (by mode) -> the admitted units."""
         cap = self._admit_cap()
-        admitted: list[W] = []
+        admitted: list[Work] = []
         while cap != 0 and self.waiting and sum(u.slots_needed for u in self.waiting[0][0]) <= self.table.n_free:
             queue = self.waiting.popleft()
             for unit in queue.popleft():
@@ -126,7 +123,7 @@ class Scheduler(Generic[W]):
     def compact(self) -> list[Move]:
         return self.table.compact(self.running)
 
-    def release(self, unit: W) -> None:
+    def release(self, unit: Work) -> None:
         if unit.slots:
             self.table.give(unit.slots)
             unit.slots = []
@@ -135,7 +132,7 @@ class Scheduler(Generic[W]):
         """Forget running units whose slots were released (finished)."""
         self.running = [u for u in self.running if u.slots]
 
-    def clear(self) -> list[W]:
+    def clear(self) -> list[Work]:
         """Release and return every unit, running and waiting (the engine is failing them all)."""
         units = self.running + [u for q in self.waiting for g in q for u in g]
         for unit in self.running:
