@@ -142,31 +142,26 @@ async def completions(body: CompletionBody, request: Request):
             return []
         return list(zip(ids_of[prompt], prompt_lp, strict=True))
 
+    offsets: dict[int, CompletionLogprobs] = {}
+
+    def chunk(ev) -> list[dict]:
+        """A choice's event (or, not streamed, the gathered choice) as its dict; its first carries the echo."""
+        first, i = ev.index not in offsets, ev.index // n
+        state = offsets.setdefault(ev.index, CompletionLogprobs(texts))
+        text, echoed = (echoes[i] + ev.text, echo_pairs(i, ev.prompt_logprobs)) if first else (ev.text, [])
+        generated = (ev.logprobs or []) if want_lp else []
+        if not text and not echoed and not generated and ev.finish_reason is None:
+            return []
+        lp = state.render(echoed, generated) if want_lp and (echoed or generated or not body.stream) else None
+        return [{"index": ev.index, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}]
+
     if body.stream:
-        offsets: dict[int, CompletionLogprobs] = {}
-
-        def chunk(ev) -> list[dict]:
-            first, i = ev.index not in offsets, ev.index // n
-            state = offsets.setdefault(ev.index, CompletionLogprobs(texts))
-            text, echoed = (echoes[i] + ev.text, echo_pairs(i, ev.prompt_logprobs)) if first else (ev.text, [])
-            generated = (ev.logprobs or []) if want_lp else []
-            if not text and not echoed and not generated and ev.finish_reason is None:
-                return []
-            lp = state.render(echoed, generated) if echoed or generated else None
-            return [{"index": ev.index, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}]
-
         return _stream(events, rid, gen.name, body, chunk, "text_completion", per_prompt=n)
     choices, usage = gather(await unless_disconnected(request, collect(events)), per_prompt=best_of)
     if best_of > n:
         choices = [c for i in range(len(prompts))
                    for c in best([c for c in choices if c.index // best_of == i], n, first=i * n)]
-    out = []
-    for c in choices:
-        prompt = c.index // n
-        lp = CompletionLogprobs(texts).render(echo_pairs(prompt, c.prompt_logprobs), c.logprobs) if want_lp else None
-        out.append({"index": c.index, "text": echoes[prompt] + c.text, "logprobs": lp,
-                    "finish_reason": c.finish_reason})
-    return _envelope(rid, "text_completion", gen.name, out, usage=usage_dict(usage))
+    return _envelope(rid, "text_completion", gen.name, [d for c in choices for d in chunk(c)], usage=usage_dict(usage))
 
 
 @router.post("/v1/chat/completions")
