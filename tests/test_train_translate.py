@@ -388,6 +388,20 @@ def test_counts_below_one_are_refused_when_the_recipe_loads(tmp_path, key, value
         TrainConfig.load(path)
 
 
+@pytest.mark.parametrize("value", ["on", "false", "bf16"])
+def test_a_bf16_setting_other_than_true_false_or_auto_is_refused_when_the_recipe_loads(tmp_path, value):
+    # it loaded, and torch.autocast raised a TypeError at the first step, after the vocabulary's training
+    from model.training.train_translate import TrainConfig
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"bf16": value}))
+    with pytest.raises(ValueError, match='bf16 must be true, false or "auto"'):
+        TrainConfig.load(path)
+    for ok in (True, False, "auto"):
+        path.write_text(json.dumps({"bf16": ok}))
+        assert TrainConfig.load(path).bf16 == ok
+
+
 def test_a_finished_run_exports_into_its_run_folder_not_over_the_shipped_model(tiny_run, tmp_path, monkeypatch):
     from model import paths
 

@@ -85,6 +85,8 @@ class TrainConfig:
         bad = {k: v for k, v in self.one_way.items() if v not in LANGS}
         if bad:
             raise ValueError(f"TrainConfig.one_way: a language must be one of {list(LANGS)}, got {bad}")
+        if self.bf16 not in (True, False, "auto"):  # else torch.autocast refuses it at the first step
+            raise ValueError(f'TrainConfig.bf16 must be true, false or "auto", got {self.bf16!r}')
         # avg_last 0 would keep and average every snapshot (snapshots[-0:]); log_every and warmup_steps divide
         for name, least in (("avg_last", 1), ("batch_tokens", 1), ("log_every", 1), ("warmup_steps", 1),
                             ("threads", 1), ("cooldown_steps", 0)):
