@@ -376,10 +376,11 @@ def test_cooldown_decays_the_lr_linearly_to_zero_at_max_steps_and_needs_max_step
 
 
 @pytest.mark.parametrize("key,value", [("avg_last", 0), ("avg_last", -2), ("log_every", 0), ("warmup_steps", 0),
-                                       ("batch_tokens", 0), ("threads", 0)])
+                                       ("batch_tokens", 0), ("threads", 0), ("eval_sentences", 0)])
 def test_counts_below_one_are_refused_when_the_recipe_loads(tmp_path, key, value):
     # avg_last 0, read as "no averaging", kept every snapshot and exported their average (snapshots[-0:]);
-    # log_every and warmup_steps 0 divided by zero at the first step, after the data had been encoded
+    # log_every and warmup_steps 0 divided by zero at the first step, after the data had been encoded;
+    # eval_sentences 0 crashed sacreBLEU (IndexError on no sentences) at the run's first evaluation
     from model.training.train_translate import TrainConfig
 
     path = tmp_path / "c.json"

@@ -87,9 +87,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.one_way: a language must be one of {list(LANGS)}, got {bad}")
         if self.bf16 not in (True, False, "auto"):  # else torch.autocast refuses it at the first step
             raise ValueError(f'TrainConfig.bf16 must be true, false or "auto", got {self.bf16!r}')
-        # avg_last 0 would keep and average every snapshot (snapshots[-0:]); log_every and warmup_steps divide
+        # avg_last 0 would keep and average every snapshot (snapshots[-0:]); log_every and warmup_steps divide;
+        # sacreBLEU fails on no sentences
         for name, least in (("avg_last", 1), ("batch_tokens", 1), ("log_every", 1), ("warmup_steps", 1),
-                            ("threads", 1), ("cooldown_steps", 0)):
+                            ("threads", 1), ("eval_sentences", 1), ("cooldown_steps", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"TrainConfig.{name} must be >= {least}, got {getattr(self, name)}")
         if self.cooldown_steps and self.max_steps == NO_STEP_LIMIT:
