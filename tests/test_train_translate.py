@@ -162,6 +162,17 @@ def test_a_recipe_scoring_an_empty_split_refuses_before_training_not_at_its_firs
     assert not (run / "state.json").exists()
 
 
+@pytest.mark.timeout(120)
+def test_a_max_len_no_pair_fits_is_refused_before_training_not_an_endless_loop(tiny_run, tmp_path):
+    path, cfg, data, run = tiny_run
+    cfg.update(max_len=2)  # a language tag, one piece and eos are 3 tokens: every pair is skipped
+    path.write_text(json.dumps(cfg))
+    # the loop went on from one empty epoch to the next, never reaching a step or hour limit
+    with pytest.raises(ValueError, match="no training pair fits max_len 2"):
+        train(path, run, data_dir=data, export_to=tmp_path / "export")
+    assert not (run / "state.safetensors").exists()
+
+
 def test_a_run_hands_sigterm_and_sigint_back_as_it_found_them(tiny_run, tmp_path, monkeypatch):
     # while it trains, either signal stops it at the end of a step, state saved; afterwards the caller's
     # handlers apply again (else Ctrl-C and a SIGTERM would only set a flag nobody reads any more)

@@ -398,6 +398,8 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
             raise FileNotFoundError(f"the config sets back_translation but {where} holds no pairs: "
                                     "run `attnserve data backtranslate translate` first")
         examples += make_bt_examples(synthetic, tok, cfg.max_len)
+    if not examples:  # else every epoch is empty, and the loop never reaches a step or hour limit
+        raise ValueError(f"no training pair fits max_len {cfg.max_len} (tokens a side): raise it in {config_path}")
     n_params = sum(p.numel() for p in model.parameters())
     log(event="start", params=n_params, examples=len(examples), config=dataclasses.asdict(cfg))
 
