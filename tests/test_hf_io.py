@@ -135,13 +135,19 @@ def test_unsupported_layouts_are_named(tmp_path):
     llama = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
              "num_attention_heads": 2, "intermediate_size": 16}
     config_from_hf(llama)  # silu by default
-    for bad in ({"num_attention_heads": 0}, {"hidden_size": "8"}, {"rope_scaling": "linear"}):
+    # vocab_size "8" loaded, then building the model raised a TypeError the service does not catch;
+    # rms_norm_eps "x" even loaded, and every forward pass raised one
+    for bad in ({"num_attention_heads": 0}, {"hidden_size": "8"}, {"rope_scaling": "linear"}, {"vocab_size": "8"},
+                {"intermediate_size": 16.0}, {"rms_norm_eps": "x"}, {"bos_token_id": "1"}):
         with pytest.raises(HFFormatError, match="bad config"):  # not a TypeError from deep inside
             config_from_hf({**llama, **bad})
     with pytest.raises(HFFormatError, match="activation 'gelu'"):
         config_from_hf({**llama, "hidden_act": "gelu"})
     gpt2 = {"model_type": "gpt2", "vocab_size": 8, "n_embd": 8, "n_layer": 1, "n_head": 2}
     config_from_hf(gpt2)
+    for bad in ({"n_layer": "1"}, {"n_inner": 32.0}, {"layer_norm_epsilon": None}):
+        with pytest.raises(HFFormatError, match="bad config"):
+            config_from_hf({**gpt2, **bad})
     for odd in ({"scale_attn_weights": False}, {"scale_attn_by_inverse_layer_idx": True}):
         with pytest.raises(HFFormatError, match="attention scaling"):
             config_from_hf({**gpt2, **odd})

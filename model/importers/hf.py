@@ -84,7 +84,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> DecoderConfig:
             context = c.get("max_position_embeddings", 2048)
             if mt == "mistral" and c.get("sliding_window"):  # within the window, attention is full attention
                 context = min(context, c["sliding_window"])
-            return DecoderConfig(
+            return DecoderConfig.from_dict(dict(  # from_dict: a value of the wrong type is named here
                 vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
                 n_heads=heads, n_kv_heads=c.get("num_key_value_heads") or heads, d_ff=c["intermediate_size"],
                 max_seq_len=context, norm="rmsnorm",
@@ -95,7 +95,7 @@ def config_from_hf(c: dict, where: str = "config.json") -> DecoderConfig:
                 norm_bias=False, tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                 head_dim=c.get("head_dim") if c.get("head_dim") not in (None, c["hidden_size"] // heads) else None,
                 **ids,
-            )
+            ))
         if mt == "gpt2":
             act = c.get("activation_function", "gelu_new")
             if act not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -104,11 +104,11 @@ def config_from_hf(c: dict, where: str = "config.json") -> DecoderConfig:
             if not c.get("scale_attn_weights", True) or c.get("scale_attn_by_inverse_layer_idx", False):
                 raise HFFormatError(f"{where}: GPT-2 attention scaling other than 1/sqrt(head dim) is not supported")
             d = c["n_embd"]
-            return DecoderConfig(
+            return DecoderConfig.from_dict(dict(
                 vocab_size=c["vocab_size"], d_model=d, n_layers=c["n_layer"], n_heads=c["n_head"],
                 d_ff=c.get("n_inner") or 4 * d, max_seq_len=c.get("n_positions", 1024),
                 norm_eps=c.get("layer_norm_epsilon", 1e-5), **ids,
-            )
+            ))
     except KeyError as e:
         raise HFFormatError(f"{where}: missing config field {e}") from None
     except HFFormatError:
