@@ -414,6 +414,20 @@ def test_a_bf16_setting_other_than_true_false_or_auto_is_refused_when_the_recipe
         assert TrainConfig.load(path).bf16 == ok
 
 
+@pytest.mark.parametrize("key,value,want", [
+    ("label_smoothing", -0.1, r"in \[0, 1\]"), ("label_smoothing", 1.5, r"in \[0, 1\]"), ("clip_norm", -1.0, "> 0"),
+    ("clip_norm", 0, "> 0"), ("lr_factor", -0.5, "> 0"), ("lr_factor", 0, "> 0")])
+def test_a_recipe_that_would_train_wrongly_is_refused_when_it_loads(tmp_path, key, value, want):
+    # these loaded: label smoothing out of range failed at the first step, after the vocabulary's training;
+    # a negative clip_norm (clip_grad_norm_ scales by max_norm / norm) or lr_factor climbed the loss silently
+    from model.training.train_translate import TrainConfig
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({key: value}))
+    with pytest.raises(ValueError, match=f"TrainConfig.{key} must be {want}, got {value}"):
+        TrainConfig.load(path)
+
+
 def test_a_finished_run_exports_into_its_run_folder_not_over_the_shipped_model(tiny_run, tmp_path, monkeypatch):
     from model import paths
 

@@ -93,6 +93,12 @@ class TrainConfig:
                             ("threads", 1), ("eval_sentences", 1), ("cooldown_steps", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"TrainConfig.{name} must be >= {least}, got {getattr(self, name)}")
+        # smoothing is a share of the target's mass; a clip_norm below 0 flips every gradient's sign (0 zeroes
+        # them) and an lr_factor below 0 climbs the loss: each would train without an error
+        for name, ok, want in (("label_smoothing", 0 <= self.label_smoothing <= 1, "in [0, 1]"),
+                               ("clip_norm", self.clip_norm > 0, "> 0"), ("lr_factor", self.lr_factor > 0, "> 0")):
+            if not ok:
+                raise ValueError(f"TrainConfig.{name} must be {want}, got {getattr(self, name)}")
         if self.cooldown_steps and self.max_steps == NO_STEP_LIMIT:
             raise ValueError("TrainConfig.cooldown_steps counts back from max_steps: set max_steps too")
 
