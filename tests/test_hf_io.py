@@ -287,7 +287,7 @@ def test_generation_config_stop_ids(tmp_path):
     for eos, ids in ((2, {2}), ([128001, 128009], {128001, 128009}), (None, set())):
         (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
         assert generation_stop_ids(tmp_path) == ids
-    for bad in ('{"eos_token_id": "</s>"}', '{"eos_token_id": [-1]}', "[1, 2]", "not json"):
+    for bad in ('{"eos_token_id": "</s>"}', '{"eos_token_id": [-1]}', '{"eos_token_id": true}', "[1, 2]", "not json"):
         (tmp_path / "generation_config.json").write_text(bad)
         with pytest.raises(HFFormatError, match="generation_config.json"):
             generation_stop_ids(tmp_path)

@@ -236,7 +236,7 @@ def generation_stop_ids(directory: str | Path) -> set[int]:
     except (ValueError, AttributeError) as e:  # not JSON, or not an object
         raise HFFormatError(f"{path}: not a generation config ({e})") from None
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    if not all(isinstance(i, int) and i >= 0 for i in ids):
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):  # JSON's true is no id
         raise HFFormatError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
     return set(ids)
 
