@@ -19,6 +19,8 @@ def plot(log_path: str | Path, out: str | Path) -> Path:
     rows = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if r.get("event") == "eval"]
+    if not train:  # evaluations are placed by the hours of the training lines
+        raise ValueError(f"{log_path}: no training lines (loss) to plot yet")
     hours_at = {r["step"]: r["hours"] for r in train}
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot([r["hours"] for r in train], [r["loss"] for r in train], lw=0.8, color="tab:blue")
