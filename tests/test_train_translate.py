@@ -162,6 +162,19 @@ def test_a_recipe_scoring_an_empty_split_refuses_before_training_not_at_its_firs
     assert not (run / "state.json").exists()
 
 
+@pytest.mark.parametrize("model_len,multiple", [(8, 1), (12, 32)])
+def test_batches_longer_than_the_model_takes_are_refused_before_training(tiny_run, tmp_path, model_len, multiple):
+    # the model refused the longest batch whenever it came up (a step or hours in), and again after a resume;
+    # (12, 32): shape_multiple pads every batch to 32
+    path, cfg, data, run = tiny_run
+    cfg["model"].update(max_src_len=model_len, max_tgt_len=model_len)
+    cfg.update(shape_multiple=multiple)
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"beyond the model's max_src_len {model_len} / max_tgt_len {model_len}"):
+        train(path, run, data_dir=data, export_to=tmp_path / "export")
+    assert not [r for r in _log(run) if "loss" in r]  # no step was taken
+
+
 @pytest.mark.timeout(120)
 def test_a_max_len_no_pair_fits_is_refused_before_training_not_an_endless_loop(tiny_run, tmp_path):
     path, cfg, data, run = tiny_run

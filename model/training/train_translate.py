@@ -406,6 +406,15 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
         examples += make_bt_examples(synthetic, tok, cfg.max_len)
     if not examples:  # else every epoch is empty, and the loop never reaches a step or hour limit
         raise ValueError(f"no training pair fits max_len {cfg.max_len} (tokens a side): raise it in {config_path}")
+    # the longest batch the model will see, padded as collate pads it: else the model refuses it mid-run, and
+    # again after each resume
+    m = cfg.shape_multiple
+    src_len = max(padded_length(e, m) if m > 1 else len(e[0]) for e in examples)
+    tgt_len = max(padded_length(e, m) if m > 1 else len(e[1]) - 1 for e in examples)
+    if src_len > mcfg.max_src_len or tgt_len > mcfg.max_tgt_len:
+        raise ValueError(f"training batches reach {src_len} source and {tgt_len} target tokens, beyond the model's "
+                         f"max_src_len {mcfg.max_src_len} / max_tgt_len {mcfg.max_tgt_len}: lower max_len or "
+                         f"shape_multiple, or raise those, in {config_path}")
     n_params = sum(p.numel() for p in model.parameters())
     log(event="start", params=n_params, examples=len(examples), config=dataclasses.asdict(cfg))
 
