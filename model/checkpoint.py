@@ -122,6 +122,9 @@ def load_state(model: nn.Module, weights: str | Path) -> None:
         if tuple(t.shape) != tuple(expected[name].shape):
             raise CheckpointError(f"{weights}: tensor {name} has shape {tuple(t.shape)}, "
                                   f"config expects {tuple(expected[name].shape)}")
+        if t.is_floating_point() != expected[name].is_floating_point():  # load_state_dict would cast it
+            raise CheckpointError(f"{weights}: tensor {name} is {t.dtype}, the model's is {expected[name].dtype} "
+                                  "(weights are cast between floating-point types only)")
     for names in shared.values():  # two different tensors for one tied parameter: the config is wrong
         given = [n for n in names if n in state]
         if any(not torch.equal(state[given[0]], state[n]) for n in given[1:]):

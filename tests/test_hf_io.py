@@ -291,3 +291,16 @@ def test_generation_config_stop_ids(tmp_path):
         (tmp_path / "generation_config.json").write_text(bad)
         with pytest.raises(HFFormatError, match="generation_config.json"):
             generation_stop_ids(tmp_path)
+
+
+def test_weights_of_a_non_float_dtype_are_refused(tmp_path):
+    """Integer tensors in a transformers folder are not weights load_state_dict may cast; bf16 ones are."""
+    from safetensors.torch import load_file, save_file
+
+    export_hf(DecoderLM(TINY_LLAMA), tmp_path)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    save_file({n: t.to(torch.int32) for n, t in sd.items()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(HFFormatError, match="is torch.int32, the model's is torch.float32"):
+        import_hf(tmp_path)
+    save_file({n: t.to(torch.bfloat16) for n, t in sd.items()}, str(tmp_path / "model.safetensors"))
+    import_hf(tmp_path)

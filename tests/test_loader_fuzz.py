@@ -148,3 +148,19 @@ def test_a_tied_weight_missing_under_every_name_is_refused(tmp_path):
     save_file(state, str(d / "model.safetensors"))
     with pytest.raises(CheckpointError, match="missing tensors"):
         load_checkpoint(d)
+
+
+def test_weights_of_a_non_float_dtype_are_refused(tmp_path):
+    """load_state_dict casts what it is given: int8 codes or booleans would load as weights of those values;
+    a float file of another width (bf16) is a cast the loader means to make."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    d = save_checkpoint(DecoderLM(TINY_LLAMA), tmp_path / "m")
+    state = load_file(str(d / "model.safetensors"))
+    for dtype in (torch.int8, torch.bool):
+        save_file({n: t.to(dtype) for n, t in state.items()}, str(d / "model.safetensors"))
+        with pytest.raises(CheckpointError, match=f"is {dtype}, the model's is torch.float32"):
+            load_checkpoint(d)
+    save_file({n: t.to(torch.bfloat16) for n, t in state.items()}, str(d / "model.safetensors"))
+    load_checkpoint(d)

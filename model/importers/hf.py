@@ -256,5 +256,8 @@ def import_hf(directory: str | Path):
         if tuple(t.shape) != tuple(expected[name].shape):
             raise HFFormatError(f"{d}: tensor for {name} has shape {tuple(t.shape)}, config implies "
                                 f"{tuple(expected[name].shape)}")
+        if t.is_floating_point() != expected[name].is_floating_point():  # load_state_dict would cast it
+            raise HFFormatError(f"{d}: tensor for {name} is {t.dtype}, the model's is {expected[name].dtype} "
+                                "(weights are cast between floating-point types only)")
     model.load_state_dict(sd, strict=False)
     return model.eval()
