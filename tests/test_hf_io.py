@@ -304,3 +304,19 @@ def test_weights_of_a_non_float_dtype_are_refused(tmp_path):
         import_hf(tmp_path)
     save_file({n: t.to(torch.bfloat16) for n, t in sd.items()}, str(tmp_path / "model.safetensors"))
     import_hf(tmp_path)
+
+
+def test_torn_weights_or_index_are_a_format_error(tmp_path):
+    """A truncated model.safetensors or an index without its weight map is an HFFormatError (a ValueError,
+    which the service and the CLI report), not safetensors' own error or a KeyError escaping them."""
+    export_hf(DecoderLM(TINY_LLAMA), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(HFFormatError, match="cannot read the weights"):
+        import_hf(tmp_path)
+    weights.unlink()
+    index = tmp_path / "model.safetensors.index.json"
+    for bad in ("{}", "[1]", '{"weight_map": [1]}', "{"):
+        index.write_text(bad)
+        with pytest.raises(HFFormatError, match="cannot read the weights"):
+            import_hf(tmp_path)

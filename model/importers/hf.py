@@ -215,14 +215,18 @@ def export_hf(model, directory: str | Path, *, tokenizer=None, dtype: torch.dtyp
 
 
 def _read_hf_weights(d: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    if (d / "model.safetensors").is_file():
-        return load_file(str(d / "model.safetensors"))
     index = d / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {name: t for s in shards for name, t in load_file(str(d / s)).items()}
+    try:
+        if (d / "model.safetensors").is_file():
+            return load_file(str(d / "model.safetensors"))
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return {name: t for s in shards for name, t in load_file(str(d / s)).items()}
+    except (SafetensorError, KeyError, TypeError, AttributeError, ValueError) as e:  # torn, or an index without a map
+        raise HFFormatError(f"{d}: cannot read the weights ({type(e).__name__}: {e})") from None
     raise HFFormatError(f"{d}: no model.safetensors or model.safetensors.index.json (pytorch_model.bin is "
                         "not read: it needs unpickling)")
 
