@@ -95,6 +95,9 @@ class Seq2SeqConfig(_Config):
         super().__post_init__()
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
+        for name in ("pad_id", "bos_id", "eos_id"):  # nn.Embedding asserts on pad_id; the others fail a decode
+            if (token := getattr(self, name)) >= self.vocab_size:
+                raise ValueError(f"Seq2SeqConfig.{name}={token} must be below vocab_size={self.vocab_size}")
 
     @property
     def dim_head(self) -> int:

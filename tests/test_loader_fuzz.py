@@ -164,3 +164,18 @@ def test_weights_of_a_non_float_dtype_are_refused(tmp_path):
             load_checkpoint(d)
     save_file({n: t.to(torch.bfloat16) for n, t in state.items()}, str(d / "model.safetensors"))
     load_checkpoint(d)
+
+
+def test_a_special_token_beyond_the_vocabulary_is_a_checkpoint_error(tmp_path):
+    """A translator config whose pad, bos or eos id is no row of the embedding: an AssertionError from
+    nn.Embedding (pad_id) or an IndexError in every decode (bos_id, eos_id) before; now named on load."""
+    from model.config import TINY_SEQ2SEQ
+    from model.seq2seq import EncoderDecoder
+
+    d = save_checkpoint(EncoderDecoder(TINY_SEQ2SEQ), tmp_path / "t")
+    meta = json.loads((d / "config.json").read_text())
+    for name in ("pad_id", "bos_id", "eos_id"):
+        bad = {**meta, "config": {**meta["config"], name: TINY_SEQ2SEQ.vocab_size}}
+        (d / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match=f"{name}=97 must be below vocab_size=97"):
+            load_checkpoint(d)
