@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,13 +16,16 @@ from model.strict_fields import FromDict, check_choices
 
 
 class _Config(FromDict):
-    """Sizes and ids are never negative, `Literal` fields hold one of their choices; from_dict is strict."""
+    """Numbers are never negative, floats never NaN or infinite, `Literal` fields hold one of their choices;
+    from_dict is strict."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, int) and not isinstance(v, bool) and v < 0:
                 raise ValueError(f"{type(self).__name__}.{f.name} must be non-negative, got {v}")
+            if isinstance(v, float) and not 0 <= v < math.inf:  # a NaN eps or theta makes every logit NaN
+                raise ValueError(f"{type(self).__name__}.{f.name} must be a finite non-negative number, got {v}")
         check_choices(self)
 
     def to_dict(self) -> dict[str, Any]:

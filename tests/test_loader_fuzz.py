@@ -179,3 +179,15 @@ def test_a_special_token_beyond_the_vocabulary_is_a_checkpoint_error(tmp_path):
         (d / "config.json").write_text(json.dumps(bad))
         with pytest.raises(CheckpointError, match=f"{name}=97 must be below vocab_size=97"):
             load_checkpoint(d)
+
+
+def test_a_nan_or_negative_float_in_the_config_is_a_checkpoint_error(good, tmp_path):
+    """JSON's NaN loads, and a NaN (or negative) norm_eps or rope_theta made every logit NaN: the checkpoint
+    loaded and served garbage without a word."""
+    d, weights, config, _ = good
+    meta = json.loads(config)
+    for field, value in (("norm_eps", float("nan")), ("rope_theta", float("inf")), ("norm_eps", -1e-5),
+                         ("dropout", float("nan"))):
+        _write(tmp_path / "n", weights, json.dumps({**meta, "config": {**meta["config"], field: value}}).encode())
+        with pytest.raises(CheckpointError, match=f"{field} must be a finite non-negative number"):
+            load_checkpoint(tmp_path / "n")
