@@ -100,8 +100,13 @@ def test_kv_cache_dtype_defaults_to_the_weights_dtype_and_can_be_wider():
     assert EngineConfig(device="cpu", dtype="bfloat16", kv_dtype="float32").kv_torch_dtype == torch.float32
     with pytest.raises(ValueError, match="kv_dtype"):
         EngineConfig(kv_dtype="int8")
-    with pytest.raises(ValueError, match="prefill_max_padding"):
-        EngineConfig(prefill_max_padding=-0.1)
+    for bad in (-0.1, float("nan")):  # NaN: every prompt prefilled on its own, silently
+        with pytest.raises(ValueError, match="prefill_max_padding"):
+            EngineConfig(prefill_max_padding=bad)
+    for bad in (-0.01, float("nan"), float("inf")):  # inf: a static engine's first batch waited forever
+        with pytest.raises(ValueError, match="static_batch_wait_s must be >= 0 and finite"):
+            ModelSpec.from_dict({"engine": {"mode": "static", "static_batch_wait_s": bad}})
+    EngineConfig(static_batch_wait_s=0, prefill_max_padding=float("inf"))  # inf: one padded forward for all
     for bad in (0, -1, float("nan")):  # every request would time out
         with pytest.raises(ValueError, match="default_deadline_s"):
             EngineConfig(default_deadline_s=bad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -48,8 +49,10 @@ class EngineConfig(FromDict):
         check_choices(self)
         for name, least in (("max_slots", 1), ("max_seq_len", 1), ("prefill_chunk", 1), ("prefill_budget", 1),
                             ("prefill_max_padding", 0), ("max_waiting", 0)):
-            if getattr(self, name) < least:
+            if not getattr(self, name) >= least:  # NaN too
                 raise ValueError(f"EngineConfig.{name} must be >= {least}, got {getattr(self, name)}")
+        if not 0 <= (wait := self.static_batch_wait_s) < math.inf:  # the loop sleeps it out whole: inf never wakes
+            raise ValueError(f"EngineConfig.static_batch_wait_s must be >= 0 and finite, got {wait}")
         if self.default_deadline_s is not None and not self.default_deadline_s > 0:  # NaN too
             raise ValueError(f"EngineConfig.default_deadline_s must be > 0 or None, got {self.default_deadline_s}")
         for name in ("threads", "prefill_threads", "decode_threads"):
