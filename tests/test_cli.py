@@ -133,6 +133,8 @@ def test_bad_arguments_and_configs_are_one_line_before_anything_starts(home, tmp
                         (["train", "translate", "--threads", "-1"], "--threads must be >= 1"),
                         (["train", "translate", "--avg-last", "0"], "--avg-last must be >= 1"),
                         (["stop", "--timeout", "-5"], "--timeout must be > 0"),
+                        (["deploy", "--timeout", "nan", "--address", "127.0.0.1:1"], "--timeout must be > 0"),
+                        (["deploy", "--timeout", "0", "--address", "127.0.0.1:1"], "--timeout must be > 0"),
                         (["generate", "--system", "be brief", "hi"], "--system needs --chat"),
                         (["generate", "--max-tokens", "0", "hi"], "--max-tokens must be >= 1"),
                         (["generate", "--threads", "0", "hi"], "--threads must be >= 1"),

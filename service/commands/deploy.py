@@ -32,6 +32,8 @@ def token_auth_if_available() -> None:
 def run(args) -> int:
     from service import ray_local
 
+    if not args.timeout > 0:  # NaN: the wait for RUNNING never timed out, the one for /readyz never began
+        raise CommandError(f"--timeout must be > 0 seconds, got {args.timeout}")
     ray_local.loopback_env()
     token_auth_if_available()  # before anything imports ray, which reads RAY_AUTH_MODE once
     with as_command_error(OSError, ValueError):  # OSError: missing, unreadable, a directory
