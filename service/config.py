@@ -8,6 +8,7 @@ Unknown keys are rejected with a message naming them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -110,8 +111,9 @@ class ServiceConfig:
         if self.generator_id == self.translator_id:
             raise ValueError(f"ServiceConfig: generator.name and translator.name must differ, both are "
                              f"{self.generator_id!r}")
-        if self.serve_batch_size < 1 or not self.serve_batch_wait_s >= 0:  # NaN too: Ray's batcher would never time out
-            raise ValueError("ServiceConfig.serve_batch_size must be >= 1 and serve_batch_wait_s >= 0")
+        # NaN or inf: Ray's batcher would never time out, a batch not filled never ran
+        if self.serve_batch_size < 1 or not 0 <= self.serve_batch_wait_s < math.inf:
+            raise ValueError("ServiceConfig.serve_batch_size must be >= 1 and serve_batch_wait_s >= 0 and finite")
         origins = self.cors_allowed_origins
         if not isinstance(origins, list) or not all(isinstance(o, str) and o for o in origins):
             raise ValueError("ServiceConfig.cors_allowed_origins must be a list of origins such as "

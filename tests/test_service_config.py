@@ -248,6 +248,7 @@ def test_user_config_limits_that_are_not_a_mapping_are_refused_naming_them(limit
     ({"limits": {"max_texts": "10"}}, "max_texts must be int"),
     ({"serve_batch_size": 1.5}, "serve_batch_size"),
     ({"serve_batch_wait_s": float("nan")}, "serve_batch_wait_s >= 0"),  # YAML's .nan
+    ({"serve_batch_wait_s": float("inf")}, "serve_batch_wait_s >= 0 and finite"),  # YAML's .inf: one request hung
     ({"generator": 5}, "must be a mapping"),
     ({"translator": [1]}, "must be a mapping"),
 ])
