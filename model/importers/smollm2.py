@@ -69,8 +69,11 @@ def is_converted(directory: Path) -> bool:
         meta = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
         return False
+    if not isinstance(meta, dict):  # JSON, but torn as much as unreadable JSON is: converted again
+        return False
     # one an older _convert made is converted again; a checkpoint put there by hand names no source
-    return "source" not in meta or meta.get("conversion", 1) >= CONVERSION
+    conversion = meta.get("conversion", 1)
+    return "source" not in meta or (isinstance(conversion, int) and conversion >= CONVERSION)
 
 
 def ensure_smollm2(dtype: str = "float32", log=print) -> Path:
