@@ -118,9 +118,12 @@ def check_translate_file(path: str) -> None:
         raise UsageError(f"--translate-file {path} does not exist")
     try:
         sentences = by_direction(read_jsonl(path))
-    except (ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:  # OSError: unreadable
         raise UsageError(f"--translate-file {path} is not a JSONL of {{text, source_lang, target_lang}} with "
                          f"target_lang en or zh ({type(e).__name__}: {e})") from None
+    bad = next((t for texts in sentences.values() for t in texts if not (isinstance(t, str) and t.strip())), None)
+    if bad is not None:  # the service answers each with a 400: a run of errors, not of load
+        raise UsageError(f"--translate-file {path}: every text must be a non-empty string, got {bad!r}")
     for target, texts in sentences.items():
         if not texts:
             raise UsageError(f"--translate-file {path} has no sentence to translate into {target}: the "

@@ -259,8 +259,11 @@ def test_translate_file_must_hold_both_directions(tmp_path, capsys):
     not_jsonl.write_text("Prices rose in May.\n")
     french = tmp_path / "fr.jsonl"
     french.write_text('{"text": "Prices rose in May.", "source_lang": "en", "target_lang": "fr"}\n')
+    number = tmp_path / "number.jsonl"
+    number.write_text(one_way.read_text() + '{"text": 5, "source_lang": "zh", "target_lang": "en"}\n')
     res = tmp_path / "results"
-    for path, says in ((one_way, "into en"), (not_jsonl, "not a JSONL"), (french, "not a JSONL")):
+    for path, says in ((one_way, "into en"), (not_jsonl, "not a JSONL"), (french, "not a JSONL"),
+                       (number, "every text must be a non-empty string, got 5")):
         argv = ["--scenario", "translate", "--translate-file", str(path), "--host", free, "--results-dir", str(res)]
         assert cli.run(_args(argv)) == 2
         assert says in capsys.readouterr().err, path
