@@ -23,9 +23,12 @@ _TO_ASCII = {"，": ",", "。": ".", "：": ":", "；": ";", "？": "?", "！": 
              "〈": '"', "〉": '"', "〔": "[", "〕": "]"}
 _OPENERS, _CLOSING = "“‘「『《【〈〔", "”’」』》】〉〕"
 # spans whose characters are never touched: URLs, e-mail addresses, code calls (`print("hi")`, `f(x, y)`)
-_URL_CHAR = r"[^\s\u3000-\u303f\uff00-\uffef" + _CJK_CHARS + "]"
-# a bracketed part inside a URL (".../Python_(language)") belongs to it; a ")" closing the prose around it does not
-_URL_PART = r"(?:\([^\s()\u3000-\u303f\uff00-\uffef" + _CJK_CHARS + r"]*\)|" + _URL_CHAR + ")"
+_URL_CHAR = r"[^\s.,:;!?)\]'\"\u3000-\u303f\uff00-\uffef" + _CJK_CHARS + "]"
+# a bracketed part inside a URL (".../Python_(language)") belongs to it; a ")" closing the prose around it does not.
+# A run of the marks that may trail a URL is one part: the URL cannot end inside it (it would end where the run
+# starts), and testing there, the lookahead scanning the rest of a long run each time, is quadratic
+_URL_PART = (r"(?:\([^\s()\u3000-\u303f\uff00-\uffef" + _CJK_CHARS + r"]*\)|(?>[.,:;!?)\]'\"]+)|"
+             + _URL_CHAR + ")")
 _LINK = (r"(?:https?://|www\.)" + _URL_PART + r"*?(?=[.,:;!?)\]'\"]*(?:\s|$|[^\x00-\x7f]))"
          # an address starts where a run of its characters starts: scanning from inside a long run is quadratic
          r"|(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+")
