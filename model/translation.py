@@ -58,10 +58,11 @@ def detect_lang(text: str) -> str:
 
 # A sentence ends after a run of 。！？； or after . ; ! ? before a space and a capital, digit or opening mark, or
 # before Chinese: "a != b", "page?id=3", '"Stop!" he said' go on. The closing quotes and brackets right after
-# the mark stay with it ("你好！”", "What?!").
+# the mark stay with it ("你好！”", "What?!"). A match starts where a run of . ; ! ? starts: one that fails there fails
+# inside the run too, and trying each position of a long run is quadratic.
 _CLOSERS = "”’」』）)\"'"
 _SENT_END = re.compile(rf"[。！？；]+[{_CLOSERS}]*\s*"
-                       rf"|[.;!?]+[{_CLOSERS}]*(?:\s+(?=[\"“‘(\[A-Z0-9\u3400-\u9fff])|(?=[\u3400-\u9fff]))")
+                       rf"|(?<![.;!?])[.;!?]+[{_CLOSERS}]*(?:\s+(?=[\"“‘(\[A-Z0-9\u3400-\u9fff])|(?=[\u3400-\u9fff]))")
 # a part ending like these does not end a sentence: titles, abbreviations, initials (U.K.); and before a number,
 # legal and citation abbreviations ("No. 5", "s. 2(1)", "p. 5"; but "The answer was no. Then ...")
 _ABBREV = re.compile(r"\b(?:Mr|Mrs|Ms|Dr|Prof|St|Co|Ltd|Inc|al|approx|e\.g|i\.e|cf|vs|etc|[A-Za-z])\.$", re.IGNORECASE)
