@@ -74,14 +74,17 @@ def split_sentences(text: str) -> list[str]:
     """One line of text -> its sentences, each translated as its own item (`join_sentences` rejoins them)."""
     ends = [m.end() for m in _SENT_END.finditer(text)]
     out: list[str] = []
+    last = ""  # the part out[-1] ends with: the abbreviations hold no space, so they are searched in it alone
     for p in (text[a:b].strip() for a, b in zip([0, *ends], [*ends, len(text)], strict=True)):
         if not p:
             continue
-        if out and (_ABBREV.search(out[-1]) or _ITEM_LABEL.fullmatch(out[-1])
-                    or _NUMBERED.search(out[-1]) and p[0] in "0123456789("):
+        # searching the whole of a sentence merged again and again ("Mr. A. B. ...") would be quadratic
+        if out and (_ABBREV.search(last) or _ITEM_LABEL.fullmatch(out[-1])
+                    or _NUMBERED.search(last) and p[0] in "0123456789("):
             out[-1] = f"{out[-1]} {p}"  # "Mr." / "No." / "U.K." / "1." do not end a sentence
         else:
             out.append(p)
+        last = p
     return out
 
 

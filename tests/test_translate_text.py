@@ -51,6 +51,18 @@ def test_a_long_run_of_marks_is_tried_once_as_a_sentence_end():
     assert time.perf_counter() - start < 0.5
 
 
+def test_abbreviations_merged_again_and_again_are_searched_in_the_last_part():
+    """"Mr." and "A." do not end a sentence: a sentence merged 5,000 times was searched whole each time
+    (quadratic, seconds); only its last part can hold the abbreviation."""
+    import time
+
+    start = time.perf_counter()
+    assert split_sentences("Mr. " * 5_000) == [("Mr. " * 5_000).strip()]
+    assert split_sentences("A. " * 3_000 + "No. 5 xy. Then.") == [("A. " * 3_000) + "No. 5 xy.", "Then."]
+    assert time.perf_counter() - start < 0.5
+    assert split_sentences("Mr. 1. Flour. Then.") == ["Mr. 1.", "Flour.", "Then."]  # a label merges only alone
+
+
 def test_lines_and_paragraphs_are_kept():
     text = "Ingredients:\n1. Flour\n2. Sugar\n\nMix them.  Bake."
     lines = split_text(text)
