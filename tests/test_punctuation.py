@@ -124,19 +124,16 @@ def test_chinese_punctuation_is_idempotent_on_random_mark_soup():
     assert to_chinese_punctuation("我说(...)") == "我说（……）"
 
 
+@pytest.mark.timeout(30)  # quadratic, the 100,000-mark run took many minutes; scanned once, milliseconds
 def test_a_long_run_of_marks_after_a_url_is_scanned_once():
-    """A URL may not end inside a run of the marks that can trail it: the lookahead testing each position of a
-    10,000-mark run took seconds (quadratic), a 2,000-character text ~0.5 s on the event loop, per text."""
-    import time
-
+    """A URL may not end inside a run of the marks that can trail it: the lookahead tested each position of the
+    run (a 2,000-character text took ~0.5 s on the replica's event loop, per text)."""
     from model.punctuation import split_links, without_protected
 
-    text = "see http://a.com" + "." * 10_000 + "x now"
-    start = time.perf_counter()
-    assert split_links(text) == ["see", "http://a.com" + "." * 10_000 + "x", "now"]
+    text = "see http://a.com" + "." * 100_000 + "x now"
+    assert split_links(text) == ["see", "http://a.com" + "." * 100_000 + "x", "now"]
     assert without_protected(text) == "see   now"
-    assert split_links("see http://a.com" + ".)" * 5_000 + " now") == ["see", "http://a.com", ".)" * 5_000 + " now"]
-    assert time.perf_counter() - start < 0.5
+    assert split_links("see http://a.com" + ".)" * 50_000 + " now") == ["see", "http://a.com", ".)" * 50_000 + " now"]
     # the URL still ends where the run of trailing marks starts, and takes a bracketed part and what follows it
     assert split_links("go to www.a.com/x_(y).) now") == ["go to", "www.a.com/x_(y)", ".) now"]
     assert split_links("see http://a.com/(é)b, then") == ["see", "http://a.com/(é)b", ", then"]
