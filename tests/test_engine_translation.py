@@ -320,6 +320,19 @@ def test_an_overlong_sentence_is_cut_at_clauses_and_translated_in_pieces():
     assert res.translations == ["".join(offline(pieces, 1)), "".join(offline(["a" * 50] * 2, 1))]
 
 
+def test_what_passes_through_is_not_cut_to_the_models_length():
+    """A piece passed through never reaches the model: cut to fit it anyway, a long token (a key, a hash) came
+    back with spaces inside it."""
+    key = "Qm9vayBvZiBrZXlz" * 10  # 160 characters and no space: beyond the engine's 62 tokens
+    text = f"The key is {key} ok."
+
+    async def main(engine):
+        return await translate(engine, TranslateRequest([text, key], target_lang="en", beam_size=1))
+    res = run(main)
+    assert res.translations == [text, key]
+    assert res.usage.prompt_tokens == 0  # nothing reached the model
+
+
 def test_urls_and_addresses_pass_through_as_they_are():
     text = "the cat sat on https://example.com/a_b?c=1 and mail a.b@example.com now."
 

@@ -48,8 +48,9 @@ class TranslationFrontend:
         for i, (text, tgt) in enumerate(zip(req.texts, target_langs, strict=True)):
             plan = []
 
-            def fits(piece: str, tgt=tgt) -> bool:
-                return len(encode_source(self.tokenizer, piece, tgt)) <= max_src
+            def fits(piece: str, tgt=tgt) -> bool:  # one passed through never meets the model: cut, it would gap
+                return (not needs_translation(piece, tgt, req.source_lang)
+                        or len(encode_source(self.tokenizer, piece, tgt)) <= max_src)
 
             for line in split_text(text):
                 items: list[int | str] = []
