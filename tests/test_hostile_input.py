@@ -55,6 +55,12 @@ CASES = [
     ("/v1/generate", {"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens", "integer"),
     ("/v1/generate", {"prompt": "a", "max_tokens": 1.5}, 400, "max_tokens", "fractional"),
     ("/v1/generate", {"prompt": "a", "stream": [True]}, 400, "stream", "boolean"),
+    # JSON's true is not a number (pydantic's lax mode read it as 1), as OpenAI's API says
+    ("/v1/generate", {"prompt": "a", "max_tokens": True}, 400, "max_tokens", "not true"),
+    ("/v1/generate", {"prompt": "a", "temperature": False}, 400, "temperature", "not false"),
+    ("/v1/translate", {"text": "a", "beam_size": True}, 400, "beam_size", "not true"),
+    ("/v1/completions", {"prompt": [True, 2]}, 400, "prompt.0", "not true"),
+    ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"1": True}}, 400, "logit_bias.1", "not true"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "list"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": {"a": 1}}]}, 400, "messages.0.content", ""),
     ("/v1/translate", {"text": 7}, 400, "text", ""),

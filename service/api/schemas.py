@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from model.translation import (
     DECODING_LIMITS,
@@ -41,6 +41,17 @@ def _valid_unicode(s: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]  # every free-text field of a request body
+
+
+def _not_bool(v: Any) -> Any:
+    """pydantic's lax mode reads JSON's true as 1; OpenAI's API refuses it, and so do we."""
+    if isinstance(v, bool):
+        raise ValueError(f"must be a number, not {str(v).lower()}")
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]  # every number field of a request body
+Float = Annotated[float, BeforeValidator(_not_bool)]
 
 
 class Strict(BaseModel):
@@ -84,16 +95,16 @@ class Sampling(Strict):
     """Sampling fields shared by every generation endpoint (OpenAI names)."""
 
     model: Text | None = Field(None, max_length=128)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: Int | None = Field(None, ge=1, le=MAX_TOKENS)
+    temperature: Float = Field(1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
     stop: Text | list[Text] | None = Field(None, max_length=MAX_CHARS)
-    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    seed: Int | None = Field(None, ge=0, le=SEED_MAX)
     stream: bool = False
     # extensions on every endpoint, as vLLM's: top_k 0 or -1 = off, min_p 0 = off, repetition_penalty 1 = off
-    top_k: int = Field(0, ge=-1, le=1000)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    top_k: Int = Field(0, ge=-1, le=1000)
+    min_p: Float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: Float = Field(1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False  # fixed-length outputs for benchmarks
 
 
@@ -154,18 +165,18 @@ class ResponseFormat(Strict):
 
 
 class OpenAIBase(Sampling):
-    n: int = Field(1, ge=1, le=N_MAX)  # choices from one prefill; ApiLimits.max_n tightens it
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    n: Int = Field(1, ge=1, le=N_MAX)  # choices from one prefill; ApiLimits.max_n tightens it
+    presence_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
     # token id (a decimal string, as JSON keys are) -> bias added to its logit; ids are checked by the route
-    logit_bias: dict[Annotated[str, Field(max_length=16)], Annotated[float, Field(ge=-100.0, le=100.0)]] | None = \
+    logit_bias: dict[Annotated[str, Field(max_length=16)], Annotated[Float, Field(ge=-100.0, le=100.0)]] | None = \
         Field(None, max_length=LOGIT_BIAS_MAX)
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None  # vLLM takes it on /v1/completions too
     user: Text | None = Field(None, max_length=256)
 
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_TOKENS * 16)]
+TokenIds = Annotated[list[Annotated[Int, Field(ge=0)]], Field(max_length=MAX_TOKENS * 16)]
 
 
 class CompletionBody(OpenAIBase):
@@ -173,10 +184,10 @@ class CompletionBody(OpenAIBase):
     it), or a list of either: a batch of prompts, each with its n choices."""
 
     prompt: Text | list[Text] | TokenIds | list[TokenIds] = Field(max_length=MAX_CHARS)
-    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)  # 0 with echo: score the prompt only
+    max_tokens: Int | None = Field(None, ge=0, le=MAX_TOKENS)  # 0 with echo: score the prompt only
     echo: bool = False  # the prompt before the completion (with its token logprobs when `logprobs` is set)
-    logprobs: int | None = Field(None, ge=0, le=COMPLETION_LOGPROBS_MAX)
-    best_of: int | None = Field(None, ge=1, le=N_MAX)  # candidates generated; the n most likely returned
+    logprobs: Int | None = Field(None, ge=0, le=COMPLETION_LOGPROBS_MAX)
+    best_of: Int | None = Field(None, ge=1, le=N_MAX)  # candidates generated; the n most likely returned
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts given, each text or token ids."""
@@ -188,9 +199,9 @@ class ChatCompletionBody(OpenAIBase):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: Int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=CHAT_TOP_LOGPROBS_MAX)
+    top_logprobs: Int | None = Field(None, ge=0, le=CHAT_TOP_LOGPROBS_MAX)
     # declared so that the route can refuse them with a reason (service/api/openai_routes.py)
     tools: list[Any] | None = Field(None, max_length=128)
     tool_choice: Any = None
@@ -211,7 +222,7 @@ class DetokenizeBody(Strict):
     """POST /detokenize (vLLM's shape)."""
 
     model: Text | None = Field(None, max_length=128)
-    tokens: list[int] = Field(max_length=MAX_TOKENS * 16)
+    tokens: list[Int] = Field(max_length=MAX_TOKENS * 16)
 
 
 # the translation decoding options' bounds as Field arguments (model/translation.py holds them for every path)
@@ -226,11 +237,11 @@ class TranslateBody(Strict):
     source_lang: Literal["en", "zh"] | None = None
     target_lang: Literal["en", "zh"] | None = None
     # upper bounds: ApiLimits and the translator's slots and positions, checked together in the route
-    beam_size: int = Field(DEFAULT_BEAM_SIZE, ge=1)
-    max_length: int | None = Field(None, ge=1)
-    length_penalty: float = Field(DEFAULT_LENGTH_PENALTY, **_BOUNDS["length_penalty"])
-    no_repeat_ngram: int = Field(DEFAULT_NO_REPEAT_NGRAM, **_BOUNDS["no_repeat_ngram"],
+    beam_size: Int = Field(DEFAULT_BEAM_SIZE, ge=1)
+    max_length: Int | None = Field(None, ge=1)
+    length_penalty: Float = Field(DEFAULT_LENGTH_PENALTY, **_BOUNDS["length_penalty"])
+    no_repeat_ngram: Int = Field(DEFAULT_NO_REPEAT_NGRAM, **_BOUNDS["no_repeat_ngram"],
                                  description="forbid repeating any n-gram of this size in an output (0 = off)")
-    min_length_ratio: float = Field(DEFAULT_MIN_LENGTH_RATIO, **_BOUNDS["min_length_ratio"],
+    min_length_ratio: Float = Field(DEFAULT_MIN_LENGTH_RATIO, **_BOUNDS["min_length_ratio"],
                                     description="no end of a sentence's translation before this many times its "
                                                 "source's tokens")
