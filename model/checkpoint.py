@@ -99,6 +99,14 @@ def read_config(directory: str | Path) -> tuple[DecoderConfig | Seq2SeqConfig, d
     return cfg, meta
 
 
+def cast_refused(t: torch.Tensor, param: torch.Tensor) -> str | None:
+    """Why `t` may not load into `param`: integers or bools for floats (or floats for integers), which
+    load_state_dict would cast silently; None for floats of any width."""
+    if t.is_floating_point() != param.is_floating_point():
+        return f"is {t.dtype}, the model's is {param.dtype} (weights are cast between floating-point types only)"
+    return None
+
+
 def load_state(model: nn.Module, weights: str | Path) -> None:
     """Load safetensors into `model`, checking names and shapes; raise CheckpointError otherwise."""
     weights = Path(weights)
@@ -122,9 +130,8 @@ def load_state(model: nn.Module, weights: str | Path) -> None:
         if tuple(t.shape) != tuple(expected[name].shape):
             raise CheckpointError(f"{weights}: tensor {name} has shape {tuple(t.shape)}, "
                                   f"config expects {tuple(expected[name].shape)}")
-        if t.is_floating_point() != expected[name].is_floating_point():  # load_state_dict would cast it
-            raise CheckpointError(f"{weights}: tensor {name} is {t.dtype}, the model's is {expected[name].dtype} "
-                                  "(weights are cast between floating-point types only)")
+        if why := cast_refused(t, expected[name]):
+            raise CheckpointError(f"{weights}: tensor {name} {why}")
     for names in shared.values():  # two different tensors for one tied parameter: the config is wrong
         given = [n for n in names if n in state]
         if any(not torch.equal(state[given[0]], state[n]) for n in given[1:]):

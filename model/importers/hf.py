@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from model.checkpoint import cast_refused
 from model.config import DecoderConfig
 
 
@@ -260,8 +261,7 @@ def import_hf(directory: str | Path):
         if tuple(t.shape) != tuple(expected[name].shape):
             raise HFFormatError(f"{d}: tensor for {name} has shape {tuple(t.shape)}, config implies "
                                 f"{tuple(expected[name].shape)}")
-        if t.is_floating_point() != expected[name].is_floating_point():  # load_state_dict would cast it
-            raise HFFormatError(f"{d}: tensor for {name} is {t.dtype}, the model's is {expected[name].dtype} "
-                                "(weights are cast between floating-point types only)")
+        if why := cast_refused(t, expected[name]):
+            raise HFFormatError(f"{d}: tensor for {name} {why}")
     model.load_state_dict(sd, strict=False)
     return model.eval()
