@@ -89,18 +89,20 @@ def split_sentences(text: str) -> list[str]:
 
 
 _CLAUSE_END = re.compile(r"[，、；：]\s*|[,;:]\s+|\s+[-–—]+\s+")  # not 1,000 / 12:30 / https://
-_EDGE_EMOJI = re.compile(f"([{EMOJI_CHARS}\\s]*)(.*?)([{EMOJI_CHARS}\\s]*)", re.DOTALL)
+# a run of emoji, with the clause mark after it ("👍, see you"): emoji stand between clauses as marks do
+_EMOJI_RUN = re.compile(f"([{EMOJI_CHARS}][{EMOJI_CHARS}\\s]*[，、；：,;:]?)")
 
 
 def pieces(sentence: str, fits) -> list[str]:
-    """What the model translates one by one: the sentence cut around URLs and e-mail addresses and off the
-    emoji at its ends (they pass through: the vocabulary hardly holds emoji), long pieces cut at clauses."""
+    """What the model translates one by one: the sentence cut around URLs, e-mail addresses and runs of emoji
+    (they pass through: the vocabulary hardly holds emoji, and the model rewrites them as words), long pieces
+    cut at clauses."""
     out = []
     for p in split_links(sentence):
         if is_link(p):
             out.append(p)
             continue
-        for q in (q.strip() for q in _EDGE_EMOJI.fullmatch(p).groups()):
+        for q in (q.strip() for q in _EMOJI_RUN.split(p)):
             out += split_long(q, fits) if q else []
     return out
 

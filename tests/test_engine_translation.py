@@ -11,6 +11,7 @@ import torch
 from engine_util import CharTokenizer, EndsSink, FailOnce, tiny_seq2seq
 
 from model.generate import beam_search, greedy
+from model.punctuation import postprocess
 from model.translation import encode_source, join_sentences, split_long
 from service.engine.config import EngineConfig
 from service.engine.hooks import StepHooks
@@ -341,6 +342,21 @@ def test_urls_and_addresses_pass_through_as_they_are():
     want = [offline(["the cat sat on"], 1)[0], "https://example.com/a_b?c=1", offline(["and mail"], 1)[0],
             "a.b@example.com", offline(["now."], 1)[0]]
     assert run(main).translations == [join_sentences(want, "zh")]  # a space keeps a link off ASCII next to it
+
+
+def test_emoji_inside_a_sentence_pass_through_in_place_and_never_reach_the_model():
+    """The vocabulary hardly holds emoji: sent to the model inside a sentence, they came back as words, or not
+    at all. The text on either side of a run is translated as a piece of its own."""
+    text = "the cat sat \U0001F600 dogs ran far \U0001F44D, the end."
+
+    async def main(engine):
+        return await translate(engine, TranslateRequest([text], target_lang="zh", beam_size=1))
+    res = run(main)
+    want = [offline(["the cat sat"], 1)[0], "\U0001F600", offline(["dogs ran far"], 1)[0], "\U0001F44D,",
+            offline(["the end."], 1)[0]]
+    assert res.translations == [postprocess(join_sentences(want, "zh"), "zh")]
+    assert res.usage.prompt_tokens == sum(len(encode_source(TOK, t, "zh"))
+                                          for t in ("the cat sat", "dogs ran far", "the end."))
 
 
 def test_a_failed_step_fails_its_requests_with_an_engine_error_counted_once():

@@ -134,18 +134,21 @@ def test_urls_and_addresses_are_pieces_of_their_own():
 
 
 
-def test_emoji_opening_or_closing_a_sentence_are_pieces_of_their_own():
-    """The model's vocabulary hardly holds emoji: at a sentence's edges they pass through, ZWJ sequences whole;
-    inside a sentence they stay (cutting it there would translate two fragments)."""
+def test_runs_of_emoji_are_pieces_of_their_own():
+    """The model's vocabulary hardly holds emoji: a run of them passes through, at a sentence's edges or inside
+    it (with the clause mark after it), ZWJ sequences whole."""
     family = "\U0001F468\u200d\U0001F469\u200d\U0001F467"  # one picture, joined by ZWJs
     (sentence,) = split_text(f"{family} is my family \u2764\ufe0f")[0]
     assert sentence == f"{family} is my family \u2764\ufe0f"  # normalising keeps the joiners inside emoji
     assert pieces(sentence, lambda s: True) == [family, "is my family", "\u2764\ufe0f"]
     assert not needs_translation(family, "zh") and not needs_translation("\u2764\ufe0f", "en")
-    assert pieces("Great job \U0001F44D, see you.", lambda s: True) == ["Great job \U0001F44D, see you."]
+    assert pieces("Great job \U0001F44D, see you.", lambda s: True) == ["Great job", "\U0001F44D,", "see you."]
+    assert pieces("今天很好\U0001F600 \U0001F600我们走吧。", lambda s: True) == [
+        "今天很好", "\U0001F600 \U0001F600", "我们走吧。"]
     assert pieces("\U0001F600", lambda s: True) == ["\U0001F600"]
     assert split_text("a\u200db")[0] == ["ab"]  # a joiner outside emoji is still dropped
     assert join_sentences(["\U0001F600", "你好", "\U0001F600"], "zh") == "\U0001F600你好\U0001F600"
+    assert join_sentences(["Great job", "\U0001F44D,", "see you."], "en") == "Great job \U0001F44D, see you."
 
 
 def test_links_and_code_calls_start_where_their_run_of_characters_starts():
