@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from itertools import zip_longest
+from itertools import accumulate, zip_longest
 
 # CJK ideographs (incl. extension A and compatibility), kana, Hangul: text after which a mark is Chinese
 _CJK_CHARS = r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\u3040-\u30ff\uac00-\ud7af"
@@ -91,10 +91,10 @@ def _neighbour(chars: list[str] | str, i: int, step: int) -> str | None:
     return chars[j] if 0 <= j < len(chars) else None
 
 
-def _pair_is_zh(chars: list[str], a: int, b: int, context) -> bool:
-    """Do the paired marks at a and b enclose Chinese, or stand next to `context` characters?"""
-    return bool(_CJK.search("".join(chars[a + 1:b]))) or context(_neighbour(chars, a, -1)) \
-        or context(_neighbour(chars, b, 1))
+def _pair_is_zh(chars: list[str], cjk: list[int], a: int, b: int, context) -> bool:
+    """Do the paired marks at a and b enclose Chinese (`cjk[i]`: the CJK characters before i; counted, a
+    search of each pair's inside is quadratic in nested brackets), or stand next to `context` characters?"""
+    return cjk[b] > cjk[a + 1] or context(_neighbour(chars, a, -1)) or context(_neighbour(chars, b, 1))
 
 
 def to_chinese_punctuation(text: str) -> str:
@@ -129,6 +129,7 @@ def _chinese_pass(text: str, bracket_context) -> str:
     chars = list(text)
     n = len(chars)
     protected = [False] * n
+    cjk = list(accumulate((_CJK.match(c) is not None for c in chars), initial=0))  # marks converted stay non-CJK
     for m in _PROTECTED.finditer(text):
         protected[m.start():m.end()] = [True] * (m.end() - m.start())
 
@@ -147,7 +148,7 @@ def _chinese_pass(text: str, bracket_context) -> str:
         if b is None:
             if bracket_context(_neighbour(chars, a, -1)) or bracket_context(_neighbour(chars, a, 1)):
                 chars[a] = "（" if chars[a] == "(" else "）"
-        elif _pair_is_zh(chars, a, b, bracket_context):
+        elif _pair_is_zh(chars, cjk, a, b, bracket_context):
             chars[a], chars[b] = "（", "）"
 
     # double quotes: paired in order of appearance
@@ -161,18 +162,19 @@ def _chinese_pass(text: str, bracket_context) -> str:
                 chars[a] = "“"
             elif _is_zh(left):
                 chars[a] = "”"
-        elif _pair_is_zh(chars, a, b, _is_zh):
+        elif _pair_is_zh(chars, cjk, a, b, _is_zh):
             chars[a], chars[b] = "“", "”"
 
     # single quotes used as quotation marks, paired in order (an apostrophe between Latin letters is none)
     singles = [i for i, c in enumerate(chars) if c == "'" and not protected[i]
                and not (0 < i < n - 1 and _latin(chars[i - 1]) and _latin(chars[i + 1]))]
     for a, b in zip(singles[::2], singles[1::2], strict=False):
-        if _pair_is_zh(chars, a, b, _is_zh):
+        if _pair_is_zh(chars, cjk, a, b, _is_zh):
             chars[a], chars[b] = "‘", "’"
 
     # , . : ; ? !  ("..." is the ellipsis rule's: next pass, when its neighbours may have become Chinese).
     # A converted mark is Chinese context for the marks beside it: swept both ways, a run converts in one pass
+    first = next((k for k, c in enumerate(chars) if not c.isspace()), n)
     dots = {i for m in re.finditer(r"\.{3,}", "".join(chars)) for i in range(m.start(), m.end())}
     for i in (*range(n), *reversed(range(n))):
         c = chars[i]
@@ -187,11 +189,17 @@ def _chinese_pass(text: str, bracket_context) -> str:
             continue  # a mark that begins a token: .NET, .5, ./configure, :hover, !important, ?id=3
         left, right = _neighbour(chars, i, -1), _neighbour(chars, i, 1)
         if c == "." and right is not None:
-            before = "".join(chars[:i])
-            if _ZH_LIST_NUMBER.fullmatch(before):
+            # a list number is at most 6 characters after the leading spaces and an abbreviation 5: read
+            # only so much of what comes before (the whole of it for every "." is quadratic)
+            numbered = i - first <= 6 and "".join(chars[:i])
+            if numbered and _ZH_LIST_NUMBER.fullmatch(numbered):
                 chars[i] = "、"
                 continue
-            if not _is_zh(left) and (_ABBREV.search(before.rstrip()) or _LIST_NUMBER.fullmatch(before)):
+            j = i - 1
+            while j >= 0 and chars[j].isspace():
+                j -= 1
+            tail = "".join(chars[max(0, j - 15):j + 1])
+            if not _is_zh(left) and (_ABBREV.search(tail) or numbered and _LIST_NUMBER.fullmatch(numbered)):
                 continue  # Mr. / Inc. / J. K. before a name; "1." numbering an item
         if _is_zh(left) or _is_zh(right) or (right is None and c in ".?!" and left is not None):
             chars[i] = ASCII_TO_FULL[c]

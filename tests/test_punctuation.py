@@ -137,3 +137,15 @@ def test_a_long_run_of_marks_after_a_url_is_scanned_once():
     # the URL still ends where the run of trailing marks starts, and takes a bracketed part and what follows it
     assert split_links("go to www.a.com/x_(y).) now") == ["go to", "www.a.com/x_(y)", ".) now"]
     assert split_links("see http://a.com/(é)b, then") == ["see", "http://a.com/(é)b", ", then"]
+
+
+@pytest.mark.timeout(30)  # quadratic, 100,000 nested brackets or points took minutes; counted once, a second
+def test_nested_brackets_and_many_points_are_read_once():
+    """A bracket pair's inside was searched for Chinese and the text before each "." joined again for the
+    list-number and abbreviation rules: both quadratic (~0.1 s for a 2,000-character text on the replica's
+    event loop). Counted once and read near the mark, the output is the same."""
+    n = 50_000
+    assert to_chinese_punctuation("中(" * n + "文" + ")" * n) == "中（" * n + "文" + "）" * n
+    assert to_chinese_punctuation("中." * n) == "中。" * n
+    assert to_chinese_punctuation("J. " * n + "中") == "J. " * n + "中"  # a point after a capital: an initial
+    assert to_chinese_punctuation("二. 中文 Mr. Smith, 中") == "二、中文 Mr. Smith，中"
