@@ -25,7 +25,7 @@ def add_arguments(p):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this times the top one's probability")
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default), at most 2")
     p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end the output where this text would begin (not printed); repeatable")
@@ -106,6 +106,8 @@ def run(args) -> int:
     check_at_least_one(max_tokens=args.max_tokens, threads=args.threads)
     if not 0.0 <= args.temperature <= 2.0:  # /v1/generate's bounds
         raise CommandError(f"--temperature must be in [0, 2], got {args.temperature}")
+    if not 0.0 < args.repetition_penalty <= 2.0:
+        raise CommandError(f"--repetition-penalty must be in (0, 2], got {args.repetition_penalty}")
     if args.top_k < -1:
         raise CommandError(f"--top-k must be >= -1 (0 or -1: off), got {args.top_k}")
     if args.seed is not None and not 0 <= args.seed <= SEED_MAX:  # /v1/generate's bounds; torch takes 64 bits
