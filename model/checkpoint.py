@@ -187,6 +187,10 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None) 
     try:
         with _weights_left_uninitialised():
             model = build_model(cfg)
+    except RuntimeError as e:  # sizes no weights file matches (a d_model typed with extra zeros)
+        if "allocate" not in str(e):
+            raise
+        raise CheckpointError(f"{d / CONFIG_FILE}: the model it describes does not fit in memory ({e})") from None
     finally:
         torch.set_default_dtype(previous)
     load_state(model, d / WEIGHTS_FILE)

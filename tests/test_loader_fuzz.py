@@ -191,3 +191,13 @@ def test_a_nan_or_negative_float_in_the_config_is_a_checkpoint_error(good, tmp_p
         _write(tmp_path / "n", weights, json.dumps({**meta, "config": {**meta["config"], field: value}}).encode())
         with pytest.raises(CheckpointError, match=f"{field} must be a finite non-negative number"):
             load_checkpoint(tmp_path / "n")
+
+
+def test_sizes_too_large_to_allocate_are_a_checkpoint_error(good, tmp_path):
+    """A d_model with extra zeros failed in torch's allocator with a traceback, before the weights were read."""
+    d, weights, config, _ = good
+    meta = json.loads(config)
+    meta["config"]["d_model"] *= 2**30
+    _write(tmp_path / "big", weights, json.dumps(meta).encode())
+    with pytest.raises(CheckpointError, match="config.json: the model it describes does not fit in memory"):
+        load_checkpoint(tmp_path / "big")
