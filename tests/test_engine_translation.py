@@ -16,7 +16,7 @@ from model.translation import encode_source, join_sentences, split_long
 from service.engine.config import EngineConfig
 from service.engine.hooks import StepHooks
 from service.engine.translation import TranslationEngine
-from service.engine.types import EngineOverloaded, RequestRejected, TranslateRequest
+from service.engine.types import EngineOverloaded, RequestRejected, SourceBatch, TranslateRequest
 from service.frontend.translator import TranslationFrontend
 
 torch.set_num_threads(1)
@@ -214,6 +214,16 @@ def test_overload_and_rejections():
         assert len((await first).translations) == 9
         return (await translate(engine, TranslateRequest(["the cat"] * 4, target_lang="zh"))).translations
     assert len(run(main, max_slots=4, max_waiting=2)) == 4
+
+
+def test_slots_without_a_position_for_an_output_token_are_refused_when_built():
+    """One target position holds only the start token: every beam request would fail its step (a 500), so
+    such an engine is refused when it is built, with the setting named; two positions translate."""
+    with pytest.raises(ValueError, match="max_seq_len 1 .* leave 1"):
+        make_engine(max_slots=2, max_seq_len=1)
+    src = encode_source(TOK, "the cat", "zh")
+    out = run(lambda e: e.run(SourceBatch([src, src], beam_size=2)), max_slots=4, max_seq_len=2)
+    assert [len(o) for o in out] == [1, 1]
 
 
 def test_no_slot_leaks_with_random_cancellations():

@@ -78,6 +78,10 @@ class TranslationEngine(EngineLoop):
                  sink: MetricsSink | None = None):
         super().__init__(config, name, sink, Seq2SeqRunner(model, config), "sentences")
         self.cfg = model.cfg
+        if self.max_length < 1:  # else every beam would step past the cache and fail, a greedy one not
+            raise ValueError(f"a translator needs >= 2 target positions (its start token and one output token); "
+                             f"EngineConfig.max_seq_len {config.max_seq_len} and the model's max_tgt_len "
+                             f"{model.cfg.max_tgt_len} leave {self.runner.max_tgt}")
 
     @property
     def max_positions(self) -> int:
