@@ -75,14 +75,20 @@ class SentencePieceTokenizer:
 class IncrementalDetokenizer:
     """Token ids -> text deltas that never split a UTF-8 character: a delta ending in U+FFFD (a partial
     character) waits for the next token. It diffs decodes of a short window of recent tokens, which suits
-    SentencePiece's leading-space markers and byte-level BPE alike."""
+    SentencePiece's leading-space markers and byte-level BPE alike. `context`: the prompt; its last tokens are
+    read first, so the first output token is decoded as it follows them (SentencePiece's "▁Paris" reads " Paris"
+    after a prompt and "Paris" alone), as vLLM seeds its window."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_ids: Iterable[int] = ()):
+    CONTEXT = 5  # prompt tokens read first, as vLLM's
+
+    def __init__(self, tokenizer: Tokenizer, skip_ids: Iterable[int] = (), context: Iterable[int] = ()):
         self.tok = tokenizer
         self.skip = set(skip_ids)
-        self.ids: list[int] = []
+        self.ids: list[int] = [int(i) for i in context if i not in self.skip][-self.CONTEXT:]
+        if self.ids and tokenizer.decode(self.ids).endswith("\ufffd"):  # a prompt ending inside a character:
+            self.ids = []  # the output's first bytes would complete it and shift every delta after
         self.prefix_offset = 0  # start of the decode window
-        self.read_offset = 0  # tokens up to here have been emitted
+        self.read_offset = len(self.ids)  # tokens up to here have been emitted (or are the prompt's)
 
     def push(self, token_id: int) -> str:
         if token_id in self.skip:

@@ -849,3 +849,25 @@ def test_slots_of_a_few_tokens_start_without_a_failed_warm_up(max_seq_len, caplo
 
     asyncio.run(main())
     assert not [r for r in caplog.records if "warm-up" in r.getMessage()]
+
+
+class LeadingSpaceTokenizer(CharTokenizer):
+    """Decodes as SentencePiece does: "_" is its "▁", a space, dropped where it leads the text."""
+
+    def decode(self, ids) -> str:
+        return super().decode(ids).replace("_", " ").removeprefix(" ")
+
+
+def test_the_first_output_token_is_read_after_the_prompt():
+    """With SentencePiece-style tokenizers the first token's leading space was lost ("…isParis"): its text
+    was decoded alone. The detokenizer now reads the prompt's last tokens first, as vLLM does, so prompt +
+    completion reads as the tokens decoded together."""
+    tok = LeadingSpaceTokenizer()
+    space = tok.stoi["_"]
+    req = GenerateRequest(prompt_ids=tok.encode("Paris_is"),
+                          params=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True,
+                                                logit_bias={space: 100.0}))
+    engine = GenerationEngine(tiny_llama(), tok, EngineConfig(max_slots=2, max_seq_len=32), eos_ids={tok.eos_id})
+    text, ids, _ = run_engine(engine, lambda e: collect(e, req))
+    assert ids == [space] * 3 and text == "   "
+    assert tok.decode(req.prompt_ids) + text == tok.decode(req.prompt_ids + ids)

@@ -143,7 +143,7 @@ class GenerationEngine(EngineLoop):
         p, queue, prompt = req.params, asyncio.Queue(), list(req.prompt_ids)
         self.scheduler.check_room([req.n])  # before compiling grammars for a request refused anyway
         group = [Sequence(prompt=prompt, params=p, queue=queue,
-                          detok=IncrementalDetokenizer(self.tokenizer, skip_ids=self.hidden_ids),
+                          detok=IncrementalDetokenizer(self.tokenizer, self.hidden_ids, context=prompt),
                           stopper=StopMatcher(p.stop), generator=make_generator(None if p.seed is None else p.seed + i),
                           deadline=deadline, t_submit=now, index=i, pending_fork=i > 0,
                           prompt_lp=[None] if p.prompt_logprobs is not None else None,
