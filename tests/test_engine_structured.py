@@ -185,16 +185,34 @@ def test_schemas_differing_only_in_property_order_are_two_grammars():
 def test_closed_objects_walks_schemas_not_property_names():
     inner = {"type": "object", "properties": {"x": {"type": "string"}}}
     schema = {"type": "object", "properties": {"properties": inner, "items": {"type": "array", "items": inner}},
-              "$defs": {"d": inner, "both": {"allOf": [inner, {"properties": {"y": {}}}]}}, "anyOf": [inner]}
+              "$defs": {"d": inner, "both": {"allOf": [inner, {"properties": {"y": {}}}]},
+                        "either": {"anyOf": [inner]}}}
     out = closed_objects(schema)
     assert out["additionalProperties"] is False and schema.get("additionalProperties") is None  # a copy
     assert set(out["properties"]) == {"properties", "items"}  # property names are not schema keywords
     assert out["properties"]["properties"]["additionalProperties"] is False
     assert out["properties"]["items"]["items"]["additionalProperties"] is False
-    assert out["$defs"]["d"]["additionalProperties"] is False and out["anyOf"][0]["additionalProperties"] is False
+    assert out["$defs"]["d"]["additionalProperties"] is False
+    assert out["$defs"]["either"]["anyOf"][0]["additionalProperties"] is False  # alternatives: each the whole object
     both = out["$defs"]["both"]  # closing each member would forbid the others' properties
     assert "additionalProperties" not in both and all("additionalProperties" not in s for s in both["allOf"])
     assert closed_objects({**inner, "patternProperties": {"^z": {}}}).get("additionalProperties") is None
+
+
+def test_alternatives_beside_listed_properties_add_to_them():
+    """An anyOf beside `properties` describes the same object: closing its members forbade the parent's
+    required keys, and closing the parent the members' ("Unsatisfiable schema" for a valid schema)."""
+    schema = {"type": "object", "properties": {"name": {"enum": ["n"]}}, "required": ["name"],
+              "anyOf": [{"properties": {"email": {"enum": ["e"]}}, "required": ["email"]},
+                        {"properties": {"phone": {"type": "integer"}}, "required": ["phone"]}]}
+    g = Grammars(TOK, TOK.vocab_size, {TOK.eos_id})
+    for text in ('{"name":"n","email":"e"}', '{"name":"n","phone":7}'):
+        m = g.compile(schema)
+        assert m.consume_tokens(TOK.encode(text)) and m.is_accepting(), text
+    for refused in ('{"name":"n","phone":"x"', '{"name":"n","email":"e","zz"'):  # members' schemas; no new keys
+        assert not g.compile(schema).consume_tokens(TOK.encode(refused)), refused
+    m = g.compile(schema)
+    assert m.consume_tokens(TOK.encode('{"name":"n"')) and not m.consume_tokens(TOK.encode("}"))  # one required
 
 
 def test_max_tokens_reached_first_is_length_with_a_prefix_of_valid_json():

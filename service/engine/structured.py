@@ -28,29 +28,37 @@ _ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedProperti
         "if", "then", "else", "contains", "propertyNames")
 _LIST = ("anyOf", "oneOf", "prefixItems", "items")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_ALTERNATIVES = ("anyOf", "oneOf")  # beside listed properties: the same object, with more of them
 
 
-def closed_objects(schema, in_all_of: bool = False):
+def closed_objects(schema, combined: bool = False):
     """A copy of `schema` where an object that lists `properties` but says nothing of others allows no
     others, as xgrammar, outlines and OpenAI's strict mode read it: left open, a small model invents keys
-    (`{"a": 1, "": 2}`). An explicit `additionalProperties` stays; members of `allOf` stay open (closing
-    each would forbid the others' properties)."""
+    (`{"a": 1, "": 2}`). An explicit `additionalProperties` stays. Members of `allOf`, and of an `anyOf` or
+    `oneOf` beside listed properties, stay open (`combined`): each describes the same object as the others or
+    its parent, so closing one would forbid their properties; such a parent allows its alternatives'
+    properties too (their own schemas still apply)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
+    listed = isinstance(out.get("properties"), dict)
     for k in _ONE:
         if isinstance(out.get(k), dict):
             out[k] = closed_objects(out[k])
     for k in _LIST:
         if isinstance(out.get(k), list):
-            out[k] = [closed_objects(s) for s in out[k]]
+            out[k] = [closed_objects(s, combined=listed and k in _ALTERNATIVES) for s in out[k]]
     for k in _MAP:
         if isinstance(out.get(k), dict):
             out[k] = {name: closed_objects(s) for name, s in out[k].items()}
     if isinstance(out.get("allOf"), list):
-        out["allOf"] = [closed_objects(s, in_all_of=True) for s in out["allOf"]]
-    if (isinstance(out.get("properties"), dict) and not in_all_of and "allOf" not in out
+        out["allOf"] = [closed_objects(s, combined=True) for s in out["allOf"]]
+    if (listed and not combined and "allOf" not in out
             and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & out.keys()):
+        alternatives = [s for k in _ALTERNATIVES if isinstance(out.get(k), list) for s in out[k]]
+        names = [n for s in alternatives if isinstance(s, dict) and isinstance(s.get("properties"), dict)
+                 for n in s["properties"]]
+        out["properties"] = {**out["properties"], **{n: {} for n in names if n not in out["properties"]}}
         out["additionalProperties"] = False
     return out
 
