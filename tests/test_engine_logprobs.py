@@ -107,6 +107,22 @@ def test_prompt_logprobs_chunked_and_scoring_only():
     assert [t for e in both for t in e.token_ids] == [lp.token_id for e in both for lp in (e.logprobs or [])]
 
 
+def test_a_prompt_that_fills_the_context_can_be_scored():
+    """Scoring writes no token: a prompt of the whole context (a perplexity window) was refused as if it
+    had to leave room for one."""
+    p_ids = prompt(random.Random(6), 64)
+
+    async def main(engine):
+        return await events(engine, GenerateRequest(
+            prompt_ids=p_ids, params=SamplingParams(max_new_tokens=0, prompt_logprobs=0)))
+
+    evs = run(main, max_seq_len=64)
+    ref = reference(p_ids)
+    assert len(evs[0].prompt_logprobs) == 64 and evs[-1].usage.completion_tokens == 0
+    for j, entry in enumerate(evs[0].prompt_logprobs[1:], start=1):
+        check(entry, ref[j - 1], 0)
+
+
 def test_only_rows_that_ask_pay_for_log_softmax(monkeypatch):
     rows_seen = []
     real = torch.log_softmax

@@ -102,7 +102,7 @@ class GenerationEngine(EngineLoop):
             raise reject("max_new_tokens", f"{{}} must be >= 1 (0 only to score the prompt with prompt_logprobs), "
                                            f"got {p.max_new_tokens}")
         ctx = self.max_context
-        if n >= ctx:
+        if n > ctx or n == ctx and p.max_new_tokens:  # a prompt only scored may fill the context
             raise reject("prompt_ids", f"{{}} is {n} tokens; the context holds {ctx} tokens including the output")
         if n + p.max_new_tokens > ctx:
             raise reject("max_new_tokens", f"{{}}={p.max_new_tokens} does not fit: the prompt is {n} tokens and the "
