@@ -226,6 +226,9 @@ def test_max_tokens_reached_first_is_length_with_a_prefix_of_valid_json():
     ({"type": "array", "uniqueItems": True}, "uniqueItems"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "missing"),
     ({"type": "strnig"}, "strnig"),
+    # "lenient" made the grammar skip uniqueItems: the output would not follow the schema as promised
+    ({"type": "array", "uniqueItems": True, "x-guidance": {"lenient": True}}, "x-guidance is not accepted"),
+    ({"type": "object", "x-guidance": {"whitespace_flexible": True}}, "x-guidance is not accepted"),
 ])
 def test_unsupported_or_invalid_schema_is_rejected_at_submit(schema, words):
     async def main(engine):

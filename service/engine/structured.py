@@ -108,6 +108,9 @@ class Grammars:
         """A fresh matcher for `schema` (cached: copies are cheap), or RequestRejected naming the problem."""
         if not self.stop_ids:
             raise RequestRejected("structured output needs an end-of-sequence token; this model has none")
+        if "x-guidance" in schema:  # the grammar library's options: "lenient" skips keywords it cannot enforce
+            raise RequestRejected("invalid JSON schema: x-guidance is not accepted; the service sets the grammar's "
+                                  "options (compact JSON, every keyword enforced or the schema refused)")
         # cached by the schema's JSON text, keys in the client's order (the grammar writes an object's properties
         # in that order, so schemas that differ only in it are different grammars)
         return self._template(json.dumps(schema, separators=(",", ":"), ensure_ascii=False)).deep_copy()
