@@ -85,6 +85,12 @@ def beam_candidates(states: list[BeamState], logits: torch.Tensor,
                 for tok in states[i].banned(seq)]
         if bans:
             logp[[r for r, _ in bans], [t for _, t in bans]] = NEG_INF
+        for a, i in enumerate(mine):  # at the length limit a hypothesis can only end, as fairseq forces EOS:
+            st = states[i]  # else it was finished with the score of a token it does not hold, once per token
+            if st.step >= st.limit:
+                eos = logp[a * k:(a + 1) * k, st.eos_id].clone()
+                logp[a * k:(a + 1) * k] = NEG_INF
+                logp[a * k:(a + 1) * k, st.eos_id] = eos
         scores = torch.tensor([x for i in mine for x in states[i].scores], dtype=logp.dtype,
                               device=logp.device)[:, None]  # (n k, 1)
         # a source's best 2k lie among its rows' own best 2k: select per row, then per source over k x 2k

@@ -120,3 +120,19 @@ def test_float32_weights_with_a_bf16_cache_cross_attention_included(monkeypatch)
     got = torch.cat([m.decode(tgt[:, t:t + 1], torch.tensor([[t]]), cache, [1])[0] for t in range(12)])
     assert got.dtype == torch.float32 and widened == []  # no float32 copy of the source's K/V
     assert (got - full).abs().max().item() < 0.05 * full.abs().max().item()
+
+
+def test_hypotheses_cut_at_the_length_limit_end_there_once_each():
+    """At the limit a hypothesis can only end (fairseq forces EOS): each was finished with the score of its
+    best next token, a token it does not hold, once per such token, so the n-best held duplicates."""
+    torch.manual_seed(5)
+    m = _model()
+    src = torch.randint(3, 97, (6,)).tolist()
+    hyps = beam_search(m, [src], beam_size=4, alpha=0.0, max_len_b=3, max_len_a=0, no_repeat_ngram=0)[0]
+    capped = [h for h in hyps if len(h.tokens) == 3]
+    assert capped and len({tuple(h.tokens) for h in hyps}) == len(hyps)
+    for h in capped:  # its log-probability, EOS at the limit included (alpha 0: no length penalty)
+        tgt = torch.tensor([[m.cfg.bos_id, *h.tokens]])
+        logp = torch.log_softmax(m(torch.tensor([src]), tgt)[0], -1)  # (4, V)
+        want = sum(logp[t, tok].item() for t, tok in enumerate([*h.tokens, m.cfg.eos_id]))
+        assert abs(h.score - want) < 1e-4
