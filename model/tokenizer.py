@@ -72,6 +72,14 @@ class SentencePieceTokenizer:
         Path(directory, self.FILE).write_bytes(self.path.read_bytes())
 
 
+def check_vocabularies(tokenizer, model_vocab_size: int) -> None:
+    """A tokenizer with ids the model cannot embed is another model's: every step holding one would fail."""
+    n = getattr(tokenizer, "vocab_size", None)
+    if n is not None and n > model_vocab_size:
+        raise ValueError(f"the tokenizer has {n} ids but the model's vocabulary {model_vocab_size}: "
+                         f"they belong to different models")
+
+
 class IncrementalDetokenizer:
     """Token ids -> text deltas that never split a UTF-8 character: a delta ending in U+FFFD (a partial
     character) waits for the next token. It diffs decodes of a short window of recent tokens, which suits

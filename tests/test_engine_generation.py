@@ -871,3 +871,18 @@ def test_the_first_output_token_is_read_after_the_prompt():
     text, ids, _ = run_engine(engine, lambda e: collect(e, req))
     assert ids == [space] * 3 and text == "   "
     assert tok.decode(req.prompt_ids) + text == tok.decode(req.prompt_ids + ids)
+
+
+def test_a_tokenizer_with_ids_the_model_cannot_embed_is_refused_when_built():
+    """Another model's tokenizer: a prompt holding one of its extra ids failed every step it was in."""
+    from model.config import TINY_SEQ2SEQ
+    from model.seq2seq import EncoderDecoder
+    from service.engine.translation import TranslationEngine
+    from service.frontend.translator import TranslationFrontend
+
+    with pytest.raises(ValueError, match="the tokenizer has 97 ids but the model's vocabulary 64"):
+        GenerationEngine(tiny_llama(vocab_size=64), TOK, EngineConfig(max_slots=2, max_seq_len=32), eos_ids={2})
+    small = EncoderDecoder(dataclasses.replace(TINY_SEQ2SEQ, vocab_size=64)).eval()
+    engine = TranslationEngine(small, EngineConfig(max_slots=2, max_seq_len=32))
+    with pytest.raises(ValueError, match="the tokenizer has 97 ids but the model's vocabulary 64"):
+        TranslationFrontend(engine, TOK)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.decoder import DecoderLM
-from model.tokenizer import IncrementalDetokenizer
+from model.tokenizer import IncrementalDetokenizer, check_vocabularies
 from service.config import GENERATOR_ID
 from service.engine.config import EngineConfig
 from service.engine.cpu_runtime import torch_threads
@@ -58,6 +58,7 @@ class GenerationEngine(EngineLoop):
         config = dataclasses.replace(config, max_seq_len=min(config.max_seq_len, model.cfg.max_seq_len))
         super().__init__(config, name, sink, DecoderRunner(model, config), "requests")
         self.tokenizer = tokenizer
+        check_vocabularies(tokenizer, model.cfg.vocab_size)
         self.eos_ids = set(eos_ids)
         # left out of the text (token_ids keep them), as vLLM's skip_special_tokens does by default
         self.hidden_ids = self.eos_ids | set(getattr(tokenizer, "special_ids", ()))

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 from operator import attrgetter
 
+from model.tokenizer import check_vocabularies
 from model.translation import TAGS, detect_lang, encode_source, join_text, needs_translation, other, pieces, split_text
 from service.engine.translation import TranslationEngine
 from service.engine.types import SourceBatch, TranslateRequest, TranslationResult, TranslationSettings, Usage, rejection
@@ -14,6 +15,7 @@ from service.engine.types import SourceBatch, TranslateRequest, TranslationResul
 
 class TranslationFrontend:
     def __init__(self, engine: TranslationEngine, tokenizer):
+        check_vocabularies(tokenizer, engine.cfg.vocab_size)
         self.engine = engine
         self.tokenizer = tokenizer
 
