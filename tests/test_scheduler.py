@@ -89,3 +89,25 @@ def test_sweep_drops_expired_waiting_groups_whole_and_keeps_the_rest_in_order():
                                                 (id(b[0][0]), "cancelled")]
     assert [[[id(u) for u in g] for g in q] for q in s.waiting] == [[[id(u) for u in g] for g in q] for q in
                                                                     ([a[0], a[2]], c)]
+
+
+def test_static_mode_waits_only_while_the_batch_has_slots_left(monkeypatch):
+    """A batch fills slots, not requests: a beam-4 sentence on 4 slots waited static_batch_wait_s for company
+    that had no room."""
+    import asyncio
+
+    import service.engine.scheduler as scheduler_module
+
+    waits = []
+
+    async def sleep(s):
+        waits.append(s)
+
+    monkeypatch.setattr(scheduler_module.asyncio, "sleep", sleep)
+    full, part = scheduler(slots=4, max_waiting=4, mode="static"), scheduler(slots=4, max_waiting=4, mode="static")
+    full.add([[Unit(), Unit(), Unit(), Unit()]])  # one group of 4 beams
+    part.add([[Unit(), Unit()]])
+    asyncio.run(full.wait_for_batch())
+    assert waits == []
+    asyncio.run(part.wait_for_batch())
+    assert waits == [part.config.static_batch_wait_s]

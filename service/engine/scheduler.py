@@ -85,8 +85,8 @@ class Scheduler:
 
     async def wait_for_batch(self) -> None:
         """Static mode: give a new batch a moment to fill before it is admitted."""
-        if (self.config.mode == "static" and not self.running
-                and 0 < self.n_waiting < self.config.max_slots):
+        waiting_slots = sum(u.slots_needed for q in self.waiting for g in q for u in g)  # beams take k each
+        if self.config.mode == "static" and not self.running and 0 < waiting_slots < self.config.max_slots:
             await asyncio.sleep(self.config.static_batch_wait_s)
 
     def sweep(self, now: float) -> list[tuple[Work, Expiry]]:
