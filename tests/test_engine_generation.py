@@ -886,3 +886,21 @@ def test_a_tokenizer_with_ids_the_model_cannot_embed_is_refused_when_built():
     engine = TranslationEngine(small, EngineConfig(max_slots=2, max_seq_len=32))
     with pytest.raises(ValueError, match="the tokenizer has 97 ids but the model's vocabulary 64"):
         TranslationFrontend(engine, TOK)
+
+
+def test_ids_past_the_tokenizers_are_padding_never_sampled():
+    """An embedding padded past the tokenizer (to a multiple of 64, say): its extra ids are no text. Sampled,
+    one decoded to nothing (or failed the step in SentencePiece); as vLLM, they are never sampled, and ids
+    a request names must be the tokenizer's."""
+    model = tiny_llama(vocab_size=128)
+    with torch.no_grad():  # padding rows that would win every step, whatever the sign of the hidden state
+        model.lm_head.weight[97:112] = 1000 * model.lm_head.weight[5]
+        model.lm_head.weight[112:] = -1000 * model.lm_head.weight[5]
+    engine = GenerationEngine(model, TOK, EngineConfig(max_slots=2, max_seq_len=64), eos_ids={TOK.eos_id})
+    req = GenerateRequest(prompt_ids=TOK.encode("hello"), params=SamplingParams(max_new_tokens=8, temperature=0.0,
+                                                                                ignore_eos=True, logprobs=2))
+    text, ids, _ = run_engine(engine, lambda e: collect(e, req))
+    assert len(ids) == 8 and max(ids) < 97 and text == TOK.decode(ids)
+    assert engine.vocab_size == 97
+    with pytest.raises(RequestRejected, match=r"token ids must be in \[0, 97\)"):
+        engine.validate(GenerateRequest(prompt_ids=[100], params=SamplingParams()))

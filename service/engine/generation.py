@@ -62,8 +62,10 @@ class GenerationEngine(EngineLoop):
         self.eos_ids = set(eos_ids)
         # left out of the text (token_ids keep them), as vLLM's skip_special_tokens does by default
         self.hidden_ids = self.eos_ids | set(getattr(tokenizer, "special_ids", ()))
-        self.vocab_size = model.cfg.vocab_size
-        self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_ids)
+        # ids past the tokenizer's pad the embedding (to a multiple of 64, say): never text, never sampled,
+        # as vLLM trims them
+        self.vocab_size = min(model.cfg.vocab_size, getattr(tokenizer, "vocab_size", model.cfg.vocab_size))
+        self.grammars = Grammars(tokenizer, model.cfg.vocab_size, self.eos_ids)
         self.output = OutputProcessor(self.eos_ids, self.sink, name)
         self.prefixes = PrefixIndex()
         self.prefix_tokens_reused = 0  # prompt tokens whose K/V were copied, not prefilled
@@ -334,6 +336,7 @@ class GenerationEngine(EngineLoop):
     def _sample(self, logits: torch.Tensor, rows: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits (N, V) of `rows` -> each row's token and, where asked, its logprobs."""
         x = logits.float()  # (N, V)
+        x[:, self.vocab_size:] = float("-inf")  # padding ids
         params = [s.params for s in rows]
         ask = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = x[ask] if ask else None  # (A, V) a copy: sampling changes x in place
