@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from model.config import DecoderConfig, Seq2SeqConfig
 from model.paths import REPO_ROOT
 from service.api.backends import DISABLED, Backends
 from service.config import DEFAULT_TRANSLATOR_DIR, GENERATOR_ID, TRANSLATOR_ID, ModelSpec, ServiceConfig
@@ -106,6 +107,9 @@ def load_generator(spec: ModelSpec, sink=None, log=print) -> GeneratorFrontend:
 
         d = ensure_smollm2(dtype="bfloat16" if cfg.dtype == "bfloat16" else "float32", log=log)
     model, tok = load_checkpoint(d, dtype=cfg.torch_dtype), load_tokenizer(d)
+    if not isinstance(model.cfg, DecoderConfig):  # the engine would fail on the first field it lacks
+        raise ModelUnavailable(f"{d} holds a translation (encoder-decoder) checkpoint; point generator.checkpoint "
+                               f"at a decoder's folder")
     # a Hugging Face folder may hold its weights in shards, listed by an index
     weights = d / WEIGHTS_FILE if (d / WEIGHTS_FILE).is_file() else d / "model.safetensors.index.json"
     quantize_generator(model, tok, spec.quantization, cfg, weights, log=log)
@@ -168,8 +172,11 @@ def load_translator(spec: ModelSpec, sink=None) -> TranslationFrontend:
         raise ValueError(f"translator.quantization {spec.quantization!r}: the translator is served in full "
                          f"precision (its quality in int8/int4 is not measured); use none")
     cfg = engine_config(spec)
-    engine = TranslationEngine(load_checkpoint(d, dtype=cfg.torch_dtype), cfg, name=spec.name or TRANSLATOR_ID,
-                               sink=sink)
+    model = load_checkpoint(d, dtype=cfg.torch_dtype)
+    if not isinstance(model.cfg, Seq2SeqConfig):  # the engine would fail on the first field it lacks
+        raise ModelUnavailable(f"{d} holds a decoder checkpoint, not a translator's (encoder-decoder); point "
+                               f"translator.checkpoint at one")
+    engine = TranslationEngine(model, cfg, name=spec.name or TRANSLATOR_ID, sink=sink)
     return TranslationFrontend(engine, load_tokenizer(d))
 
 

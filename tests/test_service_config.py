@@ -285,3 +285,18 @@ def test_a_host_folder_that_cannot_be_written_costs_the_generator_only(tmp_path,
     b = load_backends(cfg, log=lambda *_: None)
     assert b.translator is not None and b.generator is None
     assert "Read-only" in b.unavailable[GENERATOR_ID]
+
+
+def test_a_checkpoint_of_the_other_architecture_is_reported_not_a_crash(tmp_path):
+    """generator.checkpoint at a translator's folder (or the reverse) is that model's reason on /readyz, and
+    the replica starts: an AttributeError deep in the engine failed its start-up, both models with it."""
+    from tests.serve_fixture import tiny_checkpoints
+
+    gen, tr = tiny_checkpoints(tmp_path)
+    spec = {"device": "cpu", "dtype": "float32", "engine": {"compile": False}}
+    cfg = ServiceConfig.from_dict({"generator": {**spec, "checkpoint": str(tr)},
+                                   "translator": {**spec, "checkpoint": str(gen)}})
+    b = load_backends(cfg, log=lambda *_: None)
+    assert b.generator is None and b.translator is None
+    assert "translation (encoder-decoder) checkpoint" in b.unavailable[GENERATOR_ID]
+    assert "decoder checkpoint, not a translator's" in b.unavailable[TRANSLATOR_ID]
