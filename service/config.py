@@ -108,6 +108,8 @@ class ServiceConfig:
 
     def __post_init__(self):
         check_choices(self)
+        if not (self.generator.enabled or self.translator.enabled):  # /readyz would never say ready
+            raise ValueError("ServiceConfig: generator and translator are both disabled; enable at least one")
         if self.generator_id == self.translator_id:
             raise ValueError(f"ServiceConfig: generator.name and translator.name must differ, both are "
                              f"{self.generator_id!r}")

@@ -250,6 +250,8 @@ def test_user_config_limits_that_are_not_a_mapping_are_refused_naming_them(limit
     ({"serve_batch_wait_s": float("nan")}, "serve_batch_wait_s >= 0"),  # YAML's .nan
     ({"serve_batch_wait_s": float("inf")}, "serve_batch_wait_s >= 0 and finite"),  # YAML's .inf: one request hung
     ({"generator": 5}, "must be a mapping"),
+    # nothing to serve: /readyz answered 503 for ever, and `attnserve serve` waited on it
+    ({"generator": {"enabled": False}, "translator": {"enabled": False}}, "both disabled"),
     ({"translator": [1]}, "must be a mapping"),
 ])
 def test_config_values_of_the_wrong_type_are_refused_naming_the_field(data, words):
