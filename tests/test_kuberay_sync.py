@@ -39,6 +39,9 @@ def test_serve_configs_validate(name):
         for d in app["deployments"]:
             assert {"min_replicas", "max_replicas", "target_ongoing_requests"} <= set(d["autoscaling_config"])
             assert "num_gpus" in d["ray_actor_options"] and "limits" in d["user_config"]
+            if d["autoscaling_config"]["max_replicas"] > 1:  # else a replica still loading gets requests: 503s
+                router = (d.get("request_router_config") or {}).get("request_router_class")
+                assert router == "service.routing:ReadyFirstRouter", (name, d["name"])
 
 
 def test_cpu_default_is_loopback_and_cpu():
