@@ -20,7 +20,8 @@ def _raise(message: str):
 
 
 @lru_cache(maxsize=8)
-def _compile(template: str):
+def compile_template(template: str):
+    """The template compiled (kept for the next call); ChatTemplateError where it does not compile."""
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -45,7 +46,8 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ChatTemplateError(f"message {i} must be an object with string 'role' and 'content'")
     try:
-        return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+        return compile_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                 **extra)
     except ChatTemplateError:
         raise
     except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:  # the template's own errors

@@ -89,6 +89,13 @@ class ModelSpec(FromDict):
         bad = {"device", "dtype"} & set(self.engine)
         if bad:
             raise ValueError(f"ModelSpec.engine must not set {sorted(bad)}: use ModelSpec.device/dtype")
+        if self.chat_template is not None:  # else every chat request answered 400 naming the server's template
+            from model.chat import ChatTemplateError, compile_template
+
+            try:
+                compile_template(self.chat_template)
+            except ChatTemplateError as e:
+                raise ValueError(f"ModelSpec.chat_template: {e}") from None
         from service.engine.config import EngineConfig
 
         EngineConfig.from_dict(dict(self.engine))  # its keys and values, checked where the config is read

@@ -249,6 +249,8 @@ def test_user_config_limits_that_are_not_a_mapping_are_refused_naming_them(limit
     ({"serve_batch_size": 1.5}, "serve_batch_size"),
     ({"serve_batch_wait_s": float("nan")}, "serve_batch_wait_s >= 0"),  # YAML's .nan
     ({"serve_batch_wait_s": float("inf")}, "serve_batch_wait_s >= 0 and finite"),  # YAML's .inf: one request hung
+    # a template that does not compile: every chat request answered 400 for the server's own template
+    ({"generator": {"chat_template": "{% for m in messages %}{{ m }"}}, "chat_template: chat template does not"),
     ({"generator": 5}, "must be a mapping"),
     # nothing to serve: /readyz answered 503 for ever, and `attnserve serve` waited on it
     ({"generator": {"enabled": False}, "translator": {"enabled": False}}, "both disabled"),
