@@ -58,12 +58,12 @@ class AttnServe:
                 if backend is None:
                     continue
                 engine = backend.engine
-                compiling = engine.config.compile
+                deferred = attr == "translator" and later  # its packages are built after ready: eager until then
+                compiling = engine.config.compile and not deferred
                 self.startup.set(f"{'compiling' if compiling else 'starting'} the {attr} engine", model_id,
                                  "compiling (or loading) the decode step" if compiling else "starting")
                 if attr == "generator":  # its compiled prefill, where missing, is built after ready
                     engine.runner.build_prefill = False
-                deferred = attr == "translator" and later  # its packages are built after ready: eager until then
                 if deferred:
                     engine.compile_later = True
                 await backend.start()

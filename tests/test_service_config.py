@@ -304,3 +304,36 @@ def test_a_checkpoint_of_the_other_architecture_is_reported_not_a_crash(tmp_path
     assert b.generator is None and b.translator is None
     assert "translation (encoder-decoder) checkpoint" in b.unavailable[GENERATOR_ID]
     assert "decoder checkpoint, not a translator's" in b.unavailable[TRANSLATOR_ID]
+
+
+def test_a_translator_compiled_after_ready_is_reported_starting_not_compiling(monkeypatch):
+    """Where a child builds the translator's packages after ready (service/prebuild.py), its engine starts
+    eagerly: the start-up phase says it starts, not that it compiles its decode step."""
+    import asyncio
+    import types
+
+    from service import deployments, models, prebuild
+    from service.api.backends import Backends
+    from service.startup import Startup
+
+    cls = deployments.AttnServe.func_or_class
+    replica = cls.__new__(cls)
+    seen = []
+
+    class Translator:
+        name = TRANSLATOR_ID
+        engine = types.SimpleNamespace(config=types.SimpleNamespace(compile=True), compile_later=False, compiled=None)
+
+        async def start(self):
+            seen.append(replica.startup.snapshot())
+
+    replica.config = ServiceConfig.from_dict({"generator": {"enabled": False}})
+    replica.startup, replica.backends = Startup(), Backends()
+    monkeypatch.setattr(models, "load_backends", lambda *a, **k: Backends(translator=Translator()))
+    monkeypatch.setattr(prebuild, "translator_build_needed", lambda *a: True)
+    monkeypatch.setattr(prebuild, "start_translator_build", lambda *a: None)
+    monkeypatch.setattr(deployments, "gc", types.SimpleNamespace(collect=lambda: 0, freeze=lambda: None))
+    asyncio.run(cls._load(replica, None))
+    assert seen[0]["phase"] == "starting the translator engine"
+    assert seen[0]["models"][TRANSLATOR_ID] == "starting"
+    assert replica.startup.models[TRANSLATOR_ID].startswith("ready (eager until its compiled steps are built")
