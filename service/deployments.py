@@ -139,7 +139,8 @@ class AttnServe:
 
     def record_routing_stats(self) -> dict:
         """What service.routing.ReadyFirstRouter routes by: whether this replica's models serve."""
-        return {"ready": self.startup.routing_report()}
+        # loaded but its generator did not (/readyz 503): the router is to send requests to the others
+        return {"ready": self.startup.routing_report() and self.backends.serving}
 
     def check_health(self) -> None:
         """Healthy while loading (that is start-up, not failure); unhealthy if start-up failed or a

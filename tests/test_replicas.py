@@ -90,14 +90,20 @@ def test_light_load_stays_on_one_replica(monkeypatch):
 
 
 def test_deployment_reports_readiness_for_routing():
+    """Ready once loaded, where the generator serves: a replica that lost it (a GPU two replicas share ran
+    out of memory) answers /readyz and each chat request 503, and must not draw requests from the others."""
+    from service.api.backends import Backends
+    from service.config import GENERATOR_ID
     from service.deployments import AttnServe
     from service.startup import Startup
 
-    replica = SimpleNamespace(startup=Startup())
+    replica = SimpleNamespace(startup=Startup(), backends=Backends(generator=object()))
     stats = AttnServe.func_or_class.record_routing_stats
     assert stats(replica) == {"ready": False}
     replica.startup.done()
     assert stats(replica) == {"ready": True}
+    replica.backends = Backends(unavailable={GENERATOR_ID: "CUDA out of memory"})
+    assert stats(replica) == {"ready": False}
 
 
 def test_file_lock_makes_the_second_holder_wait(tmp_path):
