@@ -37,6 +37,7 @@ def test_readyz_503_without_generator():
     async def main(c):
         r = await c.get("/readyz")
         assert r.status_code == 503 and r.json()["unavailable"] == {GENERATOR_ID: "failed to load"}
+        assert r.json()["phase"].startswith("loaded, but not serving")  # start-up is over: not "ready"
         r = await c.post("/v1/generate", json={"prompt": "hi"})
         assert r.status_code == 503 and "failed to load" in r.json()["error"]["message"]
     run(main, Backends(unavailable={GENERATOR_ID: "failed to load"}))

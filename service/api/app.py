@@ -71,6 +71,8 @@ def create_app(backends: Backends, limits: ApiLimits | None = None, *, static_di
         if app.state.startup.serving:
             body["models"] = {**{n: body["models"].get(n, "ready") for n in b.ids()},
                               **{n: f"unavailable: {why}" for n, why in b.unavailable.items()}}
+            if not b.serving:  # start-up is over, yet this 503 lasts: not "ready"
+                body["phase"] = "loaded, but not serving: a model it serves did not load (see models)"
         body["unavailable"] = b.unavailable
         return JSONResponse(body, status_code=200 if body["ready"] else 503,
                             headers=None if body["ready"] else {"Retry-After": str(RETRY_AFTER_S)})
