@@ -89,9 +89,11 @@ def read_config(path: str | Path, host: str | None = None, port: int | None = No
     from ray.serve.schema import ServeDeploySchema
 
     try:  # the schema's errors before Ray starts, not after
-        ServeDeploySchema.model_validate(config)
+        schema = ServeDeploySchema.model_validate(config)
     except Exception as e:  # pydantic's ValidationError
         raise ValueError(f"{p} is not a valid Serve config: {e}") from None
+    if schema.proxy_location == "Disabled":  # the start-up watch would wait on it for ever
+        raise ValueError(f"{p}: proxy_location Disabled starts no HTTP proxy, so nothing would serve the API")
     check_apps(config, p)  # the application's own settings too, before Ray starts
     return config
 

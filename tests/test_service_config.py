@@ -199,6 +199,9 @@ def test_serve_config_file_http_options_and_errors(tmp_path):
     cfg.write_text(text.replace("  port: 8000\n", "  port: yes\n", 1))  # YAML's true, not a port
     with pytest.raises(ValueError, match="port must be in 1..65535, got True"):
         read_config(cfg)
+    cfg.write_text(text.replace("proxy_location: HeadOnly", "proxy_location: Disabled", 1))  # no HTTP at all
+    with pytest.raises(ValueError, match="starts no HTTP proxy"):
+        read_config(cfg)
     for bad, words in (("applications: [\n", "not valid YAML"), ("- 1\n- 2\n", "mapping"),
                        ("http_options: 5\n", "mapping"), ("applications: 7\n", "not a valid Serve config")):
         cfg.write_text(bad)
