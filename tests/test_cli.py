@@ -608,6 +608,19 @@ def test_train_translate_on_a_device_this_torch_lacks_exits_2_naming_it(home, tm
     assert not (tmp_path / "run" / "state.json").exists()
 
 
+@pytest.mark.parametrize("where", ["config", "run-dir", "init-from"])
+def test_train_translate_on_a_path_that_is_a_folder_or_under_a_file_exits_2_naming_it(home, tmp_path, capsys,
+                                                                                    restore_torch, where):
+    _corpus(home / "data" / "translate")
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "a_folder").mkdir()
+    paths = {"config": _recipe(tmp_path / "tiny.json", 5), "run-dir": str(tmp_path / "run")}
+    bad = str(tmp_path / "a_folder") if where == "config" else str(tmp_path / "a_file" / "x")
+    args = [f"--{k}={bad if k == where else v}" for k, v in {**paths, where: bad}.items()]
+    assert main(["train", "translate", *args]) == 2
+    assert bad in capsys.readouterr().err  # one line naming it, not a traceback
+
+
 # --- stop (plain processes) ----------------------------------------------------------------------
 
 SLEEPER = "import signal, sys, time\n{}\nprint('ready', flush=True)\ntime.sleep(120)\n"

@@ -31,7 +31,8 @@ def run(args) -> int:
         train(args.config, args.run_dir, resume=args.resume, export_only=args.export_only,
               export_to=args.export_to, threads=args.threads,
               init_from=args.init_from, avg_last=args.avg_last, device=args.device)
-    except (FileExistsError, FileNotFoundError, ValueError) as e:  # their messages say what to do
+    # their messages say what to do; an OSError names its path (a --config folder, a --run-dir under a file)
+    except (OSError, ValueError) as e:
         raise CommandError(str(e)) from e
     except Interrupted as e:  # the shell's status for the signal: a supervisor sees the run was cut short
         command = f"attnserve train translate --config {args.config} --run-dir {e.run}"
