@@ -58,6 +58,15 @@ def test_tiny_training_run_drops_loss_and_resumes(tiny_run, tmp_path):
         train(path, run, data_dir=data, resume=True, avg_last=1)
 
 
+@pytest.mark.parametrize("where", ["a_file", "a_file/export"])
+def test_an_export_folder_that_is_a_file_or_under_one_is_refused_before_training(tiny_run, tmp_path, where):
+    path, cfg, data, run = tiny_run
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match="cannot take the export"):
+        train(path, run, data_dir=data, export_to=tmp_path / where)
+    assert not (run / "state.safetensors").exists()  # refused up front, not after the run trained
+
+
 def test_a_kill_between_the_state_and_its_json_at_the_first_checkpoint_still_resumes(tiny_run, tmp_path):
     path, cfg, data, run = tiny_run
     cfg["max_steps"] = 10

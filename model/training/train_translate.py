@@ -342,6 +342,10 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
         cfg = dataclasses.replace(cfg, avg_last=avg_last)
     run = Path(run_dir or paths.home() / "runs" / "translate" / Path(config_path).stem)
     run.mkdir(parents=True, exist_ok=True)
+    out = Path(export_to or run / "export")
+    if out.exists() and not out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
+        # else a run trains to its limit and only then fails to export
+        raise ValueError(f"{out} cannot take the export (a file, or under a file): pass --export-to a folder")
     # the tensors' file commits a state (save_state), before state.json is written: a kill between the two
     # renames of a run's first checkpoint leaves no state.json
     has_state = (run / "state.safetensors").is_file()  # past these checks, a run with a state resumes it
