@@ -126,6 +126,20 @@ def test_warm_start_from_a_shipped_checkpoint_continues_its_step_count(tiny_run,
     assert [r for r in _log(run3) if r.get("event") == "stopped"][-1]["step"] == 150
 
 
+@pytest.mark.parametrize("setting, value", [("n_heads", 4), ("activation", "gelu"), ("scale_embeddings", False)])
+def test_a_warm_start_under_settings_of_the_same_shapes_but_another_function_is_refused(tiny_run, tmp_path,
+                                                                                      setting, value):
+    path, cfg, data, run = tiny_run
+    cfg["max_steps"] = 2
+    path.write_text(json.dumps(cfg))
+    train(path, run, data_dir=data, export_to=tmp_path / "export")
+    cfg.update(max_steps=4, model={**cfg["model"], setting: value})  # every weight keeps its shape
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"another model \\({setting} "):
+        train(path, tmp_path / "run2", data_dir=data, init_from=tmp_path / "export", export_to=tmp_path / "export2")
+    assert not (tmp_path / "run2" / "state.safetensors").exists()
+
+
 def test_back_translated_pairs_train_one_way_with_a_tag_and_ted_dev_is_scored(tiny_run, tmp_path):
     from model.tokenizer import SentencePieceTokenizer
     from model.training.back_translate import TAG_PIECE

@@ -540,10 +540,25 @@ def finished(meta: dict, cfg: TrainConfig) -> bool:
     return meta["train_seconds"] >= cfg.max_hours * 3600 or meta["step"] >= cfg.max_steps
 
 
+# model settings that change what the weights compute but not their shapes (which loading checks): weights
+# trained under one and loaded under another would train on without an error
+SAME_FUNCTION = ("n_heads", "activation", "norm_first", "norm_eps", "scale_embeddings")
+
+
+def changed_function(trained: dict, cfg: Seq2SeqConfig) -> str:
+    """The SAME_FUNCTION settings where `cfg` differs from `trained` (the weights' config) as "name a -> b"
+    ("" where none does)."""
+    return ", ".join(f"{k} {trained[k]!r} -> {getattr(cfg, k)!r}" for k in SAME_FUNCTION
+                     if k in trained and trained[k] != getattr(cfg, k))
+
+
 def warm_start(model, ckpt: Path) -> dict:
     """Continue from a shipped checkpoint's weights and training counters, so the lr schedule (re-warmed, as
     Adam's moments are not shipped) and the logs go on."""
     ckpt_cfg, extra = read_config(ckpt)
+    if changed := changed_function(ckpt_cfg.to_dict(), model.cfg):
+        raise ValueError(f"{ckpt} was trained with another model ({changed}): give the config's model the "
+                         "checkpoint's settings")
     load = widen_feed_forward if ckpt_cfg.d_ff != model.cfg.d_ff else load_weights
     load(model, ckpt / "model.safetensors")
     rec = extra.get("training", {})
