@@ -93,6 +93,13 @@ def test_resuming_with_another_models_config_says_which_not_a_traceback(tiny_run
         train(path, run, data_dir=data, resume=True, export_to=tmp_path / "export")
     assert json.loads((run / "state.json").read_text())["step"] == 2
 
+    cfg["model"] = {**cfg["model"], "d_ff": 64, "n_heads": 4}  # every weight keeps its shape: loading cannot tell
+    path.write_text(json.dumps(cfg))
+    for flags in ({"resume": True}, {"export_only": True}):
+        with pytest.raises(ValueError, match="does not fit the config's model \\(n_heads 2 -> 4\\)"):
+            train(path, run, data_dir=data, export_to=tmp_path / "export2", **flags)
+    assert json.loads((run / "state.json").read_text())["step"] == 2 and not (tmp_path / "export2").exists()
+
 
 def test_warm_start_from_a_shipped_checkpoint_continues_its_step_count(tiny_run, tmp_path):
     path, cfg, data, run = tiny_run

@@ -259,6 +259,9 @@ def load_state(run: Path, model, opt) -> dict:
         kept = (f.metadata() or {}).get("state")
     # older runs keep it in state.json only
     meta = json.loads(kept) if kept is not None else json.loads((run / "state.json").read_text())
+    if changed := changed_function(meta.get("model", {}), model.cfg):  # older runs did not record it
+        raise ValueError(f"{path} does not fit the config's model ({changed}): resume with the config the run "
+                         "was trained with, or pass --run-dir to start a new run")
     try:
         model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     except RuntimeError as e:  # a run folder of another recipe: say so in the CLI's one line, not a traceback
@@ -396,6 +399,7 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     elif init_from:
         meta = warm_start(model, Path(init_from))
         log(event="warm_start", init_from=str(init_from), step=meta["step"], epoch=meta["epoch"])
+    meta["model"] = mcfg.to_dict()  # what the state's weights compute, for a resume to check (load_state)
     if export_only:
         return export(run, model, tok, cfg, meta, export_to, log)
 
