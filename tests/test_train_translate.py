@@ -67,6 +67,30 @@ def test_an_export_folder_that_is_a_file_or_under_one_is_refused_before_training
     assert not (run / "state.safetensors").exists()  # refused up front, not after the run trained
 
 
+def test_a_second_training_process_in_a_run_folder_is_refused_while_the_first_trains(tiny_run, tmp_path,
+                                                                                    monkeypatch):
+    from model.training import train_translate as tt
+
+    path, cfg, data, run = tiny_run
+    cfg["max_steps"] = 6
+    path.write_text(json.dumps(cfg))
+    lr, tried = tt.scheduled_lr, []
+
+    def lr_and_a_second_run(step, *args):
+        if step == 3 and not tried:  # before the first checkpoint: the folder holds no state yet
+            for resume in (False, True):
+                tried.append(resume)
+                with pytest.raises(FileExistsError, match="in use by another training process"):
+                    train(path, run, data_dir=data, resume=resume, export_to=tmp_path / "export2")
+        return lr(step, *args)
+
+    monkeypatch.setattr(tt, "scheduled_lr", lr_and_a_second_run)
+    train(path, run, data_dir=data, export_to=tmp_path / "export")
+    assert tried == [False, True] and not (tmp_path / "export2").exists()
+    assert [r["step"] for r in _log(run) if r.get("event") == "stopped"] == [6]  # the first run alone
+    train(path, run, data_dir=data, export_only=True, export_to=tmp_path / "export3")  # the lock is given back
+
+
 def test_a_kill_between_the_state_and_its_json_at_the_first_checkpoint_still_resumes(tiny_run, tmp_path):
     path, cfg, data, run = tiny_run
     cfg["max_steps"] = 10

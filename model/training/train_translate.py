@@ -8,6 +8,7 @@ are averaged and exported.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
@@ -26,6 +27,7 @@ from model import paths
 from model.checkpoint import build_model, read_config, save_checkpoint
 from model.checkpoint import load_state as load_weights
 from model.config import Seq2SeqConfig
+from model.file_lock import file_lock
 from model.generate import greedy, pad_batch
 from model.progress import progress, write_line
 from model.strict_fields import from_dict
@@ -35,6 +37,7 @@ from model.training.run_clock import RunClock
 from model.translation import LANGS, TAGS, encode_source, other
 
 NO_STEP_LIMIT = 10**9  # max_steps by default: the hour limit ends the run
+LOCK_FILE = "train.lock"  # in the run folder, held while a process trains there
 
 
 class Interrupted(Exception):
@@ -349,6 +352,20 @@ def train(config_path: str | Path, run_dir: str | Path | None = None, *, resume:
     if out.exists() and not out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
         # else a run trains to its limit and only then fails to export
         raise ValueError(f"{out} cannot take the export (a file, or under a file): pass --export-to a folder")
+    with contextlib.ExitStack() as stack:
+        # one training process a folder, else two train over each other's vocabulary, state and snapshots (an
+        # export only reads them)
+        if not export_only and not stack.enter_context(file_lock(run / LOCK_FILE, wait=False)):
+            raise FileExistsError(f"{run} is in use by another training process (it holds {run / LOCK_FILE}): "
+                                  "wait for it to stop, or pass --run-dir to start a new run elsewhere")
+        return _train_in(run, cfg, dev, config_path, resume=resume, data_dir=data_dir, export_to=export_to,
+                         export_only=export_only, init_from=init_from)
+
+
+def _train_in(run: Path, cfg: TrainConfig, dev: torch.device, config_path: str | Path, *, resume: bool,
+              data_dir: Path | None, export_to: str | Path | None, export_only: bool,
+              init_from: str | Path | None) -> Path:
+    """train() in its run folder, with the arguments checked."""
     # the tensors' file commits a state (save_state), before state.json is written: a kill between the two
     # renames of a run's first checkpoint leaves no state.json
     has_state = (run / "state.safetensors").is_file()  # past these checks, a run with a state resumes it
