@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -16,7 +17,10 @@ def plot(log_path: str | Path, out: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
+    rows = []
+    for line in Path(log_path).read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # a line a kill cut short (a resume appends after it)
+            rows.append(json.loads(line))
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if r.get("event") == "eval"]
     if not train:  # evaluations are placed by the hours of the training lines
