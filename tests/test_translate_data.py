@@ -339,6 +339,13 @@ def test_a_torn_split_file_is_named_not_unpacked_wrongly(tmp_path):
     assert read_split("dev", tmp_path) == [("Hello.", "你好。")]
 
 
+def test_a_split_saved_with_a_bom_or_crlf_line_ends_reads_as_without(tmp_path):
+    from model.training.translate_data import read_split
+
+    (tmp_path / "dev.tsv").write_bytes("\ufeffHello.\t你好。\r\nBye.\t再见。\r\n".encode())  # a Windows editor's
+    assert read_split("dev", tmp_path) == [("Hello.", "你好。"), ("Bye.", "再见。")]
+
+
 def test_only_three_to_one_paragraphs_are_taken_whole():
     """A paragraph whose Chinese subtitle is one "sentence" against three English ones is taken whole; one
     whose beads were dropped for another reason (an extra sentence on one side: the paragraphs are not each

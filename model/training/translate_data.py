@@ -565,7 +565,7 @@ def read_split(name: str, directory: Path | None = None) -> list[tuple[str, str]
     if not path.is_file():
         raise FileNotFoundError(f"{path} missing: run `attnserve data prepare translate` first")
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a BOM an editor saved is no part of the first pair
         for i, line in enumerate(f, 1):
             row = tuple(line.rstrip("\n").split("\t"))
             if len(row) != 2:
