@@ -337,6 +337,10 @@ def test_a_torn_split_file_is_named_not_unpacked_wrongly(tmp_path):
         read_split("dev", tmp_path)
     (tmp_path / "dev.tsv").write_text("Hello.\t你好。\n", encoding="utf-8")
     assert read_split("dev", tmp_path) == [("Hello.", "你好。")]
+    for line in ("Hello.\t\n", " \t你好。\n"):  # a write cut after the TAB; a side of spaces
+        (tmp_path / "dev.tsv").write_text(f"Bye.\t再见。\n{line}", encoding="utf-8")
+        with pytest.raises(ValueError, match=r"dev.tsv:2: expected English<TAB>Chinese, got an empty side"):
+            read_split("dev", tmp_path)
 
 
 def test_a_split_saved_with_a_bom_or_crlf_line_ends_reads_as_without(tmp_path):

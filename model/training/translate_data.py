@@ -571,5 +571,8 @@ def read_split(name: str, directory: Path | None = None) -> list[tuple[str, str]
             if len(row) != 2:
                 raise ValueError(f"{path}:{i}: expected English<TAB>Chinese, got {len(row)} fields "
                                  "(rerun `attnserve data prepare translate`)")
+            if not all(side.strip() for side in row):  # else trained on, or scored, as a translation of nothing
+                raise ValueError(f"{path}:{i}: expected English<TAB>Chinese, got an empty side "
+                                 "(rerun `attnserve data prepare translate`)")
             rows.append(row)
     return rows
