@@ -139,7 +139,8 @@ def test_bad_arguments_and_configs_are_one_line_before_anything_starts(home, tmp
                         (["generate", "--max-tokens", "0", "hi"], "--max-tokens must be >= 1"),
                         (["generate", "--threads", "0", "hi"], "--threads must be >= 1"),
                         (["data", "sample", "translate", "--n", "-1"], "--n must be >= 1"),
-                        (["weights", "export-marian", "--out", str(a_file)], "is a file")):
+                        (["weights", "export-marian", "--out", str(a_file)], "is a file"),
+                        (["weights", "export-marian", "--out", str(a_file / "x")], "is under a file")):
         assert main(argv) == 2, argv
         out, err = capsys.readouterr()
         assert words in err, (argv, out, err)

@@ -69,6 +69,8 @@ def _export_marian(args) -> int:
         raise CommandError("export-marian: --out DIR is required")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise CommandError(f"export-marian: --out {args.out} is a file, not a folder")
+    if any(p.exists() and not p.is_dir() for p in Path(args.out).parents):  # else a NotADirectoryError's traceback
+        raise CommandError(f"export-marian: --out {args.out} is under a file, not a folder")
     src = Path(args.model_dir) if args.model_dir else SHIPPED_TRANSLATOR
     if not (src / "config.json").is_file():
         raise CommandError(f"export-marian: no checkpoint at {src} (expected config.json + model.safetensors)",
