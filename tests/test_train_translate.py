@@ -91,6 +91,29 @@ def test_a_second_training_process_in_a_run_folder_is_refused_while_the_first_tr
     train(path, run, data_dir=data, export_only=True, export_to=tmp_path / "export3")  # the lock is given back
 
 
+def test_a_kill_while_the_vocabulary_is_written_leaves_none_and_the_next_start_trains_it(tiny_run, tmp_path,
+                                                                                       monkeypatch):
+    from model.tokenizer import SentencePieceTokenizer
+
+    path, cfg, data, run = tiny_run
+    cfg["max_steps"] = 2
+    path.write_text(json.dumps(cfg))
+    spm_train = SentencePieceTokenizer.train
+
+    def killed_mid_write(texts, prefix, *args, **kwargs):
+        spm_train(texts, prefix, *args, **kwargs)
+        model = Path(f"{prefix}.model")
+        model.write_bytes(model.read_bytes()[:100])  # the file as a kill mid-write leaves it
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SentencePieceTokenizer, "train", killed_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        train(path, run, data_dir=data, export_to=tmp_path / "export")
+    monkeypatch.setattr(SentencePieceTokenizer, "train", spm_train)
+    train(path, run, data_dir=data, export_to=tmp_path / "export")  # not a torn spm.model's RuntimeError
+    assert [r["step"] for r in _log(run) if r.get("event") == "stopped"] == [2]
+
+
 def test_a_kill_between_the_state_and_its_json_at_the_first_checkpoint_still_resumes(tiny_run, tmp_path):
     path, cfg, data, run = tiny_run
     cfg["max_steps"] = 10

@@ -396,13 +396,17 @@ def _train_in(run: Path, cfg: TrainConfig, dev: torch.device, config_path: str |
         rows = translate_data.upsample(list(zip(train_pairs, sources, strict=True)), sources, cfg.upsample)
     dev_pairs = {split: translate_data.read_heldout(split, data_dir) for split in cfg.eval_splits}
     spm_path = run / "spm.model"
+    # the vocabulary is written aside, then renamed: a kill mid-write leaves none, not one no start can read
     if init_from and not has_state:  # warm start: the checkpoint's own vocabulary
-        shutil.copyfile(Path(init_from) / SentencePieceTokenizer.FILE, spm_path)
+        shutil.copyfile(Path(init_from) / SentencePieceTokenizer.FILE, run / "spm.tmp.model")
+        (run / "spm.tmp.model").replace(spm_path)
     if not spm_path.is_file():
         t0 = time.time()
         texts = [s for p in train_pairs for s in p]
-        SentencePieceTokenizer.train(texts, run / "spm", cfg.vocab_size, user_symbols=list(TAGS.values()),
+        SentencePieceTokenizer.train(texts, run / "spm.tmp", cfg.vocab_size, user_symbols=list(TAGS.values()),
                                      input_sentence_size=cfg.spm_sentences, num_threads=cfg.threads)
+        (run / "spm.tmp.vocab").replace(run / "spm.vocab")
+        (run / "spm.tmp.model").replace(spm_path)
         log(event="spm_trained", seconds=round(time.time() - t0, 1), vocab_size=cfg.vocab_size)
     tok = SentencePieceTokenizer(spm_path)
     mcfg = Seq2SeqConfig.from_dict({**cfg.model, "vocab_size": tok.vocab_size, "pad_id": tok.pad_id,
