@@ -112,6 +112,16 @@ def test_rows_made_otherwise_are_refused_not_mixed(setup):
     assert len(back_translate.read(data)) == 2
 
 
+def test_an_unreadable_record_is_named_and_the_rows_kept(setup):
+    wheel, data, translate, calls = setup
+    back_translate.build(translate, 1, directory=data, wheel_path=wheel, model="a")
+    rows = back_translate.read(data)
+    (data / back_translate.RECORD_NAME).write_text("", encoding="utf-8")  # a write cut short
+    with pytest.raises(ValueError, match="bt.json cannot be read .*move both away"):
+        back_translate.build(translate, 2, directory=data, wheel_path=wheel, model="a")
+    assert back_translate.read(data) == rows
+
+
 def test_the_tag_never_comes_from_text():
     from model import paths
     from model.tokenizer import SentencePieceTokenizer

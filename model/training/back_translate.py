@@ -143,10 +143,16 @@ def _check_record(record_path: Path, record: dict, rows: Path | None) -> None:
     """Refuse to grow `rows` (None: no rows yet) made with another seed, corpus or model; else record this run's.
     Rows without a record are taken as this run's."""
     if rows is not None and record_path.is_file():
-        was = json.loads(record_path.read_text(encoding="utf-8"))
+        try:
+            was = json.loads(record_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:  # else a bare "Expecting value" naming no file
+            raise ValueError(f"{record_path} cannot be read ({e}): what made {rows} is unknown, so its rows cannot "
+                             "be grown: move both away to start again") from None
         changed = [k for k in record if was.get(k) != record[k]]
         if changed:
             why = "; ".join(_WHY[k] for k in changed)
             raise ValueError(f"{rows} was made with another {' and '.join(changed)} ({why}; {record_path}: {was}): "
                              f"its rows would mix with this run's: move it away to start again")
-    record_path.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    tmp = record_path.with_name(f".{record_path.name}.tmp")  # renamed into place: a kill leaves no torn record
+    tmp.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    tmp.replace(record_path)
