@@ -45,3 +45,15 @@ def test_a_write_that_fails_leaves_the_checkpoint_as_it_was(tmp_path, monkeypatc
     with pytest.raises(OSError, match="space"):
         save_checkpoint(tiny_seq2seq(), d, tokenizer=SavingTokenizer())
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+
+
+def test_a_folder_a_kill_left_mid_save_is_ignored_by_git(tmp_path):
+    """A kill during an export over weights/attnserve-zh-en leaves its temporary folder beside it: `git add -A`
+    committed the model-sized files."""
+    import subprocess
+
+    from model.paths import REPO_ROOT
+
+    tmp = f"weights/.attnserve-zh-en.{12345}.tmp/model.safetensors"
+    r = subprocess.run(["git", "check-ignore", "--no-index", "-q", tmp], cwd=REPO_ROOT)
+    assert r.returncode == 0
