@@ -596,3 +596,14 @@ def test_a_pause_is_left_out_of_the_logged_pace(tiny_run, tmp_path, monkeypatch)
     pace = {r["step"]: r["tok_per_s"] for r in logged if "tok_per_s" in r}
     others = sorted(v for step, v in pace.items() if step != 40)
     assert pace[40] > 0.2 * others[len(others) // 2]  # an hour in the window would cut it ~1000-fold
+
+
+def test_resume_of_a_folder_without_a_run_says_it_starts_a_new_one(tiny_run, tmp_path, capsys):
+    """A supervisor may pass --resume from the first start, so it trains; but a misspelt --run-dir trained
+    from scratch without a word."""
+    path, cfg, data, run = tiny_run
+    cfg["max_steps"] = 2
+    path.write_text(json.dumps(cfg))
+    train(path, run, data_dir=data, resume=True, export_to=tmp_path / "export")
+    assert f"{run}: no saved state to resume; starting a new run there" in capsys.readouterr().out
+    assert json.loads((run / "state.json").read_text())["step"] == 2

@@ -375,6 +375,8 @@ def _train_in(run: Path, cfg: TrainConfig, dev: torch.device, config_path: str |
                               "it, or --run-dir to start a new run elsewhere")
     if export_only and not has_state:  # else an untrained model would be exported
         raise FileNotFoundError(f"{run} holds no training run (state.safetensors) to export")
+    if resume and not has_state:  # a supervisor may pass --resume from the first start; a misspelt folder shows
+        write_line(f"{run}: no saved state to resume; starting a new run there")
     torch.set_num_threads(cfg.threads)
     if cfg.bf16 == "auto":
         from model.cpu_features import prefers_bf16
