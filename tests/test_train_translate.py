@@ -607,3 +607,18 @@ def test_resume_of_a_folder_without_a_run_says_it_starts_a_new_one(tiny_run, tmp
     train(path, run, data_dir=data, resume=True, export_to=tmp_path / "export")
     assert f"{run}: no saved state to resume; starting a new run there" in capsys.readouterr().out
     assert json.loads((run / "state.json").read_text())["step"] == 2
+
+
+def test_a_run_whose_vocabulary_is_gone_is_not_resumed(tiny_run, tmp_path):
+    """spm.model deleted: the resume trained a new vocabulary of the same size, and the state's weights went on
+    under other ids without a word."""
+    path, cfg, data, run = tiny_run
+    cfg["max_steps"] = 2
+    path.write_text(json.dumps(cfg))
+    train(path, run, data_dir=data, export_to=tmp_path / "export")
+    (run / "spm.model").unlink()
+    cfg["max_steps"] = 4
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(FileNotFoundError, match="holds a training state but not its vocabulary"):
+        train(path, run, data_dir=data, resume=True, export_to=tmp_path / "export")
+    assert not (run / "spm.model").exists()

@@ -402,6 +402,9 @@ def _train_in(run: Path, cfg: TrainConfig, dev: torch.device, config_path: str |
     if init_from and not has_state:  # warm start: the checkpoint's own vocabulary
         shutil.copyfile(Path(init_from) / SentencePieceTokenizer.FILE, run / "spm.tmp.model")
         (run / "spm.tmp.model").replace(spm_path)
+    if has_state and not spm_path.is_file():  # a new vocabulary would give the trained weights other ids
+        raise FileNotFoundError(f"{run} holds a training state but not its vocabulary ({spm_path}): restore it, "
+                                "or pass --run-dir to start a new run elsewhere")
     if not spm_path.is_file():
         t0 = time.time()
         texts = [s for p in train_pairs for s in p]
