@@ -374,3 +374,14 @@ def test_only_three_to_one_paragraphs_are_taken_whole():
     _, uneven = translate_data.aligned_pairs(zh, en, LM, counts)
     assert counts["dropped_alignment_length"] + counts["dropped_unaligned_sentences"] >= 1 and uneven == set()
     assert align.paragraph_indices(["One. Two.", "Three."], align.split_english, [1, 2]) == {0, 1}
+
+
+def test_prepare_into_a_file_fails_before_the_build(tmp_path, monkeypatch):
+    """--out naming a file failed only once the corpus was read, aligned and split (minutes)."""
+    def build(*args, **kwargs):
+        raise AssertionError("built before the output folder was checked")
+
+    monkeypatch.setattr(translate_data, "build", build)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(FileExistsError):
+        translate_data.prepare(tmp_path / "afile", tmp_path / "wheel.whl")

