@@ -902,5 +902,14 @@ def test_ids_past_the_tokenizers_are_padding_never_sampled():
     text, ids, _ = run_engine(engine, lambda e: collect(e, req))
     assert len(ids) == 8 and max(ids) < 97 and text == TOK.decode(ids)
     assert engine.vocab_size == 97
+    scoring = GenerateRequest(prompt_ids=TOK.encode("hello"),
+                              params=SamplingParams(max_new_tokens=0, prompt_logprobs=3))
+
+    async def first_event(engine):
+        async for ev in engine.submit(scoring):
+            return ev
+
+    tops = [t for lp in run_engine(engine, first_event).prompt_logprobs[1:] for t in lp.top]  # scored as text
+    assert len(tops) == 12 and all(tok < 97 for tok, _ in tops)
     with pytest.raises(RequestRejected, match=r"token ids must be in \[0, 97\)"):
         engine.validate(GenerateRequest(prompt_ids=[100], params=SamplingParams()))

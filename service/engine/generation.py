@@ -262,6 +262,7 @@ class GenerationEngine(EngineLoop):
         for seq, c in [sc for sc in step.prefill if sc[0].params.prompt_logprobs is not None]:
             with hooks.phase("prefill forward"):
                 full = self.runner.score((seq.slot, seq.prompt[seq.n_cached: seq.n_cached + c], seq.n_cached))
+            full[:, self.vocab_size:] = float("-inf")  # padding ids, as in _sample
             targets = seq.prompt[seq.n_cached + 1: seq.n_cached + c + 1]
             seq.prompt_lp.extend(prompt_logprobs(full, targets, seq.params.prompt_logprobs))
             self._prefilled([(seq, c)], full[c - 1:], rows, scored, logits)
