@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -160,6 +161,17 @@ def _weights_left_uninitialised():
                 setattr(nn.init, name, fn)
 
 
+@contextlib.contextmanager
+def _sizes_allocatable(d: Path):
+    """The allocator's refusal of a config's sizes (a d_model typed with extra zeros) as a CheckpointError."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:
+        if isinstance(e, RuntimeError) and not re.search("allocate|overflow", str(e)):
+            raise
+        raise CheckpointError(f"{d / CONFIG_FILE}: the model it describes does not fit in memory ({e})") from None
+
+
 def is_hf_folder(directory: str | Path) -> bool:
     """A Hugging Face model folder: its config.json names a `model_type` (ours, an `architecture`)."""
     try:
@@ -178,19 +190,16 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype | None = None) 
     if is_hf_folder(d):
         from model.importers.hf import import_hf
 
-        model = import_hf(d)
+        with _sizes_allocatable(d):
+            model = import_hf(d)
         return (model if dtype is None else model.to(dtype)).eval()
     cfg, _ = read_config(d)
     previous = torch.get_default_dtype()
     if dtype is not None and dtype.is_floating_point:
         torch.set_default_dtype(dtype)  # build in the target dtype: no transient fp32 copy of the weights
     try:
-        with _weights_left_uninitialised():
+        with _weights_left_uninitialised(), _sizes_allocatable(d):
             model = build_model(cfg)
-    except RuntimeError as e:  # sizes no weights file matches (a d_model typed with extra zeros)
-        if "allocate" not in str(e):
-            raise
-        raise CheckpointError(f"{d / CONFIG_FILE}: the model it describes does not fit in memory ({e})") from None
     finally:
         torch.set_default_dtype(previous)
     load_state(model, d / WEIGHTS_FILE)

@@ -201,3 +201,11 @@ def test_sizes_too_large_to_allocate_are_a_checkpoint_error(good, tmp_path):
     _write(tmp_path / "big", weights, json.dumps(meta).encode())
     with pytest.raises(CheckpointError, match="config.json: the model it describes does not fit in memory"):
         load_checkpoint(tmp_path / "big")
+    from model.importers.hf import export_hf  # a Hugging Face folder: imported, not built from our config
+
+    export_hf(DecoderLM(TINY_LLAMA), tmp_path / "hf")
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    hf["intermediate_size"] *= 2**30
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(CheckpointError, match="config.json: the model it describes does not fit in memory"):
+        load_checkpoint(tmp_path / "hf")
