@@ -89,8 +89,9 @@ def split_sentences(text: str) -> list[str]:
 
 
 _CLAUSE_END = re.compile(r"[，、；：]\s*|[,;:]\s+|\s+[-–—]+\s+")  # not 1,000 / 12:30 / https://
+_KEYCAP = "[0-9#*]\ufe0f?\u20e3"  # a digit is an emoji only with its keycap mark ("1️⃣")
 # a run of emoji, with the clause mark after it ("👍, see you"): emoji stand between clauses as marks do
-_EMOJI_RUN = re.compile(f"([{EMOJI_CHARS}][{EMOJI_CHARS}\\s]*[，、；：,;:]?)")
+_EMOJI_RUN = re.compile(f"((?:{_KEYCAP}|[{EMOJI_CHARS}])(?:{_KEYCAP}|[{EMOJI_CHARS}\\s])*[，、；：,;:]?)")
 
 
 def pieces(sentence: str, fits) -> list[str]:

@@ -146,6 +146,10 @@ def test_runs_of_emoji_are_pieces_of_their_own():
     assert pieces("今天很好\U0001F600 \U0001F600我们走吧。", lambda s: True) == [
         "今天很好", "\U0001F600 \U0001F600", "我们走吧。"]
     assert pieces("\U0001F600", lambda s: True) == ["\U0001F600"]
+    keycap = "1\ufe0f\u20e3"  # a digit and its keycap mark: one picture
+    assert pieces(f"Press {keycap} to start", lambda s: True) == ["Press", keycap, "to start"]
+    assert pieces(f"{keycap}#\ufe0f\u20e3 go", lambda s: True) == [f"{keycap}#\ufe0f\u20e3", "go"]
+    assert pieces("Press 1 to start", lambda s: True) == ["Press 1 to start"]
     assert split_text("a\u200db")[0] == ["ab"]  # a joiner outside emoji is still dropped
     assert join_sentences(["\U0001F600", "你好", "\U0001F600"], "zh") == "\U0001F600你好\U0001F600"
     assert join_sentences(["Great job", "\U0001F44D,", "see you."], "en") == "Great job \U0001F44D, see you."
