@@ -296,9 +296,10 @@ def test_generate_with_one_new_token_claims_no_rate(standin, capsys):
 
 def test_generate_refuses_a_seed_or_penalty_no_request_could_carry(standin, capsys):
     """A seed torch cannot take was a traceback; a NaN repetition penalty ran and printed blanks (exit 0), one
-    over /v1/generate's 2 ran too. Each is one line naming the flag, with exit 2, as /v1/generate answers 400."""
+    over /v1/generate's 2 ran too, and a top_k over its 1000. Each is one line naming the flag, with exit 2, as
+    /v1/generate answers 400."""
     for flag, value in (("--seed", str(2**70)), ("--seed", "-1"), ("--repetition-penalty", "nan"),
-                        ("--repetition-penalty", "1e9")):
+                        ("--repetition-penalty", "1e9"), ("--top-k", "5000")):
         for extra in ([], ["--temperature", "1"]):
             assert main([*GENERATE, *extra, "--max-tokens", "4", flag, value, "abc"]) == 2, (flag, value)
             out, err = capsys.readouterr()

@@ -108,8 +108,8 @@ def run(args) -> int:
         raise CommandError(f"--temperature must be in [0, 2], got {args.temperature}")
     if not 0.0 < args.repetition_penalty <= 2.0:
         raise CommandError(f"--repetition-penalty must be in (0, 2], got {args.repetition_penalty}")
-    if args.top_k < -1:
-        raise CommandError(f"--top-k must be >= -1 (0 or -1: off), got {args.top_k}")
+    if not -1 <= args.top_k <= 1000:
+        raise CommandError(f"--top-k must be in [-1, 1000] (0 or -1: off), got {args.top_k}")
     if args.seed is not None and not 0 <= args.seed <= SEED_MAX:  # /v1/generate's bounds; torch takes 64 bits
         raise CommandError(f"--seed must be in [0, {SEED_MAX}], got {args.seed}")
     try:
