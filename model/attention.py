@@ -14,6 +14,7 @@ from model.layers import apply_rope
 # `prefix_attention`'s C++ kernel (model/csrc/prefix_attention.cpp) registers on CPU when native_ops loads.
 _lib = torch.library.Library("attnserve", "FRAGMENT")
 _lib.define("prefix_attention(Tensor q, Tensor k, Tensor v, Tensor k_new, Tensor v_new, Tensor prefix_ok) -> Tensor")
+_KERNEL_DTYPES = {torch.float32, torch.bfloat16}  # what the kernel reads
 
 
 @torch.library.register_fake("attnserve::prefix_attention", lib=_lib)
@@ -155,8 +156,9 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: t
     copying the prefix. q (B, H, 1, D); k, v (B, Hkv, L, D) prefix views; k_new, v_new (B, Hkv, 1, D);
     prefix_ok (B, 1, 1, L) True for the cached keys a row may attend -> (B, H, 1, D) in v's dtype.
 
-    On CPU the C++ kernel (sums in float32) runs where built; `decode_attention` is its oracle, in torch ops."""
-    if q.device.type == "cpu" and _native():
+    On CPU the C++ kernel (sums in float32) runs where built, on the float32 and bfloat16 it reads (a float16
+    cache, `kv_dtype: float16`, takes the torch ops); `decode_attention` is its oracle, in torch ops."""
+    if q.device.type == "cpu" and {t.dtype for t in (q, k, v, k_new, v_new)} <= _KERNEL_DTYPES and _native():
         return torch.ops.attnserve.prefix_attention(q, k, v, k_new, v_new, prefix_ok)
     return decode_attention(q, k, v, prefix_ok, (k_new, v_new))
 

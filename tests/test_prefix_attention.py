@@ -98,3 +98,11 @@ def test_kernel_paths_agree_with_the_torch_code(isa):
                        timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert float(r.stdout) < 2e-2
+
+
+def test_a_float16_cache_takes_the_torch_code():
+    """`kv_dtype: float16` on CPU: the kernel reads float32 and bfloat16 only, so the torch code attends
+    (it refused, and every translator decode step, whose cross-attention takes this path, failed)."""
+    args = _inputs(3, 9, 3, 20, 64, torch.float16)
+    got = prefix_attention(*args)
+    assert got.dtype == torch.float16 and torch.equal(got, reference(*args))
