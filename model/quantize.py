@@ -250,10 +250,11 @@ class GroupLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = self.kernel(x.reshape(-1, self.in_features), self.packed, self.out_features)  # (M, N)
+        xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()  # what the C++ kernels read
+        y = self.kernel(xk.reshape(-1, self.in_features), self.packed, self.out_features)  # (M, N)
         if self.bias is not None:
-            y = (y.float() + self.bias).to(x.dtype)
-        return y.view(*shape[:-1], self.out_features)
+            y = y.float() + self.bias
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} group {INT4_GROUP}"

@@ -170,6 +170,19 @@ def test_q8_kernel_matches_its_reference_close_to_float_and_rows_independent():
         assert torch.allclose(yb.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize(("cls", "reference"), [(Int4Linear, int4_linear_reference), (Q8Linear, q8_linear_reference)])
+def test_int4_and_q8_take_float16_inputs(cls, reference):
+    """`dtype: float16` on CPU: the C++ kernels read float32 and bfloat16, so a float16 input is read as
+    float32, as the Python kernels read it (the C++ ones refused it: an int4 model in float16 failed to load)."""
+    layer = cls(_linear(k=96, n=48))
+    x = torch.randn(5, 96).half()
+    with torch.inference_mode():
+        y = layer(x)
+        want = (reference(x.float(), layer.packed, 48) + layer.bias).half()
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y, want, rtol=1e-3, atol=1e-3)
+
+
 _INT4_OUTPUT = """
 import torch
 from torch import nn
