@@ -90,6 +90,26 @@ def test_rope_scaling_that_changes_nothing_imports(tmp_path, tiny, scaling):
     assert torch.equal(model.state_dict()["embed.weight"], tiny.state_dict()["embed.weight"])
 
 
+V = gguf.GGUFValueType
+TOKENIZER = {"tokens": ["a", "b", "ab"], "token_type": [1, 1, 1], "merges": ["a b"], "eos_token_id": 2}
+
+
+@pytest.mark.parametrize(("key", "value", "vtype", "kind"), [
+    ("tokenizer.ggml.add_bos_token", "false", V.STRING, "a boolean"),  # bool("false") would add BOS
+    ("tokenizer.chat_template", 5, V.UINT32, "a string"),
+    ("tokenizer.ggml.pre", ["gpt2"], V.ARRAY, "a string"),
+    ("tokenizer.ggml.tokens", "abc", V.STRING, "an array of strings"),  # list("abc") would be the tokens
+    ("tokenizer.ggml.token_type", ["1"], V.ARRAY, "an array of integers"),
+])
+def test_tokenizer_metadata_of_the_wrong_type_is_refused(tmp_path, tiny, key, value, vtype, kind):
+    ok = gguf_to_decoder(write_tiny_gguf(tmp_path / "ok.gguf", tiny, tokenizer=TOKENIZER,
+                                         more=lambda w: (w.add_add_bos_token(False), w.add_chat_template("{{ x }}"))))
+    assert ok[1].tokenizer["tokens"] == ["a", "b", "ab"] and ok[1].chat_template == "{{ x }}"
+    path = write_tiny_gguf(tmp_path / "t.gguf", tiny, more=lambda w: w.add_key_value(key, value, vtype))
+    with pytest.raises(GGUFImportError, match=f"'{key}' has type .*, expected {kind}$"):
+        gguf_to_decoder(path)
+
+
 def test_missing_tensor_is_named(tmp_path, tiny):
     path = write_tiny_gguf(tmp_path / "m.gguf", tiny, skip={"blk.1.ffn_gate.weight"})
     with pytest.raises(GGUFImportError, match="blk.1.ffn_gate.weight"):

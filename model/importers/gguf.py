@@ -169,18 +169,29 @@ _INT_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_
              "attention.head_count_kv", "rope.dimension_count", "vocab_size")
 _FLOAT_KEYS = ("rope.freq_base", "attention.layer_norm_rms_epsilon")
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
+# the tokenizer's keys by the type tags they must have (an array's: ARRAY, then its items' unless empty);
+# read as they are, a string "false" would add BOS and a string of tokens would be split into characters
+_BOOL = 7
+_TOKENIZER_KEYS = {
+    **{f"tokenizer.ggml.{k}": ("a string", {(_STRING,)}) for k in ("model", "pre")},
+    "tokenizer.chat_template": ("a string", {(_STRING,)}),
+    **{f"tokenizer.ggml.{k}": ("a boolean", {(_BOOL,)}) for k in ("add_bos_token", "add_eos_token")},
+    **{f"tokenizer.ggml.{k}": ("an array of strings", {(_ARRAY,), (_ARRAY, _STRING)}) for k in ("tokens", "merges")},
+    "tokenizer.ggml.token_type": ("an array of integers", {(_ARRAY,), *((_ARRAY, t) for t in _INT_TYPES)}),
+}
 
 
 def check_metadata_types(reader, path: Path) -> None:
     """Refuse a key we use whose type is of the wrong kind: a flipped type tag decodes a float as a
     plausible-looking integer (or the reverse)."""
     arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
-    wanted = {**{f"{arch}.{k}": ("an integer", _INT_TYPES) for k in _INT_KEYS},
-              **{f"{arch}.{k}": ("a float", _FLOAT_TYPES) for k in _FLOAT_KEYS},
-              **{f"tokenizer.ggml.{k}": ("an integer", _INT_TYPES) for k in _TOKEN_ID_KEYS}}
+    wanted = {**{f"{arch}.{k}": ("an integer", {(t,) for t in _INT_TYPES}) for k in _INT_KEYS},
+              **{f"{arch}.{k}": ("a float", {(t,) for t in _FLOAT_TYPES}) for k in _FLOAT_KEYS},
+              **{f"tokenizer.ggml.{k}": ("an integer", {(t,) for t in _INT_TYPES}) for k in _TOKEN_ID_KEYS},
+              **_TOKENIZER_KEYS}
     for key, (kind, types) in wanted.items():
         f = reader.fields.get(key)
-        if f is not None and (len(f.types) != 1 or int(f.types[0]) not in types):
+        if f is not None and tuple(int(t) for t in f.types) not in types:
             raise GGUFImportError(f"{path}: metadata key {key!r} has type "
                                   f"{'/'.join(t.name for t in f.types)}, expected {kind}")
 
