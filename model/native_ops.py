@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import shutil
+import struct
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -38,6 +39,17 @@ def build_dir() -> Path:
     return root / f"attnserve_native-torch{torch.__version__}-{h.hexdigest()}"
 
 
+def _whole_library(so: Path) -> bool:
+    """Whether the shared library `so` is as long as its ELF header says (the section headers come last)."""
+    with open(so, "rb") as f:
+        head = f.read(64)
+    if len(head) < 64 or head[:5] != b"\x7fELF\x02":  # a 64-bit ELF file
+        return False
+    (shoff,) = struct.unpack_from("<Q", head, 0x28)  # where the section headers start
+    shentsize, shnum = struct.unpack_from("<HH", head, 0x3A)
+    return so.stat().st_size >= shoff + shentsize * shnum
+
+
 @lru_cache(maxsize=1)
 def load() -> bool:
     """Load (building it first where needed) the native library -> whether its kernels are registered."""
@@ -49,8 +61,14 @@ def load() -> bool:
         # a process starting beside another's build waits for the whole library, not a half-linked file
         with file_lock(d / "load.lock"):
             if so.exists():
-                torch.ops.load_library(str(so))
-                return True
+                try:
+                    if not _whole_library(so):  # dlopen would map it past its end: SIGBUS, not an error
+                        raise OSError("the file is shorter than its ELF header says")
+                    torch.ops.load_library(str(so))
+                    return True
+                except OSError as e:  # a build killed while linking leaves a file that is not a library
+                    log.warning("attnserve's native kernels in %s do not load (%s); building them again", so, e)
+                    so.unlink()
             from torch.utils.cpp_extension import load as build
 
             if shutil.which("ninja") is None:  # the `ninja` wheel installs it beside this interpreter

@@ -81,6 +81,43 @@ def test_int8_kernel_is_native_and_equals_the_python_kernel():
     assert out["1"][1:] == out["0"][1:]
 
 
+_LOAD_CUT_LIBRARY = """
+import sys, torch.utils.cpp_extension
+from model import native_ops
+builds = []
+
+def build(name, sources, build_directory, **kwargs):
+    builds.append(build_directory)
+    raise RuntimeError("no compiler on this host")  # and so the Python kernels serve
+
+torch.utils.cpp_extension.load = build
+so = native_ops.build_dir() / "attnserve_native.so"
+so.parent.mkdir(parents=True)
+so.write_bytes(open(sys.argv[1], "rb").read()[:int(sys.argv[2])])
+print(native_ops.load(), builds == [str(so.parent)], so.exists())
+"""
+
+
+@pytest.mark.parametrize("cut", [20, 4096])  # not an ELF file; an ELF header without the rest
+def test_a_native_library_cut_short_is_built_again(tmp_path, cut):
+    """A build killed while linking leaves a file that is not the whole library: the next start builds it
+    again (it fell back to the Python kernels on every start, or died of SIGBUS in dlopen)."""
+    import os
+    import subprocess
+    import sys
+
+    from model import native_ops
+    from tests.conftest import ROOT
+
+    assert native_ops.load()
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    env.pop("ATTNSERVE_NATIVE", None)
+    r = subprocess.run([sys.executable, "-c", _LOAD_CUT_LIBRARY, str(native_ops.build_dir() / "attnserve_native.so"),
+                        str(cut)], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["False", "True", "False"]  # the build was tried, the cut file removed
+
+
 def test_int8_smoothing_uses_calibration_maxima():
     lin = _linear(bias=False)
     x = torch.randn(8, 64)
