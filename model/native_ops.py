@@ -43,7 +43,9 @@ def _whole_library(so: Path) -> bool:
     """Whether the shared library `so` is as long as its ELF header says (the section headers come last)."""
     with open(so, "rb") as f:
         head = f.read(64)
-    if len(head) < 64 or head[:5] != b"\x7fELF\x02":  # a 64-bit ELF file
+    if head[:6] != b"\x7fELF\x02\x01":  # not a 64-bit little-endian ELF file (a cut one too): dlopen judges it
+        return True
+    if len(head) < 64:
         return False
     (shoff,) = struct.unpack_from("<Q", head, 0x28)  # where the section headers start
     shentsize, shnum = struct.unpack_from("<HH", head, 0x3A)
