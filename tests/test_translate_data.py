@@ -348,6 +348,8 @@ def test_a_split_saved_with_a_bom_or_crlf_line_ends_reads_as_without(tmp_path):
 
     (tmp_path / "dev.tsv").write_bytes("\ufeffHello.\t你好。\r\nBye.\t再见。\r\n".encode())  # a Windows editor's
     assert read_split("dev", tmp_path) == [("Hello.", "你好。"), ("Bye.", "再见。")]
+    (tmp_path / "train.source").write_bytes("\ufeffhk\r\nted\r\n".encode())  # the sources beside train.tsv too
+    assert translate_data.read_sources(tmp_path) == ["hk", "ted"]
 
 
 def test_only_three_to_one_paragraphs_are_taken_whole():

@@ -519,7 +519,7 @@ OPT_IN_SOURCES = ("ted_paragraphs",)  # in a recipe's data only where the recipe
 
 def read_sources(directory: Path | None = None) -> list[str]:
     """The source ("hk", "ted", "cedict", ...) of each train.tsv line."""
-    return ((directory or data_dir()) / "train.source").read_text(encoding="utf-8").splitlines()
+    return ((directory or data_dir()) / "train.source").read_text(encoding="utf-8-sig").splitlines()  # as splits
 
 
 def training_pairs(directory: Path | None, named) -> tuple[list[tuple[str, str]], list[str]]:
