@@ -190,3 +190,12 @@ def test_cli_export_without_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert main(["weights", "export-marian", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 1
     out, err = capsys.readouterr()  # one line on stderr, as every command's errors
     assert "attnserve weights: export-marian: no checkpoint at" in err and not out
+
+
+def test_cli_export_to_a_folder_it_cannot_write_is_a_clear_error(capsys):
+    """A folder the checks before loading cannot foresee (not writable, a full disk) ended in a traceback."""
+    from service.cli import main
+
+    assert main(["weights", "export-marian", "--out", "/proc/attnserve-export"]) == 1  # not even root writes there
+    out, err = capsys.readouterr()
+    assert "attnserve weights: export-marian: cannot export" in err and "/proc/attnserve-export" in err and not out

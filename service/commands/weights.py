@@ -81,7 +81,7 @@ def _export_marian(args) -> int:
             raise CommandError(f"export-marian: {src} is not an encoder-decoder checkpoint; only translators "
                                "export to Marian", code=1)
         out = export_marian(model, load_tokenizer(src), args.out, dtype=getattr(torch, args.dtype))
-    except (CheckpointError, MarianExportError) as e:
+    except (CheckpointError, MarianExportError, OSError) as e:  # OSError: --out not writable, a full disk
         raise CommandError(f"export-marian: cannot export {src}: {e}", code=1) from None
     print(f"wrote {out}: load with transformers.MarianMTModel.from_pretrained({str(out)!r}); "
           f"CTranslate2: python -m benchmarks.ct2_convert {out} OUT_CT2")
