@@ -1029,3 +1029,18 @@ def test_a_malformed_serve_config_is_exit_2_naming_the_problem(doc, words, tmp_p
     for command in (["translate", "--config", str(bad), "hello"], ["generate", "--config", str(bad), "hello"]):
         assert main(command) == 2, command
         assert words in capsys.readouterr().err
+
+
+def test_train_translate_failing_on_a_full_disk_exits_1_not_as_a_usage_error(monkeypatch, capsys):
+    """Every OSError became exit 2, the code of arguments given wrong: a supervisor read a disk that filled
+    hours into a run as a command typed wrong."""
+    import errno
+
+    from model.training import train_translate
+
+    def train(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "run/state.safetensors")
+
+    monkeypatch.setattr(train_translate, "train", train)
+    assert main(["train", "translate", "--config", "configs/translate.json"]) == 1
+    assert "attnserve train: [Errno 28] No space left on device: 'run/state.safetensors'" in capsys.readouterr().err

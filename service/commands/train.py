@@ -31,9 +31,11 @@ def run(args) -> int:
         train(args.config, args.run_dir, resume=args.resume, export_only=args.export_only,
               export_to=args.export_to, threads=args.threads,
               init_from=args.init_from, avg_last=args.avg_last, device=args.device)
-    # their messages say what to do; an OSError names its path (a --config folder, a --run-dir under a file)
+    # their messages say what to do; an OSError names its path (a --config folder, a --run-dir under a file).
+    # A path given wrong is a usage error (2); a disk that fills hours into a run is a failure (1)
     except (OSError, ValueError) as e:
-        raise CommandError(str(e)) from e
+        usage = (ValueError, FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
+        raise CommandError(str(e), 2 if isinstance(e, usage) else 1) from e
     except Interrupted as e:  # the shell's status for the signal: a supervisor sees the run was cut short
         command = f"attnserve train translate --config {args.config} --run-dir {e.run}"
         to = f" --export-to {args.export_to}" if args.export_to else ""
