@@ -56,6 +56,9 @@ class ServeBatchGenerator(GeneratorFrontend):
         self.engine.validate(req)
         return self._stream(req)
 
+    def submit_all(self, reqs: list[GenerateRequest]) -> list[AsyncIterator[GenerationEvent]]:
+        return [self.submit(req) for req in reqs]  # each checked for room when its batch submits it
+
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
         async for item in self._batched(req):
             if isinstance(item, Exception):

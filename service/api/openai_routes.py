@@ -129,9 +129,9 @@ async def completions(body: CompletionBody, request: Request):
                           default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, limits=limits, **_penalties(body),
                           n=best_of, logprobs=track, prompt_logprobs=score_prompt, json_schema=schema)
             for ids, param in zip(ids_of, params, strict=True)]
-    # all queued or none: where one is refused, the streams queued before it are dropped unread, which
-    # cancels them (the engine's finalizers)
-    streams = [gen.submit(req) for req in reqs]
+    # all queued or none (room checked for them together; where a schema's grammar refuses one, the
+    # streams queued before it are dropped unread, which cancels them: the engine's finalizers)
+    streams = gen.submit_all(reqs)
     events = streams[0] if len(streams) == 1 else merged(streams, best_of)
     texts = TokenTexts(gen.decode, lambda: gen.vocab_bytes, gen.hidden_ids)
     echoes = [(p if isinstance(p, str) else gen.decode(ids)) if body.echo else "" for p, ids in zip(prompts, ids_of)]

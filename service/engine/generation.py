@@ -136,7 +136,17 @@ class GenerationEngine(EngineLoop):
             raise reject("ignore_eos", f"{{}} cannot be combined with {schema}: the output ends when the JSON "
                                        f"is complete; remove one of them")
 
-    def submit(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
+    def submit_all(self, reqs: list[GenerateRequest]) -> list[AsyncIterator[GenerationEvent]]:
+        """Queue several requests (the prompts of one completions call) all or none, their room checked
+        together as one request's groups are: a list longer than the queue runs in turns on an idle engine
+        rather than a 429 that every retry would get too."""
+        self._check_started()
+        for req in reqs:
+            self.validate(req)
+        self.scheduler.check_room([req.n for req in reqs])
+        return [self.submit(req, room_checked=True) for req in reqs]
+
+    def submit(self, req: GenerateRequest, room_checked: bool = False) -> AsyncIterator[GenerationEvent]:
         """Queue a request (raises RequestRejected / EngineOverloaded / EngineStopped right here)
         and return its event stream. Closing the stream early cancels the request."""
         self._check_started()
@@ -144,7 +154,8 @@ class GenerationEngine(EngineLoop):
         now = time.monotonic()
         deadline = self._deadline(req.deadline_s, now)
         p, queue, prompt = req.params, asyncio.Queue(), list(req.prompt_ids)
-        self.scheduler.check_room([req.n])  # before compiling grammars for a request refused anyway
+        if not room_checked:
+            self.scheduler.check_room([req.n])  # before compiling grammars for a request refused anyway
         group = [Sequence(prompt=prompt, params=p, queue=queue,
                           detok=IncrementalDetokenizer(self.tokenizer, self.hidden_ids, context=prompt),
                           stopper=StopMatcher(p.stop), generator=make_generator(None if p.seed is None else p.seed + i),
@@ -156,7 +167,7 @@ class GenerationEngine(EngineLoop):
         for seq in group:
             seq.group = group
         group[0].forks = group[1:]
-        self.scheduler.add([group])
+        self.scheduler.add([group], check=not room_checked)
         self._queued()
         stream = self._stream(group[0])
         # a stream never iterated (its client gone before the response began) runs no `finally`

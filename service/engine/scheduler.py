@@ -77,9 +77,10 @@ class Scheduler:
             raise EngineOverloaded(f"{beyond} {self.noun} waiting for a slot (max_waiting="
                                    f"{self.config.max_waiting}); retry later")
 
-    def add(self, groups: list[list[Work]]) -> None:
-        """Queue one request's groups, all or none (`check_room` first)."""
-        self.check_room([sum(u.slots_needed for u in g) for g in groups])
+    def add(self, groups: list[list[Work]], check: bool = True) -> None:
+        """Queue one request's groups, all or none (`check_room` first, unless the caller has checked)."""
+        if check:
+            self.check_room([sum(u.slots_needed for u in g) for g in groups])
         if groups:
             self.waiting.append(deque(groups))
 

@@ -50,6 +50,10 @@ class GeneratorFrontend:
     def submit(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
         return self.engine.submit(req)
 
+    def submit_all(self, reqs: list[GenerateRequest]) -> list[AsyncIterator[GenerationEvent]]:
+        """Several requests queued all or none (one completions call's prompts)."""
+        return self.engine.submit_all(reqs)
+
     def compile_schema(self, schema: dict) -> None:
         """Compile a structured-output schema into the engine's cache (RequestRejected if unsupported);
         blocking: call it from a worker thread."""
