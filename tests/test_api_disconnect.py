@@ -122,3 +122,35 @@ def test_a_batch_of_prompts_is_cancelled_whole():
         _, stats, _ = _run(body, path="/v1/completions", **kw)
         assert cancelled() == before + 2, body.get("stream")
         assert stats.running == 0 and stats.slots_used == 0
+
+
+def test_a_client_gone_before_its_body_is_in_is_a_499_not_a_400():
+    """Half the body, then the client leaves: a disconnect (499, as any), not "body could not be parsed"
+    (a 400 counted as the client's bad request)."""
+    async def main():
+        b = backends(with_translator=False)
+        app = create_app(b, static_dir=None)
+        payload = json.dumps({"prompt": "hello " * 50, "max_tokens": 3}).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/generate", "raw_path": b"/v1/generate", "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                              (b"content-length", str(len(payload)).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        messages = [{"type": "http.request", "body": payload[:40], "more_body": True}]
+        sent: list[dict] = []
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        await b.start()
+        try:
+            await asyncio.wait_for(app(scope, receive, send), timeout=30)
+        finally:
+            await b.stop()
+        return sent
+
+    sent = asyncio.run(main())
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]

@@ -8,8 +8,9 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from service.engine.types import EngineError, EngineOverloaded
 
@@ -116,5 +117,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):
         if e.status_code == 400 and e.detail == "There was an error parsing the body":
+            if isinstance(e.__cause__, ClientDisconnect):  # gone before its body was in: as any disconnect
+                return Response(status_code=499)
             return error_response(400, _unparsable_body(e.__cause__), "body")
         return error_response(e.status_code, str(e.detail), None, e.headers)
