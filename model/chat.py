@@ -46,8 +46,9 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ChatTemplateError(f"message {i} must be an object with string 'role' and 'content'")
     try:
-        return compile_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                 **extra)
+        # tools and documents none, as HF passes them: `{% if tools is not none %}` is true of an undefined
+        return compile_template(template).render(messages=messages, tools=None, documents=None,
+                                                 add_generation_prompt=add_generation_prompt, **extra)
     except ChatTemplateError:
         raise
     except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:  # the template's own errors

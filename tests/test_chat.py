@@ -1,0 +1,14 @@
+"""model/chat.py renders a chat template as Hugging Face's apply_chat_template does."""
+
+from __future__ import annotations
+
+from model.chat import render_chat
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_tools_and_documents_are_none_as_hf_passes_them():
+    # Mistral's templates test `tools is not none`: an undefined would open a tools block for no tools
+    tpl = ("{% if tools is not none %}[TOOLS]{% endif %}{% if documents is not none %}[DOCS]{% endif %}"
+           "{{ messages[0].content }}")
+    assert render_chat(tpl, HI) == "hi"
