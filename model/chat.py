@@ -22,10 +22,26 @@ def _raise(message: str):
 @lru_cache(maxsize=8)
 def compile_template(template: str):
     """The template compiled (kept for the next call); ChatTemplateError where it does not compile."""
-    from jinja2 import TemplateError
+    from jinja2 import TemplateError, nodes
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    class Generation(Extension):
+        """HF's `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens for training): the
+        block renders its body, in its own scope as HF's does."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = _raise

@@ -12,3 +12,10 @@ def test_tools_and_documents_are_none_as_hf_passes_them():
     tpl = ("{% if tools is not none %}[TOOLS]{% endif %}{% if documents is not none %}[DOCS]{% endif %}"
            "{{ messages[0].content }}")
     assert render_chat(tpl, HI) == "hi"
+
+
+def test_the_generation_tag_renders_its_body_as_in_hf():
+    # templates written for training (return_assistant_tokens_mask) wrap the assistant's turn in it
+    tpl = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{% set x = 1 %}"
+           "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}|{% endfor %}{{ x }}")
+    assert render_chat(tpl, [*HI, {"role": "assistant", "content": "yo"}]) == "hi|yo|"
