@@ -67,5 +67,7 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
                                                  add_generation_prompt=add_generation_prompt, **extra)
     except ChatTemplateError:
         raise
-    except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:  # the template's own errors
+    # the template's own errors; a macro calling itself without end is a RecursionError, a division by a
+    # count of messages that can be 0 a ZeroDivisionError (ArithmeticError): a 400, as any of them
+    except (TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as e:
         raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from model.chat import render_chat
+import pytest
+
+from model.chat import ChatTemplateError, render_chat
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -19,3 +21,14 @@ def test_the_generation_tag_renders_its_body_as_in_hf():
     tpl = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{% set x = 1 %}"
            "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}|{% endfor %}{{ x }}")
     assert render_chat(tpl, [*HI, {"role": "assistant", "content": "yo"}]) == "hi|yo|"
+
+
+@pytest.mark.parametrize("tpl, error", [
+    ("{{ 1 / (messages | length - 1) }}", "ZeroDivisionError"),
+    ("{{ messages[0].content * 10 ** 20 }}", "OverflowError"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+])
+def test_a_template_failing_on_the_messages_is_a_chat_template_error(tpl, error):
+    # the routes answer ChatTemplateError with a 400 naming messages; any other exception was a 500
+    with pytest.raises(ChatTemplateError, match=f"chat template failed: {error}"):
+        render_chat(tpl, HI)
