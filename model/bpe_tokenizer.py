@@ -20,6 +20,8 @@ DIGITS_FIRST_PRE = ("starcoder", "refact", "command-r", "smollm", "codeshell", "
 CONFIG_FILE = "tokenizer_config.json"
 TOKENIZER_FILE = "tokenizer.json"
 TEMPLATE_FILE = "chat_template.jinja"
+# the named special tokens of transformers' SPECIAL_TOKENS_ATTRIBUTES, in its order
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -150,8 +152,9 @@ class BPETokenizer:
         return [bytes(byte_of[c] for c in t) if set(t) <= byte_of.keys() else t.encode("utf-8") for t in tokens]
 
     def special_tokens(self) -> dict[str, str]:
-        """The special tokens' names a chat template may use ({{ bos_token }}, {{ eos_token }}), as HF passes them."""
-        return {k: self.config[k] for k in ("bos_token", "eos_token") if self.config.get(k)}
+        """The special tokens' names a chat template may use ({{ bos_token }}, {{ pad_token }}, ...): those of
+        HF's special_tokens_map that are set, as apply_chat_template passes them."""
+        return {k: self.config[k] for k in NAMED_SPECIAL_TOKENS if self.config.get(k)}
 
     @property
     def special_ids(self) -> set[int]:

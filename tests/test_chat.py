@@ -32,3 +32,16 @@ def test_a_template_failing_on_the_messages_is_a_chat_template_error(tpl, error)
     # the routes answer ChatTemplateError with a 400 naming messages; any other exception was a 500
     with pytest.raises(ChatTemplateError, match=f"chat template failed: {error}"):
         render_chat(tpl, HI)
+
+
+def test_a_template_sees_every_named_special_token_as_hf_passes_them():
+    from tokenizers import Tokenizer, models
+
+    from model.bpe_tokenizer import BPETokenizer
+
+    names = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>", "sep_token": "<sep>",
+             "cls_token": "<cls>", "mask_token": "<mask>"}
+    tok = BPETokenizer(Tokenizer(models.BPE()), {**names, "additional_special_tokens": ["<x>"]})
+    assert tok.special_tokens() == names
+    tpl = "{{ bos_token }}{{ unk_token }}{{ pad_token }}{{ sep_token }}{{ cls_token }}{{ mask_token }}{{ eos_token }}"
+    assert render_chat(tpl, HI, **tok.special_tokens()) == "<s><unk><pad><sep><cls><mask></s>"
