@@ -102,3 +102,14 @@ def test_health_and_version_need_no_api_key():
         assert (await c.get("/version")).status_code == 200
         assert (await c.post("/tokenize", json={"prompt": "a"})).status_code == 401
     run(main, backends(with_translator=False), api_keys=["k"])
+
+
+def test_a_messages_name_reaches_the_chat_template():
+    from service.api.generation import encode_messages
+    from service.api.schemas import ChatMessage
+    from service.config import ApiLimits
+    from service.frontend.generator import GeneratorFrontend
+
+    gen = GeneratorFrontend(None, TOK, chat_template="{% for m in messages %}{{ m.name }}:{% endfor %}")
+    msgs = [ChatMessage(role="user", content="hi", name="bob"), ChatMessage(role="user", content="yo")]
+    assert gen.decode(encode_messages(gen, msgs, ApiLimits())) == "bob::"

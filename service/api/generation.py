@@ -25,7 +25,9 @@ def encode_messages(gen: GeneratorFrontend, messages: list[ChatMessage], limits:
                     add_generation_prompt: bool = True) -> list[int]:
     if len(messages) > limits.max_messages:
         raise ApiError(400, f"messages has {len(messages)} entries; the limit is {limits.max_messages}", "messages")
-    plain = [{"role": m.template_role, "content": m.text()} for m in messages]
+    # a message's name goes to the template where given, as HF's and vLLM's pass it ({{ message.name }})
+    plain = [{"role": m.template_role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+             for m in messages]
     check_prompt("".join(m["content"] for m in plain), limits, "messages")
     return gen.encode_chat(plain, add_generation_prompt)
 
