@@ -54,6 +54,10 @@ class BPETokenizer:
         self.bos_id = self.token_to_id(config.get("bos_token") or "")
         self.eos_id = self.token_to_id(config.get("eos_token") or "")
         self.pad_id = self.token_to_id(config.get("pad_token") or "")
+        # a config without add_bos_token (Llama 3's) leaves BOS to the tokenizer.json's post-processor, as
+        # transformers reads it: whether it puts BOS first
+        self.post_processor_bos = (self.bos_id is not None
+                                   and self.tk.encode("", add_special_tokens=True).ids[:1] == [self.bos_id])
         self.chat_template: str | None = config.get("chat_template")
 
     # --- construction ---------------------------------------------------------------------------
@@ -124,10 +128,12 @@ class BPETokenizer:
     # --- the Tokenizer protocol -----------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        """Special tokens written in the text stay whole. With `add_bos_token`, BOS goes first unless the text
-        begins with it (a chat template's `{{ bos_token }}`): one BOS, as HF's apply_chat_template gives."""
+        """Special tokens written in the text stay whole. With `add_bos_token` (or, without it, a post-processor
+        that adds BOS), BOS goes first unless the text begins with it (a chat template's `{{ bos_token }}`): one
+        BOS, as HF's apply_chat_template gives."""
         ids = self.tk.encode(text, add_special_tokens=False).ids
-        if self.config.get("add_bos_token") and self.bos_id is not None and ids[:1] != [self.bos_id]:
+        add_bos = self.config.get("add_bos_token", self.post_processor_bos)
+        if add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id, *ids]
         return ids
 

@@ -320,3 +320,23 @@ def test_torn_weights_or_index_are_a_format_error(tmp_path):
         index.write_text(bad)
         with pytest.raises(HFFormatError, match="cannot read the weights"):
             import_hf(tmp_path)
+
+
+def test_a_folder_whose_post_processor_adds_bos_encodes_prompts_with_it(tmp_path):
+    """Llama 3's tokenizer_config has no add_bos_token: its tokenizer.json's post-processor adds BOS, and
+    transformers encodes a prompt with it; so do we (once, where a chat template writes it too)."""
+    from tokenizers import Tokenizer, processors
+
+    from model.bpe_tokenizer import BPETokenizer
+
+    _byte_level_tokenizer(tmp_path, ["<|begin_of_text|>", "<|eot_id|>"])
+    tk = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tk.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                      special_tokens=[("<|begin_of_text|>", 256)])
+    tk.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}))
+    theirs, ours = transformers.AutoTokenizer.from_pretrained(tmp_path), BPETokenizer.load(tmp_path)
+    ids = ours.encode("Hi there")
+    assert ids == theirs("Hi there")["input_ids"] and ids[0] == 256 and len(ids) == 9
+    assert ours.encode("<|begin_of_text|>Hi there") == ids
