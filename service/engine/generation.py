@@ -144,18 +144,19 @@ class GenerationEngine(EngineLoop):
         for req in reqs:
             self.validate(req)
         self.scheduler.check_room([req.n for req in reqs])
-        return [self.submit(req, room_checked=True) for req in reqs]
+        return [self.submit(req, checked=True) for req in reqs]
 
-    def submit(self, req: GenerateRequest, room_checked: bool = False) -> AsyncIterator[GenerationEvent]:
+    def submit(self, req: GenerateRequest, checked: bool = False) -> AsyncIterator[GenerationEvent]:
         """Queue a request (raises RequestRejected / EngineOverloaded / EngineStopped right here)
-        and return its event stream. Closing the stream early cancels the request."""
+        and return its event stream. Closing the stream early cancels the request. `checked`: the caller
+        (submit_all) has validated it and made room."""
         self._check_started()
-        self.validate(req)
+        if not checked:
+            self.validate(req)
+            self.scheduler.check_room([req.n])  # before compiling grammars for a request refused anyway
         now = time.monotonic()
         deadline = self._deadline(req.deadline_s, now)
         p, queue, prompt = req.params, asyncio.Queue(), list(req.prompt_ids)
-        if not room_checked:
-            self.scheduler.check_room([req.n])  # before compiling grammars for a request refused anyway
         group = [Sequence(prompt=prompt, params=p, queue=queue,
                           detok=IncrementalDetokenizer(self.tokenizer, self.hidden_ids, context=prompt),
                           stopper=StopMatcher(p.stop), generator=make_generator(None if p.seed is None else p.seed + i),
@@ -167,7 +168,7 @@ class GenerationEngine(EngineLoop):
         for seq in group:
             seq.group = group
         group[0].forks = group[1:]
-        self.scheduler.add([group], check=not room_checked)
+        self.scheduler.add([group], check=not checked)
         self._queued()
         stream = self._stream(group[0])
         # a stream never iterated (its client gone before the response began) runs no `finally`
@@ -348,7 +349,8 @@ class GenerationEngine(EngineLoop):
     def _sample(self, logits: torch.Tensor, rows: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits (N, V) of `rows` -> each row's token and, where asked, its logprobs."""
         x = logits.float()  # (N, V)
-        x[:, self.vocab_size:] = float("-inf")  # padding ids
+        if self.vocab_size < x.shape[-1]:
+            x[:, self.vocab_size:] = float("-inf")  # padding ids
         params = [s.params for s in rows]
         ask = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = x[ask] if ask else None  # (A, V) a copy: sampling changes x in place
