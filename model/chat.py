@@ -10,6 +10,8 @@ import json
 from datetime import datetime
 from functools import lru_cache
 
+_OPEN_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # HF's marker, so both cut a stripping template's text alike
+
 
 class ChatTemplateError(ValueError):
     """A bad template, a bad message list, or the template itself raised."""
@@ -52,8 +54,11 @@ def compile_template(template: str):
         raise ChatTemplateError(f"chat template does not compile: {e}") from None
 
 
-def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-    """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...] -> prompt text."""
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, **extra) -> str:
+    """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...] -> prompt text.
+    `continue_final_message`: the text ends with the last message's content, its turn left open (a
+    prefilled reply the model continues), as HF's option cuts it."""
     from jinja2 import TemplateError
 
     if not template:
@@ -61,9 +66,14 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ChatTemplateError(f"message {i} must be an object with string 'role' and 'content'")
+    if continue_final_message:
+        if not messages:
+            raise ChatTemplateError("continue_final_message: there is no message to continue")
+        # a marker after the last content shows where it ends in the text, as HF finds it
+        messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _OPEN_TAG}]
     try:
         # tools and documents none, as HF passes them: `{% if tools is not none %}` is true of an undefined
-        return compile_template(template).render(messages=messages, tools=None, documents=None,
+        text = compile_template(template).render(messages=messages, tools=None, documents=None,
                                                  add_generation_prompt=add_generation_prompt, **extra)
     except ChatTemplateError:
         raise
@@ -71,3 +81,10 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
     # count of messages that can be 0 a ZeroDivisionError (ArithmeticError): a 400, as any of them
     except (TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as e:
         raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
+    if not continue_final_message:
+        return text
+    at = text.rfind(_OPEN_TAG.strip())
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the chat template drops the end of the last message")
+    # a template that strips the content strips the marker's space too, and the content's trailing ones
+    return text[:at] if text.startswith(_OPEN_TAG, at) else text[:at].rstrip()

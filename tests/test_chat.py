@@ -45,3 +45,27 @@ def test_a_template_sees_every_named_special_token_as_hf_passes_them():
     assert tok.special_tokens() == names
     tpl = "{{ bos_token }}{{ unk_token }}{{ pad_token }}{{ sep_token }}{{ cls_token }}{{ mask_token }}{{ eos_token }}"
     assert render_chat(tpl, HI, **tok.special_tokens()) == "<s><unk><pad><sep><cls><mask></s>"
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+STRIPPING = "{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}</s>{% endfor %}"
+
+
+@pytest.mark.parametrize("tpl", [CHATML, STRIPPING])
+@pytest.mark.parametrize("reply", ["The answer is", "The answer is ", "", "hi"])
+def test_continue_final_message_cuts_the_text_as_hf_does(tpl, reply):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    # "hi" also opens the conversation: the cut is after the last message, not the first match
+    msgs = [*HI, {"role": "assistant", "content": reply}]
+    ours = render_chat(tpl, msgs, add_generation_prompt=False, continue_final_message=True)
+    ref, _ = render_jinja_template([msgs], chat_template=tpl, continue_final_message=True)
+    assert ours == ref[0]
+    assert not ours.endswith(("<|im_end|>\n", "</s>"))
+
+
+def test_continue_final_message_refuses_a_template_that_drops_the_last_message():
+    tpl = "{% for m in messages[:-1] %}{{ m.content }}{% endfor %}"
+    with pytest.raises(ChatTemplateError, match="continue_final_message"):
+        render_chat(tpl, [*HI, {"role": "assistant", "content": "x"}], False, continue_final_message=True)

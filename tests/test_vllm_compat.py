@@ -32,6 +32,25 @@ def test_tokenize_prompt_and_messages():
     run(main)
 
 
+def test_continue_final_message_prefills_the_reply_as_vllm_does():
+    from model.chat import render_chat
+
+    prefill = [*MSGS, {"role": "assistant", "content": "Sure: "}]
+    opts = {"add_generation_prompt": False, "continue_final_message": True}
+
+    async def main(c):
+        text = render_chat(TEMPLATE, prefill, False, True)
+        assert text.endswith("| assistant: Sure: ")
+        want = TOK.encode(text)
+        assert (await c.post("/tokenize", json={"messages": prefill, **opts})).json()["tokens"] == want
+        r = await c.post("/v1/chat/completions", json={"messages": prefill, "max_tokens": 1, **opts})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want)
+        for route, extra in (("/tokenize", {}), ("/v1/chat/completions", {"max_tokens": 1})):
+            r = await c.post(route, json={"messages": prefill, "continue_final_message": True, **extra})
+            assert r.status_code == 400 and "add_generation_prompt" in r.json()["error"]["message"]
+    run(main)
+
+
 def test_a_messages_text_parts_join_with_line_breaks_as_in_vllm():
     from service.api.schemas import ChatMessage
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 
 from service.api.errors import ApiError
-from service.api.schemas import ChatMessage, PromptOrMessages, Sampling
+from service.api.schemas import ChatMessage, ChatRendering, PromptOrMessages, Sampling
 from service.config import ApiLimits
 from service.engine.types import GenerateRequest, SamplingParams
 from service.frontend.generator import GeneratorFrontend
@@ -22,21 +22,22 @@ def check_prompt(text: str, limits: ApiLimits, param: str) -> None:
 
 
 def encode_messages(gen: GeneratorFrontend, messages: list[ChatMessage], limits: ApiLimits,
-                    add_generation_prompt: bool = True) -> list[int]:
+                    rendering: ChatRendering | None = None) -> list[int]:
     if len(messages) > limits.max_messages:
         raise ApiError(400, f"messages has {len(messages)} entries; the limit is {limits.max_messages}", "messages")
     # a message's name goes to the template where given, as HF's and vLLM's pass it ({{ message.name }})
     plain = [{"role": m.template_role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
              for m in messages]
     check_prompt("".join(m["content"] for m in plain), limits, "messages")
-    return gen.encode_chat(plain, add_generation_prompt)
+    r = rendering or ChatRendering()
+    return gen.encode_chat(plain, r.add_generation_prompt, r.continue_final_message)
 
 
-def encode_input(gen: GeneratorFrontend, body: PromptOrMessages, limits: ApiLimits,
-                 add_generation_prompt: bool = True) -> tuple[list[int], str]:
+def encode_input(gen: GeneratorFrontend, body: PromptOrMessages, limits: ApiLimits) -> tuple[list[int], str]:
     """The ids of a body's `prompt` or chat `messages`, and the name of the one it sent."""
     if body.prompt is None:
-        return encode_messages(gen, body.messages, limits, add_generation_prompt), "messages"
+        rendering = body if isinstance(body, ChatRendering) else None
+        return encode_messages(gen, body.messages, limits, rendering), "messages"
     check_prompt(body.prompt, limits, "prompt")
     return gen.encode_prompt(body.prompt), "prompt"
 

@@ -174,7 +174,7 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
     check_choices(gen, body.n, limits, "n")
     rid = new_id("chatcmpl")
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    ids = encode_messages(gen, body.messages, limits)
+    ids = encode_messages(gen, body.messages, limits, body)
     track = (body.top_logprobs or 0) if body.logprobs else None
     schema = await response_schema(gen, body.response_format)
     req = build_request(gen, body, ids, prompt_param="messages", max_tokens=getattr(body, param),

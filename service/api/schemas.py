@@ -195,7 +195,21 @@ class CompletionBody(OpenAIBase):
         return [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
 
 
-class ChatCompletionBody(OpenAIBase):
+class ChatRendering(Strict):
+    """How chat messages become the prompt (vLLM's options)."""
+
+    add_generation_prompt: bool = True  # end with the assistant's turn opening
+    continue_final_message: bool = False  # end inside the last message, which the model continues (a prefill)
+
+    @model_validator(mode="after")
+    def _open_one_turn(self) -> ChatRendering:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("set add_generation_prompt to false with continue_final_message: true; "
+                             "the reply continues the last message rather than opening a turn")
+        return self
+
+
+class ChatCompletionBody(ChatRendering, OpenAIBase):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
@@ -210,11 +224,10 @@ class ChatCompletionBody(OpenAIBase):
     parallel_tool_calls: bool | None = None
 
 
-class TokenizeBody(PromptOrMessages):
+class TokenizeBody(ChatRendering, PromptOrMessages):
     """POST /tokenize (vLLM's shape): a raw `prompt`, or chat `messages` rendered by the chat template."""
 
     model: Text | None = Field(None, max_length=128)
-    add_generation_prompt: bool = True  # messages only: end with the assistant's turn opening
     return_token_strs: bool = False  # also each token's text
 
 

@@ -17,9 +17,10 @@ router = APIRouter(tags=["vllm"])
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeBody, request: Request):
-    """`{prompt}` or `{messages, add_generation_prompt}` -> `{count, max_model_len, tokens, token_strs}`."""
+    """`{prompt}` or `{messages, add_generation_prompt, continue_final_message}` -> `{count, max_model_len,
+    tokens, token_strs}`."""
     gen, limits = request.app.state.backends.need_generator(body.model, request), request.app.state.limits
-    ids, _ = encode_input(gen, body, limits, body.add_generation_prompt)
+    ids, _ = encode_input(gen, body, limits)
     strs = [gen.decode([i]) for i in ids] if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": gen.max_context, "tokens": ids, "token_strs": strs}
 

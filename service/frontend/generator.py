@@ -36,14 +36,16 @@ class GeneratorFrontend:
     def encode_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
         if not self.chat_template:
             raise RequestRejected(f"model {self.name} has no chat template; send 'prompt' instead", "messages")
         from model.chat import ChatTemplateError, render_chat
 
         try:
             special = self.tokenizer.special_tokens() if hasattr(self.tokenizer, "special_tokens") else {}
-            return self.tokenizer.encode(render_chat(self.chat_template, messages, add_generation_prompt, **special))
+            return self.tokenizer.encode(render_chat(self.chat_template, messages, add_generation_prompt,
+                                                     continue_final_message, **special))
         except ChatTemplateError as e:
             raise RequestRejected(f"messages: {e}", "messages") from None
 
