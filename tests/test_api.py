@@ -8,6 +8,7 @@ from api_util import TOK, backends, metric, run, sse_events, translator
 
 from service.config import GENERATOR_ID, TRANSLATOR_ID
 from service.engine.types import GenerateRequest, SamplingParams
+from service.startup import RETRY_AFTER_S
 
 torch.set_num_threads(1)
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
@@ -38,6 +39,7 @@ def test_readyz_503_without_generator():
         assert r.json()["phase"].startswith("loaded, but not serving")  # start-up is over: not "ready"
         r = await c.post("/v1/generate", json={"prompt": "hi"})
         assert r.status_code == 503 and "failed to load" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] == str(RETRY_AFTER_S)  # another replica may have loaded it
     run(main, Backends(unavailable={GENERATOR_ID: "failed to load"}))
 
 
@@ -49,6 +51,7 @@ def test_readyz_200_for_a_translator_only_config():
         assert r.status_code == 200 and r.json()["unavailable"] == {GENERATOR_ID: DISABLED}, r.text
         r = await c.post("/v1/generate", json={"prompt": "hi"})
         assert r.status_code == 503 and "disabled" in r.json()["error"]["message"]
+        assert "retry-after" not in r.headers  # no retry serves it
     run(main, Backends(translator=translator(), unavailable={GENERATOR_ID: DISABLED}))
 
     async def nothing(c):  # the translator failed too: nothing serves
@@ -274,6 +277,7 @@ def test_stopped_engine_is_503():
         await c.app.state.backends.generator.stop()
         r = await c.post("/v1/generate", json={"prompt": "hi"})
         assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] == str(RETRY_AFTER_S)  # as the start-up gate's 503s: clients back off
     run(main)
 
 

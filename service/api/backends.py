@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from service.api.errors import ApiError
 from service.config import GENERATOR_ID, TRANSLATOR_ID
+from service.startup import RETRY_AFTER_S
 
 if TYPE_CHECKING:  # the engines (torch, the models) load only where a replica builds them
     from service.frontend.generator import GeneratorFrontend
@@ -55,7 +56,9 @@ class Backends:
             raise ApiError(404, f"model {model!r} not found; available: {self.ids()}", "model")
         if backend is None:
             reason = self.unavailable.get(name, "not loaded")
-            raise ApiError(503, f"model {name} is not available: {reason}", "model")
+            # a load that failed here may have worked on another replica; a model the config disables is not retried
+            retry = None if reason == DISABLED else {"Retry-After": str(RETRY_AFTER_S)}
+            raise ApiError(503, f"model {name} is not available: {reason}", "model", retry)
         request.state.model = backend.name
         return backend
 

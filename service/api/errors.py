@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from service.engine.types import EngineError, EngineOverloaded
+from service.startup import RETRY_AFTER_S
 
 logger = logging.getLogger("attnserve.api")
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -46,9 +47,12 @@ async def send_error(send, status: int, message: str, param: str | None = None,
 
 
 def engine_error(e: EngineError) -> ApiError:
-    """The HTTP form of an engine error: 429 + Retry-After, 400, 503, or 500 (a step that failed)."""
+    """The HTTP form of an engine error: 429 + Retry-After, 400, 503 + Retry-After (as the start-up gate's: the
+    engine stopping, another replica may answer), or 500 (a step that failed)."""
     status = e.status_code if e.status_code in (400, 429, 500, 503) else 500
     headers = {"Retry-After": str(max(1, round(e.retry_after)))} if isinstance(e, EngineOverloaded) else None
+    if status == 503:
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
     return ApiError(status, str(e) or type(e).__name__, getattr(e, "param", None), headers)
 
 
