@@ -758,6 +758,48 @@ def test_serve_reports_ray_not_starting_in_one_line(home, monkeypatch, capsys, s
     assert not (home / "serve.pid").exists()
 
 
+def test_a_second_serve_is_refused_naming_the_running_one(home, monkeypatch, capsys, serve_signals):
+    """One pid file records the serve that `attnserve stop` ends: a second serve (another port) would
+    overwrite it and leave the first beyond `stop`'s reach. It is refused before Ray starts, naming the
+    running pid, and the record stays the first's."""
+    from service import ray_local
+
+    started = []
+
+    def start_ray(*a, **k):  # were it reached: stop there, before anything could start Ray for real
+        started.append(a)
+        raise RuntimeError("Ray must not start")
+
+    monkeypatch.setattr(ray_local, "start_ray", start_ray)
+    monkeypatch.setattr(ray_local, "deploy", start_ray)
+    monkeypatch.setattr(ray_local, "shutdown", lambda: None)
+    p = _sleeper(ignore_term=False)
+    try:
+        home.mkdir(parents=True)
+        (home / "serve.pid").write_text(str(p.pid))
+        assert main(["serve", "--port", str(free_port())]) == 2
+        err = capsys.readouterr().err
+        assert f"already running (pid {p.pid})" in err and "attnserve stop" in err and err.count("\n") == 1, err
+        assert started == [] and (home / "serve.pid").read_text() == str(p.pid)
+    finally:
+        p.kill()
+
+
+def test_serve_replaces_a_stale_pid_file(home, monkeypatch, capsys, serve_signals):
+    """A pid file whose process is gone (a serve killed) does not block the next serve."""
+    from service import ray_local, startup
+
+    seen = []
+    monkeypatch.setattr(ray_local, "start_ray", lambda *a, **k: seen.append((home / "serve.pid").read_text()))
+    monkeypatch.setattr(ray_local, "deploy", lambda *a, **k: None)
+    monkeypatch.setattr(ray_local, "shutdown", lambda: None)
+    monkeypatch.setattr(startup, "watch_startup", lambda *a, **k: False)
+    home.mkdir(parents=True)
+    (home / "serve.pid").write_text("999999999")
+    assert main(["serve", "--port", str(free_port())]) == 0
+    assert seen == [str(os.getpid())] and not (home / "serve.pid").exists()
+
+
 @pytest.mark.ray
 def test_serve_answers_then_stop_shuts_serve_and_ray_down(home, tmp_path, capsys):
     import psutil

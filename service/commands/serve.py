@@ -18,6 +18,37 @@ def pid_file():
     return home() / "serve.pid"
 
 
+def running_pid() -> int | None:
+    """The recorded pid if it is a live `attnserve serve`: a pid file left by a serve that died (killed, a
+    reboot) may name another process by now, this one included (a container's serve is pid 1 each run), and
+    signalling pid 0 would hit our own process group."""
+    import psutil
+
+    try:
+        pid = int(pid_file().read_text().strip())
+        cmd = psutil.Process(pid).cmdline() if pid > 0 else []
+    except (ValueError, OSError, psutil.Error):
+        return None
+    ours = any("attnserve" in part or part == "service.cli" for part in cmd)
+    return pid if ours and "serve" in cmd and pid != os.getpid() else None
+
+
+def _record_pid() -> None:
+    """Write this serve's pid, refused where a live serve has one on record: `attnserve stop` ends the one the
+    file names, so a second serve (another port) overwriting it would put the first beyond stop's reach.
+    Under a lock: of two serves starting at once, one records and the other is refused."""
+    from model.file_lock import file_lock
+
+    with file_lock(pid_file().with_suffix(".lock")):
+        if (other := running_pid()) is not None:
+            raise CommandError(already_running(other))
+        pid_file().write_text(str(os.getpid()))
+
+
+def already_running(pid: int) -> str:
+    return f"attnserve serve is already running (pid {pid}); `attnserve stop` ends it"
+
+
 def add_arguments(p) -> None:
     from service.ray_local import DEFAULT_CONFIG, OBJECT_STORE_BYTES
 
@@ -38,6 +69,8 @@ def run(args) -> int:
     with as_command_error(OSError, ValueError):  # OSError: missing, unreadable, a directory
         config = ray_local.read_config(args.config, args.host, args.port)
     http = config["http_options"]
+    if (other := running_pid()) is not None:  # named before the port it may hold (checked again, locked, below)
+        raise CommandError(already_running(other))
     with as_command_error(ValueError, OSError):  # a name that does not resolve (socket.gaierror), an address not ours
         free = _port_free(http["host"], http["port"])
     if not free:
@@ -52,8 +85,8 @@ def run(args) -> int:
     on_stop_signals()
     t0 = time.monotonic()
     # recorded before Ray starts: `attnserve stop` must reach a serve still starting Ray or deploying
-    pid_file().parent.mkdir(parents=True, exist_ok=True)
-    pid_file().write_text(str(os.getpid()))
+    with as_command_error(OSError):  # ATTNSERVE_HOME not writable
+        _record_pid()
     print(f"[{0.0:6.1f} s] starting Ray (loopback, object store {args.object_store_mb} MB) ...", flush=True)
     try:
         ray_local.start_ray(args.num_cpus, args.object_store_mb * 2**20, log_to_driver=args.access_log)

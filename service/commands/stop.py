@@ -19,13 +19,13 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from service.commands.cluster import ray_cli
-    from service.commands.serve import pid_file
+    from service.commands.serve import pid_file, running_pid
 
     if not args.timeout > 0:
         raise CommandError(f"--timeout must be > 0 seconds, got {args.timeout}")
     rc = 0
     f = pid_file()
-    pid = _serve_pid(f) if f.is_file() else None
+    pid = running_pid()
     if pid is None:
         print("no local `attnserve serve` is running")
         f.unlink(missing_ok=True)  # a stale or unreadable record
@@ -47,17 +47,3 @@ def run(args) -> int:
     if args.ray:
         rc |= subprocess.call([*ray_cli(), "stop"])
     return rc
-
-
-def _serve_pid(f) -> int | None:
-    """The recorded pid if it is a live `attnserve serve`: a pid file left by a serve that died (killed, a
-    reboot) may name another process by now, and signalling pid 0 would hit our own process group."""
-    import psutil
-
-    try:
-        pid = int(f.read_text().strip())
-        cmd = psutil.Process(pid).cmdline() if pid > 0 else []
-    except (ValueError, OSError, psutil.Error):
-        return None
-    ours = any("attnserve" in part or part == "service.cli" for part in cmd)
-    return pid if ours and "serve" in cmd else None
