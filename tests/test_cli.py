@@ -793,11 +793,38 @@ def test_serve_replaces_a_stale_pid_file(home, monkeypatch, capsys, serve_signal
     monkeypatch.setattr(ray_local, "start_ray", lambda *a, **k: seen.append((home / "serve.pid").read_text()))
     monkeypatch.setattr(ray_local, "deploy", lambda *a, **k: None)
     monkeypatch.setattr(ray_local, "shutdown", lambda: None)
-    monkeypatch.setattr(startup, "watch_startup", lambda *a, **k: False)
+    monkeypatch.setattr(startup, "watch_startup", lambda url, stop, *a, **k: stop.set())  # Ctrl-C meanwhile
     home.mkdir(parents=True)
     (home / "serve.pid").write_text("999999999")
     assert main(["serve", "--port", str(free_port())]) == 0
     assert seen == [str(os.getpid())] and not (home / "serve.pid").exists()
+
+
+def test_serve_gives_up_on_a_service_that_never_gets_ready(home, monkeypatch, capsys, serve_signals):
+    """A replica loaded but not serving (its generator failed to load) answers /readyz 503 for ever: serve
+    waits --ready-timeout, then exits 1 naming the phase and the model that did not come up, and shuts
+    Ray down."""
+    from service import ray_local
+
+    class Reply:
+        status_code = 503
+
+        def json(self):
+            return {"ready": False, "phase": "loaded, but not serving: a model it serves did not load (see models)",
+                    "models": {"gen": "unavailable: failed to load", "tr": "ready"}}
+
+    calls = []
+    monkeypatch.setattr(ray_local, "start_ray", lambda *a, **k: None)
+    monkeypatch.setattr(ray_local, "deploy", lambda config, timeout_s, stop=None: calls.append(timeout_s))
+    monkeypatch.setattr(ray_local, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr("httpx.get", lambda url, timeout: Reply())
+    assert main(["serve", "--port", str(free_port()), "--ready-timeout", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("attnserve serve: not ready after 1 s (--ready-timeout): phase 'loaded, but not "
+                          "serving") and "gen: unavailable: failed to load" in err and "tr:" not in err, err
+    assert calls == [1.0, "shutdown"] and not (home / "serve.pid").exists()
+    assert main(["serve", "--ready-timeout", "nan"]) == 2
+    assert "--ready-timeout must be > 0 seconds, got nan" in capsys.readouterr().err
 
 
 @pytest.mark.ray

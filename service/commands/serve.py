@@ -57,6 +57,9 @@ def add_arguments(p) -> None:
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="Serve config (Ray Serve's YAML format)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule (default: all)")
     p.add_argument("--object-store-mb", type=int, default=OBJECT_STORE_BYTES // 2**20)
+    p.add_argument("--ready-timeout", type=float, default=600.0,
+                   help="seconds to wait for the deploy and for /readyz to answer 200 before giving up "
+                        "(default: 600; inf: for ever)")
     p.add_argument("--access-log", action="store_true",
                    help="print the replicas' logs (one access line per request) here; by default they go "
                         "to Ray's log files only")
@@ -66,6 +69,8 @@ def run(args) -> int:
     from service import ray_local
     from service.startup import watch_startup
 
+    if not args.ready_timeout > 0:  # NaN: never given up, as no timeout at all
+        raise CommandError(f"--ready-timeout must be > 0 seconds, got {args.ready_timeout}")
     with as_command_error(OSError, ValueError):  # OSError: missing, unreadable, a directory
         config = ray_local.read_config(args.config, args.host, args.port)
     http = config["http_options"]
@@ -100,10 +105,16 @@ def run(args) -> int:
         # signals back before deploying, so that a stop meanwhile ends the wait for the deploy
         on_stop_signals()
         print(f"[{time.monotonic() - t0:6.1f} s] deploying {args.config} ...", flush=True)
-        ray_local.deploy(config, stop=stop)
+        t_deploy = time.monotonic()
+        ray_local.deploy(config, timeout_s=args.ready_timeout, stop=stop)
         on_stop_signals()  # (as above, should deploying have set them again)
         base = ray_local.service_url(config)
-        if watch_startup(base, stop, t0):  # False: stopped while starting
+        # a replica loaded but not serving (a model that failed to load) answers 503 for ever: the wait ends
+        left = max(args.ready_timeout - (time.monotonic() - t_deploy), 1)
+        ready = watch_startup(base, stop, t0, timeout_s=left)
+        if not ready and not stop.is_set():
+            raise CommandError(f"not ready after {args.ready_timeout:.0f} s (--ready-timeout): {_not_ready(base)}", 1)
+        if ready:  # else stopped while starting
             print(f"  API      {base}/v1  (OpenAI-compatible; native /v1/generate, /v1/translate)\n"
                   f"  docs     {base}/docs\n  metrics  {base}/metrics\n  page     {base}/\n"
                   f"Ctrl-C to stop.\nattnserve ready in {time.monotonic() - t0:.0f} s", flush=True)
@@ -116,6 +127,19 @@ def run(args) -> int:
     finally:
         ray_local.shutdown()
         pid_file().unlink(missing_ok=True)
+
+
+def _not_ready(base: str) -> str:
+    """What `/readyz` says did not come up: the phase, and each model not ready."""
+    import httpx
+
+    try:
+        body = httpx.get(base + "/readyz", timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+        return f"no answer from {base}/readyz (the HTTP proxy did not come up)"
+    models = {m: state for m, state in (body.get("models") or {}).items() if not str(state).startswith("ready")}
+    waiting = "; ".join(f"{m}: {state}" for m, state in models.items())
+    return f"phase {body.get('phase', '?')!r}" + (f"; not up: {waiting}" if waiting else "")
 
 
 def _port_free(host: str, port: int) -> bool:
