@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from api_util import TOK, backends, metric, run, sse_events, translator
@@ -279,6 +281,27 @@ def test_stopped_engine_is_503():
         assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
         assert r.headers["retry-after"] == str(RETRY_AFTER_S)  # as the start-up gate's 503s: clients back off
     run(main)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/generate", {"prompt": "hi"}),
+                                        ("/v1/completions", {"prompt": "hi"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_a_stream_failing_before_its_first_event_has_the_error_status(path, body):
+    """A streamed request queued behind a busy slot when the engine stops fails before its first event: the
+    status line is still to be sent, so it is the 503 (with Retry-After) a non-streamed request gets, not a
+    200 whose one event is the error."""
+    async def main(c):
+        engine = c.app.state.backends.generator.engine
+        held = engine.submit(GenerateRequest(prompt_ids=[7] * 4, params=SamplingParams(max_new_tokens=100)))
+        post = asyncio.ensure_future(c.post(path, json={**body, "stream": True, "max_tokens": 8}))
+        while (engine.stats().running, engine.stats().waiting) != (1, 1):  # the held one runs, the post waits
+            await asyncio.sleep(0.01)
+        await c.app.state.backends.generator.stop()
+        r = await post
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "service_unavailable" and r.headers["retry-after"] == str(RETRY_AFTER_S)
+        await held.aclose()
+    run(main, backends({"max_slots": 1}, with_translator=False))
 
 
 def test_metrics_move_after_requests():

@@ -12,6 +12,7 @@ from api_util import backends
 
 from service.api.app import create_app
 from service.config import GENERATOR_ID
+from service.engine.types import GenerateRequest, SamplingParams
 from service.metrics import PROMETHEUS
 
 torch.set_num_threads(1)
@@ -154,3 +155,39 @@ def test_a_client_gone_before_its_body_is_in_is_a_499_not_a_400():
 
     sent = asyncio.run(main())
     assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]
+
+
+def test_a_stream_gone_before_its_first_event_is_cancelled():
+    """A streamed request waits for its first event before its status line: a client leaving meanwhile
+    (queued behind a busy slot) cancels it there, and the queue is empty again."""
+    async def main():
+        b = backends({"max_slots": 1}, with_translator=False)
+        app = create_app(b, static_dir=None)
+        await b.start()
+        engine = b.generator.engine
+        held = engine.submit(GenerateRequest(prompt_ids=[7] * 4, params=SamplingParams(max_new_tokens=100,
+                                                                                        ignore_eos=True)))
+        gone = threading.Event()
+
+        async def leave_once_queued():
+            while (engine.stats().running, engine.stats().waiting) != (1, 1):
+                await asyncio.sleep(0.01)
+            gone.set()
+
+        try:
+            leaving = asyncio.ensure_future(leave_once_queued())
+            sent = await call(app, {**LONG, "stream": True}, disconnect_after_chunks=None, disconnect_on=gone)
+            await leaving
+            for _ in range(200):
+                if engine.stats().waiting == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return sent, engine.stats()
+        finally:
+            await held.aclose()
+            await b.stop()
+
+    before = cancelled()
+    sent, stats = asyncio.run(main())
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]
+    assert cancelled() == before + 1 and stats.waiting == 0

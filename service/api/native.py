@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 from service.api.errors import ApiError
 from service.api.generation import build_request, encode_input, new_id, usage_dict
 from service.api.schemas import GenerateBody, TranslateBody
-from service.api.streaming import collect, sse_stream, unless_disconnected
+from service.api.streaming import collect, sse_stream, started, unless_disconnected
 from service.engine.types import TranslateRequest
 
 router = APIRouter(tags=["native"])
@@ -35,7 +35,7 @@ async def generate(body: GenerateBody, request: Request):
                 out.update(finish_reason=ev.finish_reason, usage=usage_dict(ev.usage))
             return [out]
 
-        return StreamingResponse(sse_stream(events, render), media_type="text/event-stream")
+        return StreamingResponse(sse_stream(await started(request, events), render), media_type="text/event-stream")
 
     done = await unless_disconnected(request, collect(events))
     last = done[-1]

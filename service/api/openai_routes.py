@@ -14,7 +14,7 @@ from service.api.errors import ApiError
 from service.api.generation import build_request, check_choices, check_prompt, encode_messages, new_id, usage_dict
 from service.api.logprob_format import CompletionLogprobs, TokenTexts, chat_content
 from service.api.schemas import ChatCompletionBody, CompletionBody
-from service.api.streaming import collect, merged, sse_stream, unless_disconnected
+from service.api.streaming import collect, merged, sse_stream, started, unless_disconnected
 from service.api.structured import response_schema
 
 router = APIRouter(tags=["openai"])
@@ -44,7 +44,8 @@ def _envelope(rid: str, obj: str, model: str, choices: list[dict], created: int 
             **more}
 
 
-def _stream(events, rid: str, model: str, body, chunk, obj: str, per_prompt: int = 0) -> StreamingResponse:
+async def _stream(request: Request, events, rid: str, model: str, body, chunk, obj: str,
+                  per_prompt: int = 0) -> StreamingResponse:
     """`chunk(ev)` -> the choice dicts of one event; usage (every choice's) goes in one last chunk when
     the body's stream_options ask for it (`per_prompt`: as UsageTotal's)."""
     usage, include_usage = UsageTotal(per_prompt), bool(body.stream_options and body.stream_options.include_usage)
@@ -60,7 +61,7 @@ def _stream(events, rid: str, model: str, body, chunk, obj: str, per_prompt: int
             return []
         return [_envelope(rid, obj, model, [], created, usage=usage_dict(usage))]
 
-    return StreamingResponse(sse_stream(events, render, tail), media_type="text/event-stream")
+    return StreamingResponse(sse_stream(await started(request, events), render, tail), media_type="text/event-stream")
 
 
 def _check_stream_options(body) -> None:
@@ -156,7 +157,7 @@ async def completions(body: CompletionBody, request: Request):
         return [{"index": ev.index, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}]
 
     if body.stream:
-        return _stream(events, rid, gen.name, body, chunk, "text_completion", per_prompt=n)
+        return await _stream(request, events, rid, gen.name, body, chunk, "text_completion", per_prompt=n)
     choices, usage = gather(await unless_disconnected(request, collect(events)), per_prompt=best_of)
     if best_of > n:
         choices = [c for i in range(len(prompts))
@@ -198,7 +199,7 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
                 out.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason})
             return out
 
-        return _stream(events, rid, gen.name, body, chunk, "chat.completion.chunk")
+        return await _stream(request, events, rid, gen.name, body, chunk, "chat.completion.chunk")
     choices, usage = gather(await unless_disconnected(request, collect(events)))
     return _envelope(rid, "chat.completion", gen.name,
                      [{"index": c.index, "message": {"role": "assistant", "content": c.text},

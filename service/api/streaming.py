@@ -49,6 +49,28 @@ async def sse_stream(source: AsyncGenerator, render: Callable[[object], list[dic
     yield sse("[DONE]")
 
 
+async def started(request: Request, source: AsyncGenerator) -> AsyncGenerator:
+    """`source` once its first event is in: an error before it (the engine stopped, a step that failed, a
+    batch with no room) raises here, while the status line can still be the error's, as the request's
+    answer without streaming is. A client gone meanwhile cancels the request (ClientDisconnected)."""
+    try:
+        first = await unless_disconnected(request, anext(source))
+    except StopAsyncIteration:  # no events at all: nothing to start with
+        return source
+    except BaseException:
+        await source.aclose()
+        raise
+
+    async def rest() -> AsyncGenerator:
+        try:
+            yield first
+            async for event in source:
+                yield event
+        finally:
+            await source.aclose()
+    return rest()
+
+
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
