@@ -137,6 +137,11 @@ class BPETokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
+    def encode_rendered(self, text: str) -> list[int]:
+        """A rendered chat template's ids: its special tokens as written, no BOS added (the template writes
+        the ones its model wants), as HF's apply_chat_template and vLLM's chat routes tokenize it."""
+        return self.tk.encode(text, add_special_tokens=False).ids
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 

@@ -61,6 +61,24 @@ def test_a_control_token_spelled_outside_the_byte_alphabet_stays_one_special_tok
     assert tok.special_ids == {0, 1}
 
 
+def test_a_chat_template_that_writes_no_bos_gets_none_as_in_hf(tmp_path):
+    """add_bos_token set, a template without {{ bos_token }}: HF's apply_chat_template and vLLM's chat routes
+    tokenize the rendered text with no BOS added; a plain prompt still gets its BOS."""
+    from transformers import AutoTokenizer
+
+    from service.frontend.generator import GeneratorFrontend
+
+    tok = tiny_bpe()
+    template = "{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}"
+    tok.config.update(add_bos_token=True, bos_token="<|im_start|>", chat_template=template)
+    tok.save(tmp_path)
+    conv = [{"role": "user", "content": "hello"}]
+    ref = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(conv, tokenize=True)
+    ids = GeneratorFrontend(engine=None, tokenizer=tok, chat_template=template).encode_chat(conv)
+    assert ids == (ref if isinstance(ref, list) else ref["input_ids"]) and tok.bos_id not in ids
+    assert tok.encode("hello")[0] == tok.bos_id
+
+
 def test_add_bos_token_gives_one_bos_when_the_chat_template_writes_it_too():
     """Llama/Mistral tokenizers set add_bos_token and their chat templates begin with {{ bos_token }}: the
     prompt holds one BOS, as HF's apply_chat_template gives it; a plain prompt gets its BOS."""

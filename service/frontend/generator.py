@@ -44,10 +44,10 @@ class GeneratorFrontend:
 
         try:
             special = self.tokenizer.special_tokens() if hasattr(self.tokenizer, "special_tokens") else {}
-            return self.tokenizer.encode(render_chat(self.chat_template, messages, add_generation_prompt,
-                                                     continue_final_message, **special))
+            text = render_chat(self.chat_template, messages, add_generation_prompt, continue_final_message, **special)
         except ChatTemplateError as e:
             raise RequestRejected(f"messages: {e}", "messages") from None
+        return getattr(self.tokenizer, "encode_rendered", self.tokenizer.encode)(text)
 
     def submit(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
         return self.engine.submit(req)
