@@ -306,6 +306,25 @@ def test_weights_of_a_non_float_dtype_are_refused(tmp_path):
     import_hf(tmp_path)
 
 
+@pytest.mark.parametrize("cfg, name, change", [
+    (TINY_LLAMA, "model.layers.0.self_attn.k_proj.weight", lambda t: t[:, :-1]),  # torch.cat refused them
+    (TINY_LLAMA, "model.layers.0.self_attn.k_proj.weight", lambda t: t.to(torch.int32)),  # cat made it float
+    (TINY_LLAMA, "model.layers.0.mlp.up_proj.weight", lambda t: t[0, 0]),
+    (TINY_GPT2, "transformer.h.0.attn.c_attn.weight", lambda t: t[None]),  # .t() refused it
+], ids=["columns", "int-piece", "scalar-piece", "3d-conv1d"])
+def test_pieces_that_do_not_join_are_a_format_error(tmp_path, cfg, name, change):
+    """q/k/v (gate/up) tensors that cannot be joined, or a Conv1D weight that is not a matrix, are an
+    HFFormatError naming them, not torch's RuntimeError; an integer piece is not promoted to float."""
+    from safetensors.torch import load_file, save_file
+
+    export_hf(DecoderLM(cfg), tmp_path)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    sd[name] = change(sd[name]).contiguous()
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(HFFormatError, match="do not make blocks.0"):
+        import_hf(tmp_path)
+
+
 def test_torn_weights_or_index_are_a_format_error(tmp_path):
     """A truncated model.safetensors or an index without its weight map is an HFFormatError (a ValueError,
     which the service and the CLI report), not safetensors' own error or a KeyError escaping them."""

@@ -181,7 +181,13 @@ def from_hf_state(hf: dict[str, torch.Tensor], cfg: DecoderConfig, where: str = 
     sd: dict[str, torch.Tensor] = {}
     used: set[str] = set()
     for ours, theirs, _, transposed in table:
-        x = torch.cat([hf[n] for n in theirs], 0) if len(theirs) > 1 else hf[theirs[0]]
+        pieces = [hf[n] for n in theirs]
+        # checked before joining: torch.cat would raise on these, or promote an integer piece to float unseen
+        kinds = {(p.dim(), tuple(p.shape[1:]), p.is_floating_point()) for p in pieces}
+        if len(kinds) > 1 or len(pieces) > 1 and pieces[0].dim() == 0 or transposed and pieces[0].dim() > 2:
+            raise HFFormatError(f"{where}: tensors {theirs} do not make {ours}: shapes "
+                                f"{[tuple(p.shape) for p in pieces]}, dtypes {[str(p.dtype) for p in pieces]}")
+        x = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]
         sd[ours] = x.t().contiguous() if transposed else x
         used.update(theirs)
     if cfg.tie_embeddings and "lm_head.weight" in hf:  # a tied head stored anyway: it must be the embedding
