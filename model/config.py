@@ -62,6 +62,8 @@ class DecoderConfig(_Config):
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads}")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
+        if self.positions == "rope" and self.dim_head % 2:  # RoPE rotates pairs of a head's dimensions
+            raise ValueError(f"RoPE needs an even head dimension, got {self.dim_head}")
 
     @property
     def kv_heads(self) -> int:
@@ -99,6 +101,8 @@ class Seq2SeqConfig(_Config):
         super().__post_init__()
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
+        if self.d_model % 2:  # the sinusoidal table pairs a sin and a cos dimension
+            raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
         for name in ("pad_id", "bos_id", "eos_id"):  # nn.Embedding asserts on pad_id; the others fail a decode
             if (token := getattr(self, name)) >= self.vocab_size:
                 raise ValueError(f"Seq2SeqConfig.{name}={token} must be below vocab_size={self.vocab_size}")

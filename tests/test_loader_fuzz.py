@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from model.config import TINY_LLAMA
+from model.config import TINY_LLAMA, TINY_SEQ2SEQ
 from model.decoder import DecoderLM
 
 X = torch.randint(0, TINY_LLAMA.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -115,6 +115,16 @@ def test_a_zero_size_in_the_config_is_a_checkpoint_error(good, tmp_path):
     _write(tmp_path / "z", weights, json.dumps(meta).encode())
     with pytest.raises(CheckpointError, match="bad config"):
         load_checkpoint(tmp_path / "z")
+
+
+@pytest.mark.parametrize("arch, cfg", [("seq2seq", {**TINY_SEQ2SEQ.to_dict(), "d_model": 33, "n_heads": 3}),
+                                       ("decoder", {**TINY_LLAMA.to_dict(), "d_model": 36})])
+def test_an_odd_sinusoidal_or_rope_dimension_is_a_checkpoint_error(tmp_path, arch, cfg):
+    """An odd d_model (sinusoidal positions) or RoPE head dimension built a model that failed with torch's
+    RuntimeError: the seq2seq one while loading, the decoder at its first forward."""
+    tmp_path.joinpath("config.json").write_text(json.dumps({"architecture": arch, "config": cfg}))
+    with pytest.raises(CheckpointError, match="bad config: (sinusoidal positions|RoPE) need"):
+        load_checkpoint(tmp_path)
 
 
 def test_untied_weights_under_a_tying_config_are_refused(tmp_path):
