@@ -326,8 +326,9 @@ def test_pieces_that_do_not_join_are_a_format_error(tmp_path, cfg, name, change)
 
 
 def test_torn_weights_or_index_are_a_format_error(tmp_path):
-    """A truncated model.safetensors or an index without its weight map is an HFFormatError (a ValueError,
-    which the service and the CLI report), not safetensors' own error or a KeyError escaping them."""
+    """A truncated model.safetensors, an index without its weight map or naming a missing shard is an
+    HFFormatError (a ValueError, which the service and the CLI report), not safetensors' own error, an
+    OSError or a KeyError escaping them."""
     export_hf(DecoderLM(TINY_LLAMA), tmp_path)
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
@@ -335,7 +336,7 @@ def test_torn_weights_or_index_are_a_format_error(tmp_path):
         import_hf(tmp_path)
     weights.unlink()
     index = tmp_path / "model.safetensors.index.json"
-    for bad in ("{}", "[1]", '{"weight_map": [1]}', "{"):
+    for bad in ("{}", "[1]", '{"weight_map": [1]}', "{", '{"weight_map": {"a": "missing.safetensors"}}'):
         index.write_text(bad)
         with pytest.raises(HFFormatError, match="cannot read the weights"):
             import_hf(tmp_path)

@@ -232,7 +232,8 @@ def _read_hf_weights(d: Path) -> dict[str, torch.Tensor]:
         if index.is_file():
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
             return {name: t for s in shards for name, t in load_file(str(d / s)).items()}
-    except (SafetensorError, KeyError, TypeError, AttributeError, ValueError) as e:  # torn, or an index without a map
+    # torn, an index without a map, or one naming a shard that is missing (OSError)
+    except (SafetensorError, KeyError, TypeError, AttributeError, ValueError, OSError) as e:
         raise HFFormatError(f"{d}: cannot read the weights ({type(e).__name__}: {e})") from None
     raise HFFormatError(f"{d}: no model.safetensors or model.safetensors.index.json (pytorch_model.bin is "
                         "not read: it needs unpickling)")
