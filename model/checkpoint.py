@@ -215,9 +215,14 @@ def load_tokenizer(directory: str | Path):
     d = Path(directory)
     # a Hugging Face folder may hold the SentencePiece model its tokenizer.json was made from: the latter is used
     if (d / SentencePieceTokenizer.FILE).is_file() and not ((d / "tokenizer.json").is_file() and is_hf_folder(d)):
-        return SentencePieceTokenizer(d / SentencePieceTokenizer.FILE)
-    if (d / "tokenizer.json").is_file():
+        path, load = d / SentencePieceTokenizer.FILE, SentencePieceTokenizer
+    elif (d / "tokenizer.json").is_file():
         from model.bpe_tokenizer import BPETokenizer
 
-        return BPETokenizer.load(d)
-    raise CheckpointError(f"no tokenizer in {d} (expected tokenizer.model or tokenizer.json)")
+        path, load = d / "tokenizer.json", lambda _: BPETokenizer.load(d)
+    else:
+        raise CheckpointError(f"no tokenizer in {d} (expected tokenizer.model or tokenizer.json)")
+    try:
+        return load(path)
+    except Exception as e:  # a torn file: `tokenizers` raises a bare Exception, sentencepiece a RuntimeError
+        raise CheckpointError(f"{path}: cannot read the tokenizer ({e})") from None

@@ -92,3 +92,13 @@ def test_a_save_with_another_kind_of_tokenizer_replaces_the_old_one(sp, tmp_path
     assert isinstance(load_tokenizer(d), BPETokenizer) and not (d / "tokenizer.model").exists()
     save_checkpoint(DecoderLM(TINY_LLAMA), d)  # weights only: the tokenizer stays
     assert isinstance(load_tokenizer(d), BPETokenizer)
+
+
+@pytest.mark.parametrize("name, data", [("tokenizer.json", b"{"), ("tokenizer.json", b"[1]"),
+                                        ("tokenizer.model", b"garbage"), ("tokenizer.model", b"")])
+def test_a_torn_tokenizer_file_is_a_checkpoint_error(tmp_path, name, data):
+    """A torn tokenizer.json raised `tokenizers`' bare Exception (a traceback from `attnserve generate
+    --model`), a torn tokenizer.model sentencepiece's RuntimeError: both are a CheckpointError naming it."""
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(CheckpointError, match=f"{name}: cannot read the tokenizer"):
+        load_tokenizer(tmp_path)
