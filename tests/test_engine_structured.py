@@ -215,6 +215,22 @@ def test_alternatives_beside_listed_properties_add_to_them():
     assert m.consume_tokens(TOK.encode('{"name":"n"')) and not m.consume_tokens(TOK.encode("}"))  # one required
 
 
+def test_a_definition_combined_by_ref_is_not_closed():
+    """A `$ref` in an allOf or beside listed properties names a schema of the same object: closing that
+    definition forbade the other schemas' keys ("Unsatisfiable schema", a 400 for a valid schema). A
+    definition referenced on its own stays closed."""
+    base = {"type": "object", "properties": {"a": {"enum": ["x"]}}, "required": ["a"]}
+    more = {"properties": {"b": {"enum": ["y"]}}, "required": ["b"]}
+    g = Grammars(TOK, TOK.vocab_size, {TOK.eos_id})
+    for schema in ({"$defs": {"B": base}, "allOf": [{"$ref": "#/$defs/B"}], **more},
+                   {"$defs": {"B": base}, "$ref": "#/$defs/B", **more},
+                   {"definitions": {"B": base}, "allOf": [{"$ref": "#/definitions/B"}, more]}):
+        m = g.compile(schema)
+        assert m.consume_tokens(TOK.encode('{"a":"x","b":"y"}')) and m.is_accepting(), schema
+    alone = {"$defs": {"B": base}, "type": "object", "properties": {"o": {"$ref": "#/$defs/B"}}, "required": ["o"]}
+    assert not g.compile(alone).consume_tokens(TOK.encode('{"o":{"a":"x","z"'))
+
+
 def test_max_tokens_reached_first_is_length_with_a_prefix_of_valid_json():
     out = run(lambda e: generate(e, request(SCHEMA, max_new_tokens=5)))[0]
     assert out["finish"] == "length" and len(out["ids"]) == 5

@@ -31,29 +31,51 @@ _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSch
 _ALTERNATIVES = ("anyOf", "oneOf")  # beside listed properties: the same object, with more of them
 
 
-def closed_objects(schema, combined: bool = False):
+def _combined_refs(schema) -> set[str]:
+    """The `$ref`s whose targets describe the same object as other schemas: members of an `allOf`, of an
+    `anyOf` or `oneOf` beside listed properties, and a `$ref` beside either (more found only leaves more open)."""
+    refs: set[str] = set()
+    if isinstance(schema, dict):
+        listed = isinstance(schema.get("properties"), dict)
+        members = [m for k in ("allOf", *(_ALTERNATIVES if listed else ())) if isinstance(schema.get(k), list)
+                   for m in schema[k]]
+        refs |= {m["$ref"] for m in members if isinstance(m, dict) and isinstance(m.get("$ref"), str)}
+        if isinstance(schema.get("$ref"), str) and (listed or members):
+            refs.add(schema["$ref"])
+        for v in schema.values():
+            refs |= _combined_refs(v)
+    elif isinstance(schema, list):
+        for v in schema:
+            refs |= _combined_refs(v)
+    return refs
+
+
+def closed_objects(schema, combined: bool = False, refs: set[str] | None = None):
     """A copy of `schema` where an object that lists `properties` but says nothing of others allows no
     others, as xgrammar, outlines and OpenAI's strict mode read it: left open, a small model invents keys
     (`{"a": 1, "": 2}`). An explicit `additionalProperties` stays. Members of `allOf`, and of an `anyOf` or
     `oneOf` beside listed properties, stay open (`combined`): each describes the same object as the others or
     its parent, so closing one would forbid their properties; such a parent allows its alternatives'
-    properties too (their own schemas still apply)."""
+    properties too (their own schemas still apply). So do definitions a `$ref` in such a place names, and an
+    object beside a `$ref` (`refs`: those `$ref`s, found at the root)."""
     if not isinstance(schema, dict):
         return schema
+    refs = _combined_refs(schema) if refs is None else refs
     out = dict(schema)
     listed = isinstance(out.get("properties"), dict)
     for k in _ONE:
         if isinstance(out.get(k), dict):
-            out[k] = closed_objects(out[k])
+            out[k] = closed_objects(out[k], refs=refs)
     for k in _LIST:
         if isinstance(out.get(k), list):
-            out[k] = [closed_objects(s, combined=listed and k in _ALTERNATIVES) for s in out[k]]
+            out[k] = [closed_objects(s, combined=listed and k in _ALTERNATIVES, refs=refs) for s in out[k]]
     for k in _MAP:
         if isinstance(out.get(k), dict):
-            out[k] = {name: closed_objects(s) for name, s in out[k].items()}
+            out[k] = {name: closed_objects(s, combined=f"#/{k}/{name}" in refs, refs=refs)
+                      for name, s in out[k].items()}
     if isinstance(out.get("allOf"), list):
-        out["allOf"] = [closed_objects(s, combined=True) for s in out["allOf"]]
-    if (listed and not combined and "allOf" not in out
+        out["allOf"] = [closed_objects(s, combined=True, refs=refs) for s in out["allOf"]]
+    if (listed and not combined and "allOf" not in out and "$ref" not in out
             and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & out.keys()):
         alternatives = [s for k in _ALTERNATIVES if isinstance(out.get(k), list) for s in out[k]]
         names = [n for s in alternatives if isinstance(s, dict) and isinstance(s.get("properties"), dict)
