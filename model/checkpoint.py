@@ -8,6 +8,7 @@ Loading never unpickles. A missing file, a wrong tensor shape, or an unknown arc
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import re
@@ -52,7 +53,10 @@ def save_checkpoint(model: nn.Module, directory: str | Path, *, tokenizer=None,
     # written beside the folder, then moved in file by file, the config last: a kill mid-write (an export
     # over the served checkpoint) leaves the old files or the new ones, never a torn one; other files stay
     tmp = d.parent / f".{d.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    for old in d.parent.glob(f".{glob.escape(d.name)}.*.tmp"):  # a writer killed mid-save left its copy
+        pid = old.name[len(d.name) + 2:-len(".tmp")]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+            shutil.rmtree(old, ignore_errors=True)
     tmp.mkdir(parents=True)
     cfg = model.cfg
     arch = "decoder" if isinstance(cfg, DecoderConfig) else "seq2seq"
@@ -78,6 +82,16 @@ def save_checkpoint(model: nn.Module, directory: str | Path, *, tokenizer=None,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return d
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # gone; a number no pid can be
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def read_config(directory: str | Path) -> tuple[DecoderConfig | Seq2SeqConfig, dict]:

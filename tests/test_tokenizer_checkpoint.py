@@ -102,3 +102,16 @@ def test_a_torn_tokenizer_file_is_a_checkpoint_error(tmp_path, name, data):
     (tmp_path / name).write_bytes(data)
     with pytest.raises(CheckpointError, match=f"{name}: cannot read the tokenizer"):
         load_tokenizer(tmp_path)
+
+
+def test_a_save_clears_the_copy_a_killed_save_left(tmp_path):
+    import os
+
+    killed = tmp_path / ".m.999999999.tmp"  # no live process has this pid
+    running = tmp_path / f".m.{os.getppid()}.tmp"  # a save still going on in a live process
+    other = tmp_path / ".mm.999999999.tmp"  # another checkpoint's
+    for d in (killed, running, other):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x")
+    save_checkpoint(DecoderLM(TINY_LLAMA), tmp_path / "m")
+    assert not killed.exists() and running.exists() and other.exists()
