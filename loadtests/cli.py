@@ -81,11 +81,12 @@ def is_loopback(url: str) -> bool:
 
 
 def check_host(url: str, allow_remote: bool) -> str:
-    parsed = urlparse(url)
-    try:  # a non-numeric or out-of-range port raises here; unchecked, it ended in httpx's InvalidURL traceback
+    try:  # an unclosed "[" (IPv6) raises in urlparse, a non-numeric or out-of-range port in .port;
+        # unchecked, they ended in a traceback (httpx's InvalidURL for the port)
+        parsed = urlparse(url)
         port_ok = parsed.port is None or parsed.port > 0
     except ValueError:
-        port_ok = False
+        parsed, port_ok = urlparse(""), False
     # urlparse ends the host part at "/", "?" or "#", requests (Locust's client) at "\\" too: with one there,
     # `http://evil.com\\@127.0.0.1` reads as loopback here but sends the load to evil.com.
     if parsed.scheme not in ("http", "https") or not parsed.hostname or "\\" in parsed.netloc or not port_ok:

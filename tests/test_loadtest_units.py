@@ -229,8 +229,9 @@ def test_host_that_locust_would_send_elsewhere_is_refused():
 
 
 def test_host_with_a_bad_port_is_a_usage_error(tmp_path, capsys):
-    """A non-numeric or out-of-range port is a bad --host (exit 2), not httpx's InvalidURL traceback."""
-    for url in ("http://127.0.0.1:abc", "http://127.0.0.1:99999"):
+    """A non-numeric or out-of-range port, or an IPv6 host without its "]", is a bad --host (exit 2), not a
+    traceback (httpx's InvalidURL, urlparse's ValueError)."""
+    for url in ("http://127.0.0.1:abc", "http://127.0.0.1:99999", "http://[::1", "http://[::1:8000/"):
         with pytest.raises(cli.UsageError, match="bad --host"):
             cli.check_host(url, allow_remote=False)
         assert cli.run(_args(["--host", url, "--results-dir", str(tmp_path)])) == 2
