@@ -281,14 +281,20 @@ def write_summaries(path: Path, rows: list[tuple[str, Summary]]) -> None:
 
 
 def new_results_dir(parent: str | Path, tag: str) -> Path:
+    """A new folder in `parent` (made where missing); UsageError where it cannot be made."""
     base = f"{time.strftime('%Y%m%d-%H%M%S')}-{tag}"
-    for i in itertools.count(1):  # another run may have started within the same second: never share its folder
-        path = Path(parent) / (base if i == 1 else f"{base}-{i}")
-        try:
-            path.mkdir(parents=True, exist_ok=False)
-            return path
-        except FileExistsError:
-            continue
+    try:
+        # the parent first: a FileExistsError of its own (a dangling link) must not read as a taken name
+        Path(parent).mkdir(parents=True, exist_ok=True)
+        for i in itertools.count(1):  # another run may have started within the same second: never share its folder
+            path = Path(parent) / (base if i == 1 else f"{base}-{i}")
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                continue
+    except OSError as e:  # under a file, a link to nowhere, a folder this user cannot write
+        raise UsageError(f"--results-dir {parent}: cannot create a folder there ({e.strerror})") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -308,10 +314,10 @@ def run(args: argparse.Namespace) -> int:
             check_translate_file(args.translate_file)
         check_results_dir(args.results_dir)
         check_answers(args.host)
+        out = new_results_dir(args.results_dir, f"{args.mode}-{args.scenario}")
     except UsageError as e:
         print(f"attnserve loadtest: {e}", file=sys.stderr)
         return 2
-    out = new_results_dir(args.results_dir, f"{args.mode}-{args.scenario}")
     shape = f"open loop {args.rate}/s" if args.rate > 0 else "closed loop"
     print(f"{args.scenario} against {args.host}, {shape}, {args.duration} per run -> {out}", file=sys.stderr)
     rows: list[tuple[str, Summary]] = []

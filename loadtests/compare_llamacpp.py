@@ -139,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cli.check_answers(a.attnserve)
+        out = cli.new_results_dir(a.results_dir, "compare-llamacpp")
     except cli.UsageError as e:
         print(f"compare: {e}", file=sys.stderr)
         return 2
-    out = cli.new_results_dir(a.results_dir, "compare-llamacpp")
     gguf = find_gguf()
     rows: list[tuple[str, Summary]] = []
     bar = progress(desc="compare", total=2 * len(users) + len(py_users), unit="point")

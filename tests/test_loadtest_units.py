@@ -285,6 +285,21 @@ def test_results_dirs_started_in_the_same_second_do_not_collide(tmp_path, monkey
     assert second.name.startswith(first.name)
 
 
+def test_results_dir_that_cannot_be_made_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    """--results-dir under a file ended in NotADirectoryError's traceback; one naming a link to nowhere made
+    every candidate name raise FileExistsError, read as taken, so the loop tried names forever."""
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    monkeypatch.setattr(cli, "check_answers", lambda url: None)
+    for parent in (a_file / "sub", tmp_path / "link"):
+        with pytest.raises(cli.UsageError, match="cannot create a folder there"):
+            cli.new_results_dir(parent, "run-chat-stream")
+        assert cli.run(_args(["--results-dir", str(parent)])) == 2
+        assert "--results-dir" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f", "link"]
+
+
 def test_overload_records_an_admitted_answer_that_is_not_json_as_wrong_not_lost():
     """The overload harness counts every request it sends: a 200 whose body is not the expected JSON is an
     admitted, wrong answer (it raised before, and the gather that collects the tasks dropped it)."""
