@@ -48,12 +48,13 @@ class RecordWriter:
 
 
 def read_records(path: str | Path) -> list[RequestRecord]:
-    """Reads a records file; a torn last line (the writer was killed mid-write) is skipped."""
+    """Reads a records file; a torn last line (the writer was killed mid-write, maybe inside a character of a
+    non-ASCII error text) is skipped."""
     out: list[RequestRecord] = []
     p = Path(path)
     if not p.exists():
         return out
-    for line in p.read_text(encoding="utf-8").splitlines():
+    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
         line = line.strip()
         if not line:
             continue

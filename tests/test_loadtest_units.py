@@ -70,6 +70,9 @@ def test_records_roundtrip_skips_torn_line(tmp_path):
         f.write('{"scenario": "chat-stream", "start": 1')  # a writer killed mid-line
     recs = read_records(path)
     assert len(recs) == 2
+    with open(path, "ab") as f:  # killed inside a character of a non-ASCII error text
+        f.write(b'\n{"scenario": "chat-stream", "error": "' + "模型".encode()[:4])
+    assert len(read_records(path)) == 2
     assert recs[0].itl_s == [0.1, 0.2] and recs[0].e2e_s == pytest.approx(1.0) and recs[1].status == 503
     assert read_records(tmp_path / "missing.jsonl") == []
 
