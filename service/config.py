@@ -48,6 +48,9 @@ class ApiLimits(FromDict):
 def limits_from_user_config(user_config: dict | None, default: ApiLimits) -> ApiLimits:
     """The deployment's `user_config: {limits: {...}}` (live-reloadable API limits) over `default`: a limit
     it does not name keeps its value from `default` (the application's args, or the defaults)."""
+    # not a mapping: else a TypeError, an AttributeError, or a string's characters named as unknown fields
+    if user_config is not None and not isinstance(user_config, Mapping):
+        raise ValueError(f"user_config must be a mapping like {{limits: {{...}}}}, got {user_config!r}")
     reject_unknown(user_config or {}, ["limits"], "user_config")
     limits = (user_config or {}).get("limits")
     if limits is None:

@@ -246,6 +246,16 @@ def test_user_config_limits_that_are_not_a_mapping_are_refused_naming_them(limit
         limits_from_user_config({"limits": limits}, ApiLimits())
 
 
+@pytest.mark.parametrize("user_config", [5, "limits", ["limits"]])
+def test_user_config_that_is_not_a_mapping_is_refused_naming_it(user_config):
+    """A number ended in a TypeError, a list in an AttributeError, a string in its characters named as
+    unknown fields."""
+    from service.config import limits_from_user_config
+
+    with pytest.raises(ValueError, match="user_config must be a mapping like"):
+        limits_from_user_config(user_config, ApiLimits())
+
+
 @pytest.mark.parametrize("data, words", [
     ({"generator": {"enabled": "false"}}, "enabled must be bool"),  # a string is not a bool
     ({"limits": {"max_texts": "10"}}, "max_texts must be int"),
