@@ -179,6 +179,41 @@ def test_http_counter_records_500s_and_413s(monkeypatch):
     assert asyncio.run(main()) == {"500": 1, "413": 2, "400": 0, "499": 0}
 
 
+def test_http_counter_names_the_route_of_a_middlewares_answer():
+    """A 413, 401 or start-up 503 is answered before routing: it was counted as route "unmatched", as if the
+    path were unknown (a 404), not under the route it was sent to."""
+    import asyncio
+
+    import httpx
+    from api_util import metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from service.api.app import create_app
+    from service.api.backends import Backends
+    from service.startup import Startup
+
+    async def count(app, method, path, root="", **kw):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False, root_path=root)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            before = (await c.get(root + "/metrics")).text
+            status = (await c.request(method, root + path, **kw)).status_code
+            after = (await c.get(root + "/metrics")).text
+        name = "attnserve_http_requests_total"
+        routes = {s.labels["route"] for fam in text_string_to_metric_families(after) for s in fam.samples
+                  if s.name == name and s.labels["route"] != "/metrics"
+                  and metric(after, name, **s.labels) != metric(before, name, **s.labels)}
+        return status, routes
+
+    loading = create_app(Backends(), LIMITS, startup=Startup(), api_keys=[])
+    locked = create_app(Backends(), LIMITS, api_keys=["sk-test"])
+    assert asyncio.run(count(loading, "POST", "/v1/generate", json={"prompt": "a" * 30_000})) == (413, {"/v1/generate"})
+    assert asyncio.run(count(loading, "POST", "/v1/chat/completions", json={})) == (503, {"/v1/chat/completions"})
+    assert asyncio.run(count(loading, "GET", "/v1/generate")) == (503, {"/v1/generate"})  # the route's 405, later
+    assert asyncio.run(count(loading, "POST", "/v1/translate", root="/pre", json={})) == (503, {"/v1/translate"})
+    assert asyncio.run(count(locked, "POST", "/v1/translate", json={})) == (401, {"/v1/translate"})
+    assert asyncio.run(count(locked, "GET", "/no/such/route")) == (401, {"unmatched"})
+
+
 def test_null_optional_fields_mean_not_given():
     """The openai SDK sends `temperature=None` etc. as null: OpenAI and vLLM read it as the default. Required
     fields stay required."""

@@ -3,6 +3,8 @@ disconnect, HTTP response counting for Prometheus, and a fast 503 while the repl
 
 from __future__ import annotations
 
+from starlette.routing import Match
+
 from service import metrics
 from service.api.errors import send_error
 from service.startup import RETRY_AFTER_S
@@ -72,10 +74,28 @@ class CountResponses:
             status[0] = status[0] or 500
             raise
         finally:
-            route = scope.get("route")
-            path = getattr(route, "path", None) or "unmatched"
             model = (scope.get("state") or {}).get("model", "none")
-            metrics.count_http(model, path, status[0] or 499)
+            metrics.count_http(model, _route_label(scope), status[0] or 499)
+
+
+def _route_label(scope) -> str:
+    """The path template of the route a request is for. The router sets it; a middleware's own answer (413,
+    401, the start-up 503) comes before routing, so then it is matched here as the router would: the first
+    full match, else the first of another method (its 405)."""
+    route = scope.get("route")
+    if route is None and "app" in scope:
+        route = _match(scope["app"].router.routes, scope)
+    return getattr(route, "path", None) or "unmatched"
+
+
+def _match(routes, scope):
+    first: dict[Match, object] = {}
+    for r in routes:
+        first.setdefault(r.matches(scope)[0], r)
+    route = first.get(Match.FULL) or first.get(Match.PARTIAL)
+    # FastAPI keeps an included router whole, matching for its routes (our routers have no prefix)
+    inner = getattr(getattr(route, "original_router", None), "routes", None)
+    return route if inner is None else _match(inner, scope)
 
 
 class StartupGate:
