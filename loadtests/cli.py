@@ -81,11 +81,14 @@ def is_loopback(url: str) -> bool:
 
 
 def check_host(url: str, allow_remote: bool) -> str:
+    import httpx
+
     try:  # an unclosed "[" (IPv6) raises in urlparse, a non-numeric or out-of-range port in .port;
         # unchecked, they ended in a traceback (httpx's InvalidURL for the port)
         parsed = urlparse(url)
         port_ok = parsed.port is None or parsed.port > 0
-    except ValueError:
+        httpx.URL(url)  # stricter: urlparse reads `http://[::1]x:80` as loopback port 80, httpx refuses it
+    except (ValueError, httpx.InvalidURL):
         parsed, port_ok = urlparse(""), False
     # urlparse ends the host part at "/", "?" or "#", requests (Locust's client) at "\\" too: with one there,
     # `http://evil.com\\@127.0.0.1` reads as loopback here but sends the load to evil.com.
@@ -109,6 +112,8 @@ def check_answers(url: str) -> None:
     except httpx.HTTPError as e:
         raise UsageError(f"nothing answers at {url} ({type(e).__name__}): start the service first "
                          f"(`make serve`)") from None
+    except UnicodeError:  # a host name IDNA refuses (`http://localhost..`): only a request encodes it
+        raise UsageError(f"bad --host {url!r}: use e.g. {DEFAULT_HOST}") from None
 
 
 def check_translate_file(path: str) -> None:

@@ -242,6 +242,15 @@ def test_host_with_a_bad_port_is_a_usage_error(tmp_path, capsys):
     assert cli.check_host("http://127.0.0.1:8000", allow_remote=False) == "http://127.0.0.1:8000"
 
 
+def test_host_httpx_cannot_send_to_is_a_usage_error(tmp_path, capsys):
+    """urlparse reads `http://[::1]x:80` as loopback, httpx raised InvalidURL on it; a host name IDNA refuses
+    raised UnicodeError from the first request: both were tracebacks."""
+    for argv in (["--host", "http://[::1]x:80"], ["--host", "http://localhost..:8000", "--allow-remote"]):
+        assert cli.run(_args([*argv, "--results-dir", str(tmp_path)])) == 2, argv
+        assert "bad --host" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_sweep_refuses_a_repeated_user_count(tmp_path, capsys):
     """Both runs of `--users 4,4` would write users-4/: the second appends to the first's requests.jsonl and
     its summary mixes both runs (a window spanning the two)."""
