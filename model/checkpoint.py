@@ -16,6 +16,7 @@ import shutil
 import threading
 from pathlib import Path
 
+import psutil
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -55,7 +56,7 @@ def save_checkpoint(model: nn.Module, directory: str | Path, *, tokenizer=None,
     tmp = d.parent / f".{d.name}.{os.getpid()}.tmp"
     for old in d.parent.glob(f".{glob.escape(d.name)}.*.tmp"):  # a writer killed mid-save left its copy
         pid = old.name[len(d.name) + 2:-len(".tmp")]
-        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+        if pid.isdigit() and (int(pid) == os.getpid() or not psutil.pid_exists(int(pid))):
             shutil.rmtree(old, ignore_errors=True)
     tmp.mkdir(parents=True)
     cfg = model.cfg
@@ -82,16 +83,6 @@ def save_checkpoint(model: nn.Module, directory: str | Path, *, tokenizer=None,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return d
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # gone; a number no pid can be
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def read_config(directory: str | Path) -> tuple[DecoderConfig | Seq2SeqConfig, dict]:

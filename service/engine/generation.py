@@ -168,7 +168,7 @@ class GenerationEngine(EngineLoop):
         for seq in group:
             seq.group = group
         group[0].forks = group[1:]
-        self.scheduler.add([group], check=not checked)
+        self.scheduler.add([group], check=False)  # room checked above, or by submit_all
         self._queued()
         stream = self._stream(group[0])
         # a stream never iterated (its client gone before the response began) runs no `finally`
