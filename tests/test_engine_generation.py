@@ -417,6 +417,29 @@ def test_an_error_between_steps_fails_the_requests_and_the_engine_serves_on():
     assert stats.running == 0 and stats.slots_used == 0
 
 
+def test_a_schedule_that_ends_by_itself_fails_its_requests_and_reads_as_stopped():
+    """A BaseException past the schedule's handler (here a hook raising CancelledError) ended the engine's task
+    with `started` still True: the health check said healthy, queued requests waited forever."""
+
+    class CancelOnPlan(StepHooks):
+        def on_plan(self, plan):
+            raise asyncio.CancelledError
+
+    req = GenerateRequest(prompt_ids=TARGET.prompt_ids, params=SamplingParams(max_new_tokens=3, ignore_eos=True))
+
+    async def main(engine):
+        engine.hooks = CancelOnPlan()
+        with pytest.raises(EngineError, match="stopped unexpectedly"):
+            await asyncio.wait_for(collect(engine, req), 60)
+        assert not engine.started
+        with pytest.raises(EngineStopped):
+            engine.submit(req)
+        return engine.stats()
+
+    stats = run(main)
+    assert stats.running == 0 and stats.waiting == 0
+
+
 def test_metrics_sink_sees_running_return_to_zero_when_idle():
     from service.engine.stats import MetricsSink
 

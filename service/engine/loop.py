@@ -77,6 +77,7 @@ class EngineLoop:
             self._wakeup = asyncio.Event()
             self._stopping = False
             self._task = self._loop.create_task(self._run(), name=f"engine-{self.name}")
+            self._task.add_done_callback(self._schedule_ended)
         except BaseException:
             if self._pool is not None:  # a start that failed leaves no worker thread behind
                 self._pool.shutdown(wait=False)
@@ -119,7 +120,17 @@ class EngineLoop:
 
     @property
     def started(self) -> bool:
-        return self._task is not None and not self._stopping
+        return self._task is not None and not self._task.done() and not self._stopping
+
+    def _schedule_ended(self, task: asyncio.Task) -> None:
+        """The schedule ended without stop() (cancelled, or a BaseException past _run's handler): nothing would
+        serve what is queued. Fail it; `started` is False now, so the health check has the replica restarted."""
+        if self._stopping:
+            return
+        error = None if task.cancelled() else task.exception()
+        log.error("engine %s: its schedule ended (%s)", self.name, "cancelled" if error is None else repr(error))
+        self.busy.set(False)
+        self._fail_all(EngineError(f"engine {self.name} stopped unexpectedly"))
 
     def _check_started(self) -> None:
         if not self.started:
