@@ -54,9 +54,11 @@ class RayRecorder:
     async def render(self) -> bytes:
         import ray
 
-        # the Prometheus endpoint of Ray's metrics export on every alive node
+        # the Prometheus endpoint of Ray's metrics export on every alive node; ray.nodes() is a blocking call
+        # to the GCS: off the event loop, which streams every request of this replica
+        nodes = await asyncio.to_thread(ray.nodes)
         urls = [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
-                for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
+                for n in nodes if n.get("Alive") and n.get("MetricsExportPort")]
         texts = await asyncio.gather(*(_fetch(url) for url in urls))
         missing = [u for u, t in zip(urls, texts, strict=True) if t is None]
         body = aggregate([t for t in texts if t is not None], self.application)
