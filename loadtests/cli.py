@@ -27,13 +27,15 @@ from loadtests.datasets import by_direction, read_jsonl
 from loadtests.records import read_records
 from loadtests.scenarios import SCENARIOS
 from loadtests.summary import Summary, format_table, summarize
-from model.progress import progress, write_line
+from model.progress import progress
 from service.config import GENERATOR_ID
 
 REPO = Path(__file__).resolve().parent.parent
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 DEFAULT_HOST = "http://127.0.0.1:8000"
 LOCUST_STOP_S = 30.0  # for Locust to write its report after SIGTERM
+WARM_POLLS = 8  # /readyz answers in a row with nothing warming before a run starts
+WARM_TIMEOUT_S = 900.0
 
 
 class UsageError(ValueError):
@@ -114,6 +116,33 @@ def check_answers(url: str) -> None:
                          f"(`make serve`)") from None
     except UnicodeError:  # a host name IDNA refuses (`http://localhost..`): only a request encodes it
         raise UsageError(f"bad --host {url!r}: use e.g. {DEFAULT_HOST}") from None
+
+
+def wait_until_warm(url: str, timeout_s: float = WARM_TIMEOUT_S, poll_s: float = 0.5) -> None:
+    """Returns once attnserve's /readyz has said ready with nothing warming WARM_POLLS times in a row (several
+    replicas answer it in turn): a replica builds compiled steps behind its first requests after a first
+    start (service/startup.py), and a run measured then measures that build. Another server: at once."""
+    import httpx
+
+    t0, quiet, said = time.monotonic(), 0, None
+    while quiet < WARM_POLLS:
+        try:
+            r = httpx.get(url + "/readyz", timeout=10)
+            body = r.json()
+        except (httpx.HTTPError, ValueError):
+            return
+        if not isinstance(body, dict) or not isinstance(body.get("warming"), dict):
+            return  # not attnserve's /readyz
+        busy = body["warming"] if r.status_code == 200 else {"start-up": body.get("phase", "?")}
+        quiet = 0 if busy else quiet + 1
+        if busy and busy != said:
+            said = busy
+            what = "; ".join(f"{m}: {w}" for m, w in busy.items())
+            print(f"[{time.monotonic() - t0:5.0f} s] waiting for the service to warm up ({what})", file=sys.stderr)
+        if busy and time.monotonic() - t0 > timeout_s:
+            print(f"still warming after {timeout_s:.0f} s: measuring anyway", file=sys.stderr)
+            return
+        time.sleep(poll_s)
 
 
 def check_translate_file(path: str) -> None:
@@ -319,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
             check_translate_file(args.translate_file)
         check_results_dir(args.results_dir)
         check_answers(args.host)
+        wait_until_warm(args.host)
         out = new_results_dir(args.results_dir, f"{args.mode}-{args.scenario}")
     except UsageError as e:
         print(f"attnserve loadtest: {e}", file=sys.stderr)
@@ -327,6 +357,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.scenario} against {args.host}, {shape}, {args.duration} per run -> {out}", file=sys.stderr)
     rows: list[tuple[str, Summary]] = []
     interrupted_at = None
+    failure = ""
     with progress(desc=f"loadtest {args.mode}", total=len(users), unit="point") as bar:
         for u in users:
             sub = out if args.mode == "run" else out / f"users-{u}"
@@ -337,22 +368,27 @@ def run(args: argparse.Namespace) -> int:
                 interrupted_at = u
                 break
             except ValueError as e:
-                write_line(f"attnserve loadtest: {e}", file=sys.stderr)
-                return 1
+                failure = str(e)
+                break
             except subprocess.TimeoutExpired as e:  # Locust outlived its run by minutes: it was killed
-                write_line(f"attnserve loadtest: Locust did not finish within {e.timeout:.0f} s of a "
-                           f"{duration_s:.0f} s run (see {sub / 'locust.log'})", file=sys.stderr)
-                return 1
+                failure = (f"Locust did not finish within {e.timeout:.0f} s of a {duration_s:.0f} s run "
+                           f"(see {sub / 'locust.log'})")
+                break
             bar.update(1)
     if interrupted_at is not None:
         return report_interrupted(args, rows, interrupted_at, sub)
-    print(format_table(rows))
-    if args.mode == "sweep":
-        from loadtests.plots import plot_sweep
+    if rows:  # a failed point keeps the points measured before it
+        print(format_table(rows))
+        if args.mode == "sweep":
+            from loadtests.plots import plot_sweep
 
-        write_summaries(out / "sweep.csv", rows)
-        for p in plot_sweep(out / "sweep.csv", title=f"{args.scenario}: throughput vs concurrency"):
-            print(f"plot: {p}", file=sys.stderr)
+            write_summaries(out / "sweep.csv", rows)
+            for p in plot_sweep(out / "sweep.csv", title=f"{args.scenario}: throughput vs concurrency"):
+                print(f"plot: {p}", file=sys.stderr)
+    if failure:
+        kept = f"; the {len(rows)} point(s) before it are kept" if rows else ""
+        print(f"attnserve loadtest: users={u}: {failure}{kept} (results: {out})", file=sys.stderr)
+        return 1
     print(f"results: {out}", file=sys.stderr)
     return 0
 

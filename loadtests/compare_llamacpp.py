@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cli.check_answers(a.attnserve)
+        cli.wait_until_warm(a.attnserve)
         out = cli.new_results_dir(a.results_dir, "compare-llamacpp")
     except cli.UsageError as e:
         print(f"compare: {e}", file=sys.stderr)

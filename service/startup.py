@@ -22,6 +22,9 @@ class Startup:
     # Serve's request router learns readiness from `routing_report` (service/routing.py), once a period:
     # None = nothing reads it (no such router); False until a report said "ready", then True
     routed: bool | None = None
+    # model id -> what a replica that is ready builds behind its requests (its compiled steps): until
+    # that ends it serves slower, and throughput measured then is not the steady state's
+    warming: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def set(self, phase: str, model: str | None = None, state: str | None = None) -> None:
@@ -39,6 +42,17 @@ class Startup:
         with self._lock:
             self.ready, self.phase = True, "ready"
             self.ready_s = time.monotonic() - self.t0
+
+    def warm(self, model: str, work: str) -> None:
+        with self._lock:
+            self.warming[model] = work
+
+    def warmed(self, model: str, state: str | None = None) -> None:
+        """`model`'s build behind requests ended; `state` replaces its state where given."""
+        with self._lock:
+            self.warming.pop(model, None)
+            if state is not None:
+                self.models[model] = state
 
     def fail(self, error: str) -> None:
         with self._lock:
@@ -65,7 +79,7 @@ class Startup:
             serving = self.serving
             phase = "ready; waiting for the request router to see it" if self.ready and not serving else self.phase
             body = {"ready": serving, "phase": phase, "elapsed_s": round(self.elapsed_s, 1),
-                    "models": dict(self.models)}
+                    "models": dict(self.models), "warming": dict(self.warming)}
             if self.error:
                 body["error"] = self.error
             return body

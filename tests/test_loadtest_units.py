@@ -401,3 +401,55 @@ def test_ctrl_c_stops_locust_and_reports_what_was_measured(tmp_path, monkeypatch
     out, err = capsys.readouterr()
     assert out == "" and "nothing was measured" in err
     assert procs[0].signals == ["terminate", "kill"] and procs[0].poll() is not None
+
+
+def test_a_sweep_point_that_fails_keeps_the_points_before_it(tmp_path, monkeypatch, capsys):
+    """A point that recorded nothing (the service went away at 16 users) returned 1 with nothing written:
+    the minutes measured at 1 and 4 users were lost."""
+    def fake_run_once(args, users, duration_s, out, tick=None):
+        if users == 16:
+            raise ValueError("no requests recorded against the host")
+        return summarize([_rec(0.0, 1.0, ttft=0.1, itl=[0.01], tokens=10 * users)], users=users)
+
+    monkeypatch.setattr(cli, "run_once", fake_run_once)
+    monkeypatch.setattr(cli, "check_answers", lambda host: None)
+    argv = ["sweep", "--users", "1,4,16,64", "--host", "http://127.0.0.1:8000", "--results-dir", str(tmp_path)]
+    assert cli.run(_args(argv)) == 1
+    err = capsys.readouterr().err
+    assert "users=16: no requests recorded" in err and "2 point(s) before it are kept" in err
+    (out,) = tmp_path.iterdir()
+    assert [r["users"] for r in csv.DictReader(open(out / "sweep.csv"))] == ["1", "4"]
+
+
+def test_a_run_waits_while_the_service_warms_up(monkeypatch, capsys):
+    """After a first start a replica builds its compiled steps behind its first requests: a run started then
+    measured the build (a 1-stream point at 0.6x the warm figure). /readyz answers from two replicas in turn."""
+    import httpx
+
+    building = {"attnserve-zh-en": "building its compiled steps"}
+    quiet = [(200, {"warming": {}})]
+    answers = [(503, {"phase": "loading", "warming": {}}), (200, {"warming": building}), *quiet,
+               (200, {"warming": building}), *quiet * cli.WARM_POLLS, (200, {"warming": building})]
+    asked = []
+
+    class Answer:
+        def __init__(self, status, body):
+            self.status_code, self.body = status, body
+
+        def json(self):
+            return self.body
+
+    def fake_get(url, timeout):
+        asked.append(url)
+        return Answer(*answers[len(asked) - 1])
+
+    monkeypatch.setattr(httpx, "get", fake_get)
+    cli.wait_until_warm("http://127.0.0.1:8000", poll_s=0)
+    assert len(asked) == 4 + cli.WARM_POLLS and asked[0] == "http://127.0.0.1:8000/readyz"
+    err = capsys.readouterr().err
+    assert "start-up: loading" in err and err.count("building its compiled steps") == 1
+    # another server (no attnserve /readyz): no wait
+    answers[:] = [(404, {"detail": "Not Found"})]
+    asked.clear()
+    cli.wait_until_warm("http://127.0.0.1:8000", poll_s=0)
+    assert len(asked) == 1

@@ -344,9 +344,15 @@ def test_a_translator_compiled_after_ready_is_reported_starting_not_compiling(mo
     replica.startup, replica.backends = Startup(), Backends()
     monkeypatch.setattr(models, "load_backends", lambda *a, **k: Backends(translator=Translator()))
     monkeypatch.setattr(prebuild, "translator_build_needed", lambda *a: True)
-    monkeypatch.setattr(prebuild, "start_translator_build", lambda *a: None)
+    monkeypatch.setattr(prebuild, "start_translator_build", lambda *a: seen.append(replica.startup.snapshot()))
     monkeypatch.setattr(deployments, "gc", types.SimpleNamespace(collect=lambda: 0, freeze=lambda: None))
     asyncio.run(cls._load(replica, None))
     assert seen[0]["phase"] == "starting the translator engine"
     assert seen[0]["models"][TRANSLATOR_ID] == "starting"
-    assert replica.startup.models[TRANSLATOR_ID].startswith("ready (eager until its compiled steps are built")
+    # ready while the build runs behind requests, and /readyz says so (a load test waits for it)
+    assert seen[1]["ready"] and seen[1]["models"][TRANSLATOR_ID].startswith("ready (eager until its compiled")
+    assert seen[1]["warming"][TRANSLATOR_ID].startswith("building its compiled steps")
+    # the build ended (here: no child, nothing built): the state says what it serves with now
+    snap = replica.startup.snapshot()
+    assert snap["warming"] == {}
+    assert snap["models"][TRANSLATOR_ID] == "ready (eager: its compiled steps could not be built)"
