@@ -101,7 +101,8 @@ class EngineLoop:
             self._stopping = True
             self._wake()
             try:
-                await self._task
+                if not self._task.done():  # one that ended by itself was reported by _schedule_ended
+                    await self._task
             finally:
                 self.busy.set(False)
                 self._task = None
