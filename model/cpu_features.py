@@ -6,6 +6,7 @@ The same avx512_bf16 flag means "several times faster than fp32" on one host and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from functools import lru_cache
@@ -44,13 +45,10 @@ def apply_isa_cap() -> None:
 def _cpuinfo() -> dict[str, str]:
     """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
     info: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                info.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
     return info
 
 

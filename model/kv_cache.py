@@ -8,6 +8,7 @@ Encoder-decoders also keep cross-attention K/V per slot.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -30,10 +31,8 @@ def cache_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     # private (a shared mapping is shmem: another THP setting) and untouched, as the advice applies at first
     # write; the kernel's zeros, as writing ours would fault in the whole cache at start-up
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
+    with contextlib.suppress(OSError):  # a kernel without transparent huge pages: small pages
         buf.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # a kernel without transparent huge pages: small pages
-        pass
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)  # the tensor keeps `buf`
 
 

@@ -34,8 +34,6 @@ def check_exportable(cfg: Seq2SeqConfig) -> None:
                                 "exported")
     if abs(cfg.norm_eps - 1e-5) > 1e-12:
         raise MarianExportError(f"Marian's LayerNorm eps is fixed at 1e-5; this model uses {cfg.norm_eps}")
-    if cfg.d_model % 2:
-        raise MarianExportError(f"sinusoidal positions need an even d_model, got {cfg.d_model}")
 
 
 def marian_config(cfg: Seq2SeqConfig, dtype: torch.dtype = torch.float32) -> dict:
