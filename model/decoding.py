@@ -199,5 +199,4 @@ class BeamState:
         return sorted(hyps, key=lambda h: h.score, reverse=True)
 
     def best(self) -> list[int]:
-        """Best target tokens once done."""
         return self.hypotheses()[0].tokens

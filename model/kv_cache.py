@@ -173,9 +173,7 @@ class CacheContext:
     def _read(self, buf: torch.Tensor, n: int) -> torch.Tensor:
         """buf (S, Hkv, L, D) -> these rows' slots, first n positions: (B, Hkv, n, D); a view when the slots
         are contiguous, else index_select (faster than advanced indexing on CPU)."""
-        if isinstance(self.sel, slice):
-            return buf[self.sel, :, :n]
-        return buf[:, :, :n].index_select(0, self.sel)
+        return buf[self.sel, :, :n] if isinstance(self.sel, slice) else buf[:, :, :n].index_select(0, self.sel)
 
     def cross(self, layer: int):
         """Cross-attention k, v (B, Hkv, src_length, D); `cross_mask` says which keys are real."""

@@ -63,8 +63,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_seq_len: int, theta: float):
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        t = torch.arange(max_seq_len, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq)  # (L, D/2)
+        freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (L, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (L, D)
         self.register_buffer("cos", emb.cos().float(), persistent=False)
         self.register_buffer("sin", emb.sin().float(), persistent=False)

@@ -29,9 +29,7 @@ class _Residual(nn.Module):
         self.norm_first = cfg.norm_first
 
     def forward(self, x, fn):
-        if self.norm_first:
-            return x + self.drop(fn(self.norm(x)))
-        return self.norm(x + self.drop(fn(x)))
+        return x + self.drop(fn(self.norm(x))) if self.norm_first else self.norm(x + self.drop(fn(x)))
 
 
 class EncoderLayer(nn.Module):

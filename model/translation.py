@@ -159,9 +159,8 @@ def join_text(lines: list[list[str]], lang: str) -> str:
 def needs_translation(sentence: str, target_lang: str, source_lang: str | None = None) -> bool:
     """False for a sentence without letters or already in the target language (detected unless `source_lang`
     says): it passes through, with the target's punctuation, rather than being rewritten by the model."""
-    if not any(c.isalpha() for c in without_protected(sentence)):
-        return False
-    return (detect_lang(sentence) if source_lang is None else source_lang) != target_lang
+    return (any(c.isalpha() for c in without_protected(sentence))
+            and (detect_lang(sentence) if source_lang is None else source_lang) != target_lang)
 
 
 def other(lang: str) -> str:
