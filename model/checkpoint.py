@@ -67,7 +67,6 @@ def save_checkpoint(model: nn.Module, directory: str | Path, *, tokenizer=None,
     for name, t in model.state_dict().items():
         if t.data_ptr() not in seen:  # tied weights are stored once
             seen.add(t.data_ptr())
-            t = t.detach()
             state[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous().cpu()
     try:
         _save_tensors(state, tmp / WEIGHTS_FILE)

@@ -137,11 +137,9 @@ def _chinese_pass(text: str, bracket_context) -> str:
     stack: list[int] = []
     pairs: list[tuple[int, int | None]] = []
     for i, c in enumerate(chars):
-        if protected[i]:
-            continue
-        if c == "(":
+        if c == "(" and not protected[i]:
             stack.append(i)
-        elif c == ")":
+        elif c == ")" and not protected[i]:
             pairs.append((stack.pop(), i) if stack else (i, None))
     pairs += [(i, None) for i in stack]
     for a, b in pairs:

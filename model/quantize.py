@@ -322,10 +322,9 @@ def _input_maxima(model: nn.Module, calibrate: Callable[[], object],
 
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     if path is not None and path.is_file():
-        try:
+        kept = {}
+        with contextlib.suppress(SafetensorError, OSError):  # a torn or unreadable cache: calibrated again
             kept = load_file(str(path))
-        except (SafetensorError, OSError):
-            kept = {}
         if kept and all(n in linears and t.shape == (linears[n].in_features,) for n, t in kept.items()):
             return {linears[n]: t for n, t in kept.items()}
     seen: dict[nn.Module, torch.Tensor] = {}

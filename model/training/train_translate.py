@@ -554,12 +554,9 @@ def last_dev_bleu(run: Path) -> dict[str, float]:
     found: dict[str, float] = {}
     log = run / "train.log"
     for line in log.read_text(encoding="utf-8").splitlines() if log.is_file() else []:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a crash
-            continue
-        if rec.get("event") == "eval":
-            found = bleu_figures({k: v for k, v in rec.items() if "bleu_" in k})
+        with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a crash
+            if (rec := json.loads(line)).get("event") == "eval":
+                found = bleu_figures({k: v for k, v in rec.items() if "bleu_" in k})
     return found
 
 
