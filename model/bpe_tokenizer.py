@@ -51,9 +51,8 @@ class BPETokenizer:
         self.tk = tokenizer  # tokenizers.Tokenizer
         self.config = config = {k: _token_text(v) for k, v in config.items()}
         self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
-        self.bos_id = self.token_to_id(config.get("bos_token") or "")
-        self.eos_id = self.token_to_id(config.get("eos_token") or "")
-        self.pad_id = self.token_to_id(config.get("pad_token") or "")
+        self.bos_id, self.eos_id, self.pad_id = (self.token_to_id(config.get(f"{t}_token") or "")
+                                                 for t in ("bos", "eos", "pad"))
         # a config without add_bos_token (Llama 3's) leaves BOS to the tokenizer.json's post-processor, as
         # transformers reads it: whether it puts BOS first
         self.post_processor_bos = (self.bos_id is not None
