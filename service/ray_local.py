@@ -20,11 +20,8 @@ import yaml
 from model.paths import REPO_ROOT
 
 LOOPBACK = "127.0.0.1"
-LOOPBACK_ENV = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_SERVE_DEFAULT_HTTP_HOST": LOOPBACK,
-    "RAY_USAGE_STATS_ENABLED": "0",
-}
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_SERVE_DEFAULT_HTTP_HOST": LOOPBACK,
+                "RAY_USAGE_STATS_ENABLED": "0"}
 # Part of Ray Serve's own RAY_SERVE_THROUGHPUT_OPTIMIZED mode, without its topology changes (direct
 # ingress, gRPC): user code and the router share the replica's / proxy's event loop instead of a
 # thread hop per message (docs/decisions.md). Set before Ray starts: every Ray process reads them at import.

@@ -148,11 +148,9 @@ def code_of(source: str) -> str:
     """A module's syntax tree without its docstrings, as text: what its code does, not how it reads."""
     tree = ast.parse(source)
     for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
-                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
-            node.body = body[1:] or [ast.Pass()]
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and ast.get_docstring(node, clean=False) is not None):
+            node.body = node.body[1:] or [ast.Pass()]
     return ast.dump(tree)
 
 
