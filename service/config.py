@@ -89,8 +89,7 @@ class ModelSpec(FromDict):
             self.engine = {}
         if not isinstance(self.engine, dict):
             raise ValueError(f"ModelSpec.engine must be a mapping of EngineConfig fields, got {self.engine!r}")
-        bad = {"device", "dtype"} & set(self.engine)
-        if bad:
+        if bad := {"device", "dtype"} & set(self.engine):
             raise ValueError(f"ModelSpec.engine must not set {sorted(bad)}: use ModelSpec.device/dtype")
         if self.chat_template is not None:  # else every chat request answered 400 naming the server's template
             from model.chat import ChatTemplateError, compile_template

@@ -142,10 +142,9 @@ def run(args) -> int:
             ids = generator.encode_prompt(prompt)
         room = engine.max_context - len(ids)  # as /v1/generate: 128 new tokens, fewer when the context ends sooner
         max_tokens = args.max_tokens if args.max_tokens is not None else max(1, min(DEFAULT_MAX_TOKENS, room))
-        params = SamplingParams(
-            max_new_tokens=max_tokens,
-            temperature=args.temperature, top_k=max(args.top_k, 0), top_p=args.top_p, min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=args.temperature,
+                                top_k=max(args.top_k, 0), top_p=args.top_p, min_p=args.min_p,
+                                repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
         for delta in stream_engine(engine, ids, params, stats):
             sys.stdout.write(delta)
             sys.stdout.flush()
