@@ -194,8 +194,7 @@ def wait_running(names: list[str], timeout_s: float, stop: threading.Event | Non
         states = {n: (apps[n].status if n in apps else "NOT_STARTED") for n in names}
         if all(s == "RUNNING" for s in states.values()):
             return
-        failed = {n: apps[n].message for n, s in states.items() if s in ("DEPLOY_FAILED", "UNHEALTHY")}
-        if failed:
+        if failed := {n: apps[n].message for n, s in states.items() if s in ("DEPLOY_FAILED", "UNHEALTHY")}:
             raise RuntimeError(f"Serve application(s) failed: {failed}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"Serve applications not RUNNING after {timeout_s:.0f} s: {states}")

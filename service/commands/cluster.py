@@ -113,8 +113,7 @@ def run(args) -> int:
     if token is not None:
         print(f"attnserve cluster up: generated a Ray auth token at {token} (clients of this cluster need it)")
     for cmd in commands(args):
-        rc = subprocess.call(cmd)
-        if rc:
+        if rc := subprocess.call(cmd):
             print(f"attnserve cluster up: `{' '.join(cmd)}` failed ({rc}); run `attnserve cluster down`")
             return rc
     print(f"cluster up: head + worker on 127.0.0.1:{args.port}; `attnserve deploy --address 127.0.0.1:{args.port}` "

@@ -46,8 +46,7 @@ def run(args) -> int:
     from_stdin = not args.text
     if args.text:
         lines = args.text
-        empty = [i for i, t in enumerate(lines) if not t.strip()]
-        if empty:  # as /v1/translate answers: 400 naming the text
+        if empty := [i for i, t in enumerate(lines) if not t.strip()]:  # as /v1/translate answers
             raise CommandError(f"text[{empty[0]}] is empty")
     else:
         lines = _stdin_lines()

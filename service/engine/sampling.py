@@ -92,8 +92,7 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams],
     # top-k / top-p / min-p rows are filtered in sorted order, then drawn in vocabulary order as the
     # others are: two near-tied logits that swap ranks under another batch's rounding then move the CDF
     # by that rounding only, instead of swapping which token one u picks
-    filt = [j for j, p in enumerate(sp) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]
-    if filt:
+    if filt := [j for j, p in enumerate(sp) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]:
         xs, idx = x[filt].sort(-1, descending=True)  # (F, V)
         top_k = torch.tensor([sp[j].top_k for j in filt], device=dev)
         top_p = torch.tensor([sp[j].top_p for j in filt], device=dev, dtype=logits.dtype)
