@@ -92,11 +92,27 @@ def stream_engine(engine, prompt_ids: list[int], params, stats: dict | None = No
             loop.close()
 
 
+def check_sampling_flags(args) -> None:
+    """CommandError naming the flag where /v1/generate would answer 400 (its schema's bounds, before the
+    model loads); --top-p and --max-tokens are the engine's to check, as for a request."""
+    import pydantic
+
+    from service.api.schemas import Sampling
+
+    flags = {"temperature": "--temperature", "repetition_penalty": "--repetition-penalty", "top_k": "--top-k",
+             "min_p": "--min-p", "seed": "--seed"}
+    try:
+        Sampling.model_validate({field: getattr(args, field) for field in flags})
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        msg = first["msg"].removeprefix("Input should be ")
+        raise CommandError(f"{flags[first['loc'][0]]} must be {msg}, got {first['input']}") from None
+
+
 def run(args) -> int:
     from model.quantize import quantization_of
     from service import local
     from service.api.native import DEFAULT_MAX_TOKENS
-    from service.api.schemas import SEED_MAX
     from service.engine.cpu_runtime import single_threaded_caller
     from service.engine.types import EngineError, SamplingParams
     from service.models import ModelUnavailable, load_generator
@@ -104,14 +120,7 @@ def run(args) -> int:
     if args.system is not None and not args.chat:
         raise CommandError("--system needs --chat (a system message goes into the chat template)")
     check_at_least_one(max_tokens=args.max_tokens, threads=args.threads)
-    if not 0.0 <= args.temperature <= 2.0:  # /v1/generate's bounds
-        raise CommandError(f"--temperature must be in [0, 2], got {args.temperature}")
-    if not 0.0 < args.repetition_penalty <= 2.0:
-        raise CommandError(f"--repetition-penalty must be in (0, 2], got {args.repetition_penalty}")
-    if not -1 <= args.top_k <= 1000:
-        raise CommandError(f"--top-k must be in [-1, 1000] (0 or -1: off), got {args.top_k}")
-    if args.seed is not None and not 0 <= args.seed <= SEED_MAX:  # /v1/generate's bounds; torch takes 64 bits
-        raise CommandError(f"--seed must be in [0, {SEED_MAX}], got {args.seed}")
+    check_sampling_flags(args)
     try:
         prompt = args.prompt if args.prompt is not None else sys.stdin.read() if sys.stdin is not None else ""
         prompt.encode("utf-8")  # bytes that were not UTF-8 come as lone surrogates
