@@ -231,6 +231,26 @@ def test_a_definition_combined_by_ref_is_not_closed():
     assert not g.compile(alone).consume_tokens(TOK.encode('{"o":{"a":"x","z"'))
 
 
+def test_a_schema_combined_through_an_alias_or_a_union_is_not_closed():
+    """A definition that is an alias (`{"$ref": ...}`) or a union (`anyOf`) of a base, used in an allOf, and an
+    allOf member that is such a union, describe the same object as the allOf's other members: closing the base
+    they lead to forbade those members' keys ("Unsatisfiable schema", a 400). So did a definition whose name
+    the `$ref` spells with JSON Pointer's escapes."""
+    base = {"type": "object", "properties": {"a": {"enum": ["x"]}}, "required": ["a"]}
+    more = {"properties": {"b": {"enum": ["y"]}}, "required": ["b"]}
+    g = Grammars(TOK, TOK.vocab_size, {TOK.eos_id})
+    for schema in ({"$defs": {"B": {"$ref": "#/$defs/R"}, "R": base}, "allOf": [{"$ref": "#/$defs/B"}, more]},
+                   {"$defs": {"B": {"anyOf": [{"$ref": "#/$defs/R"}]}, "R": base},
+                    "allOf": [{"$ref": "#/$defs/B"}, more]},
+                   {"allOf": [{"anyOf": [base]}, more]},
+                   {"$defs": {"a/b~": base}, "allOf": [{"$ref": "#/$defs/a~1b~0"}, more]}):
+        m = g.compile(schema)
+        assert m.consume_tokens(TOK.encode('{"a":"x","b":"y"}')) and m.is_accepting(), schema
+    alias_alone = {"$defs": {"B": {"$ref": "#/$defs/R"}, "R": base}, "type": "object",
+                   "properties": {"o": {"$ref": "#/$defs/B"}}, "required": ["o"]}
+    assert not g.compile(alias_alone).consume_tokens(TOK.encode('{"o":{"a":"x","z"'))  # still closed on its own
+
+
 def test_max_tokens_reached_first_is_length_with_a_prefix_of_valid_json():
     out = run(lambda e: generate(e, request(SCHEMA, max_new_tokens=5)))[0]
     assert out["finish"] == "length" and len(out["ids"]) == 5

@@ -31,22 +31,42 @@ _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSch
 _ALTERNATIVES = ("anyOf", "oneOf")  # beside listed properties: the same object, with more of them
 
 
-def _combined_refs(schema) -> set[str]:
+def _pointer(key: str, name: str) -> str:
+    """The `$ref` that names definition `name` of the root's `key` (JSON Pointer escapes `~` and `/`)."""
+    return f"#/{key}/" + name.replace("~", "~0").replace("/", "~1")
+
+
+def _combined_refs(root) -> set[str]:
     """The `$ref`s whose targets describe the same object as other schemas: members of an `allOf`, of an
-    `anyOf` or `oneOf` beside listed properties, and a `$ref` beside either (more found only leaves more open)."""
+    `anyOf` or `oneOf` beside listed properties or inside a schema so combined, and a `$ref` beside or inside
+    either; a definition so named is combined itself, so its own `$ref`s are followed (an alias, a union of
+    bases). More found only leaves more open."""
     refs: set[str] = set()
-    if isinstance(schema, dict):
+    targets = {_pointer(k, name): s for k in ("$defs", "definitions") if isinstance(root, dict)
+               and isinstance(root.get(k), dict) for name, s in root[k].items()}
+
+    def walk(schema, combined: bool) -> None:
+        if isinstance(schema, list):
+            for v in schema:
+                walk(v, False)
+        if not isinstance(schema, dict):
+            return
         listed = isinstance(schema.get("properties"), dict)
-        members = [m for k in ("allOf", *(_ALTERNATIVES if listed else ())) if isinstance(schema.get(k), list)
-                   for m in schema[k]]
-        refs |= {m["$ref"] for m in members if isinstance(m, dict) and isinstance(m.get("$ref"), str)}
-        if isinstance(schema.get("$ref"), str) and (listed or members):
-            refs.add(schema["$ref"])
-        for v in schema.values():
-            refs |= _combined_refs(v)
-    elif isinstance(schema, list):
-        for v in schema:
-            refs |= _combined_refs(v)
+        for k, v in schema.items():
+            if k == "allOf" and isinstance(v, list):
+                for m in v:
+                    walk(m, True)
+            elif k in _ALTERNATIVES and isinstance(v, list):
+                for m in v:
+                    walk(m, combined or listed)
+            else:
+                walk(v, False)
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref not in refs and (combined or listed or "allOf" in schema):
+            refs.add(ref)
+            walk(targets.get(ref), True)
+
+    walk(root, False)
     return refs
 
 
@@ -68,10 +88,11 @@ def closed_objects(schema, combined: bool = False, refs: set[str] | None = None)
             out[k] = closed_objects(out[k], refs=refs)
     for k in _LIST:
         if isinstance(out.get(k), list):
-            out[k] = [closed_objects(s, combined=listed and k in _ALTERNATIVES, refs=refs) for s in out[k]]
+            out[k] = [closed_objects(s, combined=(listed or combined) and k in _ALTERNATIVES, refs=refs)
+                      for s in out[k]]
     for k in _MAP:
         if isinstance(out.get(k), dict):
-            out[k] = {name: closed_objects(s, combined=f"#/{k}/{name}" in refs, refs=refs)
+            out[k] = {name: closed_objects(s, combined=_pointer(k, name) in refs, refs=refs)
                       for name, s in out[k].items()}
     if isinstance(out.get("allOf"), list):
         out["allOf"] = [closed_objects(s, combined=True, refs=refs) for s in out["allOf"]]
