@@ -46,6 +46,21 @@ def test_a_grammar_over_it_spells_json_and_never_a_special_token(tok):
     assert not allowed & {0, 1, 2}  # inside a string: no special token, no end of sequence
 
 
+def test_a_grammar_over_a_tokenizer_that_adds_bos_never_asks_for_it():
+    """Llama-style tokenizers add BOS to a prompt (add_bos_token). llguidance tokenizes the text it forces
+    with our tokenizer: given a BOS first, a schema whose output is fixed allowed only BOS as the first token,
+    so the reply could never spell the JSON."""
+    tok = tiny_bpe()
+    tok.config.update(add_bos_token=True, bos_token="<|im_start|>")
+    assert tok.encode("wo")[0] == tok.bos_id
+    g = Grammars(tok, tok.vocab_size, tok.stop_ids())
+    m = g.compile({"type": "object", "properties": {"hello": {"const": "wo"}}, "required": ["hello"]})
+    word = g.fill([m])[0]
+    allowed = {i for i in range(tok.vocab_size) if (int(word[i // 32]) >> (i % 32)) & 1}
+    assert tok.bos_id not in allowed and tok.token_bytes().index(b"{") in allowed
+    assert m.consume_tokens(tok.encode_rendered('{"hello":"wo"}')) and m.is_accepting()
+
+
 def test_a_control_token_spelled_outside_the_byte_alphabet_stays_one_special_token():
     """DeepSeek-style GGUFs name control tokens in characters GPT-2's byte alphabet lacks
     ("<｜begin▁of▁sentence｜>"): matched whole as special tokens, found as bos, decoded as written."""

@@ -133,13 +133,15 @@ class Grammars:
                 tokens = tok.token_bytes()[: self.vocab_size]
                 tokens += [b""] * (self.vocab_size - len(tokens))  # ids the tokenizer lacks: never allowed
                 specials = sorted(set(getattr(tok, "special_ids", ())) | set(self.stop_ids))
+                # the text llguidance forces, tokenized with no BOS added: else the mask asks for BOS first
+                encode = getattr(tok, "encode_rendered", tok.encode)
 
                 class Vocabulary:  # the attributes llguidance.TokenizerWrapper reads
                     eos_token_id, bos_token_id = eos, None
                     special_token_ids = specials
 
                     def __call__(self, s: bytes) -> list[int]:
-                        return tok.encode(s.decode("utf-8", "ignore"))
+                        return encode(s.decode("utf-8", "ignore"))
 
                 Vocabulary.tokens = tokens
                 lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary()), n_vocab=self.vocab_size,
