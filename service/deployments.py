@@ -94,16 +94,18 @@ class AttnServe:
                 await self._compile_translator(self.backends.translator)
             except Exception:  # only speed is lost: it keeps translating eagerly
                 log.warning("translator: compiled steps not loaded", exc_info=True)
-            compiled = self.backends.translator.engine.compiled is not None
-            self.startup.warmed(translator_id, "ready (compiled steps built after start-up)" if compiled
-                                else "ready (eager: its compiled steps could not be built)")
+            finally:  # also when cancelled: a `warming` left set would hold load tests for good
+                compiled = self.backends.translator.engine.compiled is not None
+                self.startup.warmed(translator_id, "ready (compiled steps built after start-up)" if compiled
+                                    else "ready (eager: its compiled steps could not be built)")
         if self.backends.generator is not None:
             self.startup.warm(generator_id, "building its compiled prefill where missing")
             try:
                 await self._load_prefill(self.backends.generator)
             except Exception:  # only speed is lost: prompts keep prefilling eagerly
                 log.warning("generator: compiled prefill not loaded", exc_info=True)
-            self.startup.warmed(generator_id)
+            finally:
+                self.startup.warmed(generator_id)
 
     async def _compile_translator(self, translator) -> None:
         """A child builds the translator's packages (service/prebuild.py) while this replica serves; then its

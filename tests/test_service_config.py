@@ -356,3 +356,13 @@ def test_a_translator_compiled_after_ready_is_reported_starting_not_compiling(mo
     snap = replica.startup.snapshot()
     assert snap["warming"] == {}
     assert snap["models"][TRANSLATOR_ID] == "ready (eager: its compiled steps could not be built)"
+
+    def cancelled(*a):
+        raise asyncio.CancelledError
+
+    # the build cancelled (the replica shutting down): `warming` does not stay set
+    monkeypatch.setattr(prebuild, "start_translator_build", cancelled)
+    replica.startup, replica.backends = Startup(), Backends()
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(cls._load(replica, None))
+    assert replica.startup.snapshot()["warming"] == {}
