@@ -128,9 +128,12 @@ def wait_until_warm(url: str, timeout_s: float = WARM_TIMEOUT_S, poll_s: float =
     while quiet < WARM_POLLS:
         try:
             r = httpx.get(url + "/readyz", timeout=10)
-            body = r.json()
-        except (httpx.HTTPError, ValueError):
+        except httpx.HTTPError:
             return
+        try:
+            body = r.json()
+        except ValueError:  # Serve's proxy answers 503 in text while the app is not deployed yet
+            body = None if r.status_code != 503 else {"phase": "the proxy answers, the app is not up", "warming": {}}
         if not isinstance(body, dict) or not isinstance(body.get("warming"), dict):
             return  # not attnserve's /readyz
         busy = body["warming"] if r.status_code == 200 else {"start-up": body.get("phase", "?")}

@@ -437,6 +437,8 @@ def test_a_run_waits_while_the_service_warms_up(monkeypatch, capsys):
             self.status_code, self.body = status, body
 
         def json(self):
+            if isinstance(self.body, Exception):
+                raise self.body
             return self.body
 
     def fake_get(url, timeout):
@@ -448,6 +450,11 @@ def test_a_run_waits_while_the_service_warms_up(monkeypatch, capsys):
     assert len(asked) == 4 + cli.WARM_POLLS and asked[0] == "http://127.0.0.1:8000/readyz"
     err = capsys.readouterr().err
     assert "start-up: loading" in err and err.count("building its compiled steps") == 1
+    # Serve's proxy before the app is deployed: a 503 in text is start-up, not another server
+    answers[:] = [(503, ValueError("not JSON")), *quiet * cli.WARM_POLLS]
+    asked.clear()
+    cli.wait_until_warm("http://127.0.0.1:8000", poll_s=0)
+    assert len(asked) == 1 + cli.WARM_POLLS and "the app is not up" in capsys.readouterr().err
     # another server (no attnserve /readyz): no wait
     answers[:] = [(404, {"detail": "Not Found"})]
     asked.clear()
