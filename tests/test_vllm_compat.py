@@ -48,6 +48,9 @@ def test_continue_final_message_prefills_the_reply_as_vllm_does():
         for route, extra in (("/tokenize", {}), ("/v1/chat/completions", {"max_tokens": 1})):
             r = await c.post(route, json={"messages": prefill, "continue_final_message": True, **extra})
             assert r.status_code == 400 and "add_generation_prompt" in r.json()["error"]["message"]
+        # a raw prompt is not rendered: the chat options are ignored, as vLLM ignores them
+        r = await c.post("/tokenize", json={"prompt": "Sure: ", "continue_final_message": True})
+        assert r.status_code == 200 and r.json()["tokens"] == TOK.encode("Sure: ")
     run(main)
 
 

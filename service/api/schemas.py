@@ -203,7 +203,9 @@ class ChatRendering(Strict):
 
     @model_validator(mode="after")
     def _open_one_turn(self) -> ChatRendering:
-        if self.add_generation_prompt and self.continue_final_message:
+        # a raw prompt (/tokenize's) is not rendered: both options are ignored there, as vLLM ignores them
+        rendered = getattr(self, "messages", None) is not None
+        if rendered and self.add_generation_prompt and self.continue_final_message:
             raise ValueError("set add_generation_prompt to false with continue_final_message: true; "
                              "the reply continues the last message rather than opening a turn")
         return self
