@@ -823,6 +823,13 @@ def test_serve_gives_up_on_a_service_that_never_gets_ready(home, monkeypatch, ca
     assert err.startswith("attnserve serve: not ready after 1 s (--ready-timeout): phase 'loaded, but not "
                           "serving") and "gen: unavailable: failed to load" in err and "tr:" not in err, err
     assert calls == [1.0, "shutdown"] and not (home / "serve.pid").exists()
+
+    def deploy_times_out(config, timeout_s, stop=None):  # the deploy's own wait: the flag is named there too
+        raise TimeoutError(f"Serve applications not RUNNING after {timeout_s:.0f} s: {{'attnserve': 'DEPLOYING'}}")
+
+    monkeypatch.setattr(ray_local, "deploy", deploy_times_out)
+    assert main(["serve", "--port", str(free_port()), "--ready-timeout", "1"]) == 1
+    assert "not RUNNING after 1 s: {'attnserve': 'DEPLOYING'} (--ready-timeout)" in capsys.readouterr().err
     assert main(["serve", "--ready-timeout", "nan"]) == 2
     assert "--ready-timeout must be > 0 seconds, got nan" in capsys.readouterr().err
 

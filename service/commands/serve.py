@@ -122,7 +122,9 @@ def run(args) -> int:
                 pass
         print("shutting down Serve and Ray ...", flush=True)
         return 0
-    except (RuntimeError, TimeoutError) as e:
+    except TimeoutError as e:
+        raise CommandError(f"{e} (--ready-timeout)", 1) from e
+    except RuntimeError as e:
         raise CommandError(str(e), 1) from e
     finally:
         ray_local.shutdown()
