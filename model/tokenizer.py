@@ -23,6 +23,12 @@ class Tokenizer(Protocol):
     def save(self, directory: str | Path) -> None: ...
 
 
+def encode_rendered(tok: Tokenizer, text: str) -> list[int]:
+    """`text`'s ids with no BOS added (a rendered chat template, text a grammar forces): a tokenizer that adds
+    one by itself says how (`encode_rendered`, model/bpe_tokenizer.py); the others add none."""
+    return getattr(tok, "encode_rendered", tok.encode)(text)
+
+
 class SentencePieceTokenizer:
     """SentencePiece model; user-defined symbols (e.g. language tags `<2en>`) are single tokens."""
 

@@ -87,25 +87,22 @@ class AttnServe:
             log.exception("attnserve replica failed to start")
         if not self.startup.ready:
             return
-        translator_id, generator_id = self.config.translator_id, self.config.generator_id
-        if self.backends.translator is not None and self.backends.translator.engine.compile_later:
-            self.startup.warm(translator_id, "building its compiled steps (translating eagerly until then)")
-            try:
-                await self._compile_translator(self.backends.translator)
-            except Exception:  # only speed is lost: it keeps translating eagerly
-                log.warning("translator: compiled steps not loaded", exc_info=True)
-            finally:  # also when cancelled: a `warming` left set would hold load tests for good
-                compiled = self.backends.translator.engine.compiled is not None
-                self.startup.warmed(translator_id, "ready (compiled steps built after start-up)" if compiled
-                                    else "ready (eager: its compiled steps could not be built)")
+        translator, translator_id = self.backends.translator, self.config.translator_id
+        if translator is not None and translator.engine.compile_later:
+            with self.startup.warming_up(translator_id, "building its compiled steps (translating eagerly until then)"):
+                try:
+                    await self._compile_translator(translator)
+                except Exception:  # only speed is lost: it keeps translating eagerly
+                    log.warning("translator: compiled steps not loaded", exc_info=True)
+            self.startup.model(translator_id, "ready (compiled steps built after start-up)"
+                               if translator.engine.compiled is not None
+                               else "ready (eager: its compiled steps could not be built)")
         if self.backends.generator is not None:
-            self.startup.warm(generator_id, "building its compiled prefill where missing")
-            try:
-                await self._load_prefill(self.backends.generator)
-            except Exception:  # only speed is lost: prompts keep prefilling eagerly
-                log.warning("generator: compiled prefill not loaded", exc_info=True)
-            finally:
-                self.startup.warmed(generator_id)
+            with self.startup.warming_up(self.config.generator_id, "building its compiled prefill where missing"):
+                try:
+                    await self._load_prefill(self.backends.generator)
+                except Exception:  # only speed is lost: prompts keep prefilling eagerly
+                    log.warning("generator: compiled prefill not loaded", exc_info=True)
 
     async def _compile_translator(self, translator) -> None:
         """A child builds the translator's packages (service/prebuild.py) while this replica serves; then its

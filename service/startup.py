@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 RETRY_AFTER_S = 5  # what a client is told to wait while the replica starts
@@ -43,16 +44,16 @@ class Startup:
             self.ready, self.phase = True, "ready"
             self.ready_s = time.monotonic() - self.t0
 
-    def warm(self, model: str, work: str) -> None:
+    @contextlib.contextmanager
+    def warming_up(self, model: str, work: str) -> Iterator[None]:
+        """`model` listed under `warming` while the block runs, however it ends (a cancelled build too)."""
         with self._lock:
             self.warming[model] = work
-
-    def warmed(self, model: str, state: str | None = None) -> None:
-        """`model`'s build behind requests ended; `state` replaces its state where given."""
-        with self._lock:
-            self.warming.pop(model, None)
-            if state is not None:
-                self.models[model] = state
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.warming.pop(model, None)
 
     def fail(self, error: str) -> None:
         with self._lock:

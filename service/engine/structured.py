@@ -15,6 +15,7 @@ import threading
 import numpy as np
 import torch
 
+from model.tokenizer import encode_rendered
 from service.engine.types import RequestRejected
 
 # compact JSON: no free whitespace, so a small model cannot loop on blanks, and no tokens spent on it
@@ -133,15 +134,14 @@ class Grammars:
                 tokens = tok.token_bytes()[: self.vocab_size]
                 tokens += [b""] * (self.vocab_size - len(tokens))  # ids the tokenizer lacks: never allowed
                 specials = sorted(set(getattr(tok, "special_ids", ())) | set(self.stop_ids))
-                # the text llguidance forces, tokenized with no BOS added: else the mask asks for BOS first
-                encode = getattr(tok, "encode_rendered", tok.encode)
 
                 class Vocabulary:  # the attributes llguidance.TokenizerWrapper reads
                     eos_token_id, bos_token_id = eos, None
                     special_token_ids = specials
 
                     def __call__(self, s: bytes) -> list[int]:
-                        return encode(s.decode("utf-8", "ignore"))
+                        # no BOS added: else the mask asks for BOS first
+                        return encode_rendered(tok, s.decode("utf-8", "ignore"))
 
                 Vocabulary.tokens = tokens
                 lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary()), n_vocab=self.vocab_size,

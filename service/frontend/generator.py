@@ -9,6 +9,7 @@ import functools
 from collections.abc import AsyncIterator
 from operator import attrgetter
 
+from model.tokenizer import encode_rendered
 from service.config import GENERATOR_ID
 from service.engine.types import GenerateRequest, GenerationEvent, RequestRejected
 
@@ -47,7 +48,7 @@ class GeneratorFrontend:
             text = render_chat(self.chat_template, messages, add_generation_prompt, continue_final_message, **special)
         except ChatTemplateError as e:
             raise RequestRejected(f"messages: {e}", "messages") from None
-        return getattr(self.tokenizer, "encode_rendered", self.tokenizer.encode)(text)
+        return encode_rendered(self.tokenizer, text)
 
     def submit(self, req: GenerateRequest) -> AsyncIterator[GenerationEvent]:
         return self.engine.submit(req)
